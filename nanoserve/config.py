@@ -1,0 +1,109 @@
+"""The one validated configuration object, built from CLI flags or keyword arguments."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "assets", "tiny-qwen3")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+           "half": torch.float16, "float": torch.float32}
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+
+
+def resolve_dtype(name: str | torch.dtype | None, hf_config: PretrainedConfig, device: str) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name is None or name == "auto":
+        found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(found, str):
+            found = _DTYPES.get(found)
+        found = found or torch.float32
+        # half precision matmuls on the CPU are slow and inexact: keep the CPU path in float32
+        return torch.float32 if device == "cpu" else found
+    if name not in _DTYPES:
+        raise ValueError(f"Unknown dtype {name!r}; choose one of {sorted(set(_DTYPES))} or 'auto'")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine and runner need to start. Unset values are derived in __post_init__."""
+
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    device: str | None = None
+    dtype: Any = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    block_size: int | None = None
+    num_kvcache_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+    seed: int = 0
+    hf_config: PretrainedConfig | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        if self.model is None:
+            set_("model", DEFAULT_MODEL)
+        if not os.path.isdir(self.model):
+            raise ValueError(f"Model folder {self.model!r} does not exist; pass a Hugging Face model "
+                             "folder (config.json, *.safetensors, tokenizer files) or nothing for the bundled model")
+        if self.hf_config is None:
+            set_("hf_config", AutoConfig.from_pretrained(self.model))
+        set_("tokenizer", self.tokenizer or self.model)
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or None (auto), got {self.device!r}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+        set_("device", device)
+        set_("dtype", resolve_dtype(self.dtype, self.hf_config, device))
+
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        if self.max_model_len is None:
+            set_("max_model_len", limit)
+        elif self.max_model_len > limit:
+            raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's "
+                             f"max_position_embeddings ({limit})")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens is None:
+            default = 8192 if device != "cpu" else 2048
+            set_("max_num_batched_tokens", default if self.enable_chunked_prefill
+                 else max(default, self.max_model_len))
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_model_len ({self.max_model_len}) unless chunked prefill is enabled")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"need 1 <= max_num_seqs ({self.max_num_seqs}) <= "
+                             f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+        if self.block_size is None:
+            set_("block_size", 16 if device == "cpu" else 256)
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kvcache_blocks is not None:
+            needed = -(-self.max_model_len // self.block_size)
+            if self.num_kvcache_blocks < needed:
+                raise ValueError(f"num_kvcache_blocks ({self.num_kvcache_blocks}) cannot hold one sequence "
+                                 f"of max_model_len ({self.max_model_len}): need at least {needed} blocks "
+                                 f"of {self.block_size} tokens")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")

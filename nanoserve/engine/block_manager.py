@@ -1,0 +1,120 @@
+"""Paged KV cache bookkeeping: fixed-size blocks, reference counts, and the prefix cache."""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+
+import xxhash
+
+from nanoserve.engine.sequence import Sequence
+
+
+def chain_hash(parent: int, token_ids: list[int]) -> int:
+    """Hash of a full block that also commits to every block before it."""
+    return xxhash.xxh3_128_intdigest(parent.to_bytes(16, "little") + array("q", token_ids).tobytes())
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences and shares full blocks between equal prefixes.
+
+    A block with reference count 0 sits in `free`, in LRU order (evicted from the front).
+    Full blocks are registered under a chain hash; a freed block keeps its hash, so a later
+    sequence with the same prefix can take it back until it is evicted for a new allocation.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # chain hash -> block id
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        # tokens of a full block never change, so hashes are computed once per sequence
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else 0, seq.token_ids[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def _take(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            del self.free[block_id]
+        self.ref_counts[block_id] += 1
+
+    def admit(self, seq: Sequence) -> None:
+        """Give a sequence with no blocks every cached block of its prefix."""
+        assert not seq.block_table, "admit() is for sequences that hold no blocks"
+        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_hashed_blocks = 0
+        if not self.enable_prefix_caching:
+            return
+        # the last token is always computed: its logits are what the step samples from
+        hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        for h in hashes:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            self._take(block_id)
+            seq.block_table.append(block_id)
+        hit = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens = hit
+        seq.num_hashed_blocks = len(seq.block_table)
+        self.prefix_queried_tokens += seq.num_tokens
+        self.prefix_hit_tokens += hit
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow the block table to hold `num_new_tokens` more tokens; False if blocks ran out."""
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        if needed > len(self.free):
+            return False
+        for _ in range(needed):
+            block_id, _ = self.free.popitem(last=False)
+            old = self.block_hash[block_id]
+            if old is not None:
+                if self.cached.get(old) == block_id:
+                    del self.cached[old]
+                self.block_hash[block_id] = None
+            self.ref_counts[block_id] = 1
+            seq.block_table.append(block_id)
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the blocks that the last step filled completely in the prefix cache."""
+        full = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or full <= seq.num_hashed_blocks:
+            return
+        hashes = self._hashes(seq, full)
+        for i in range(seq.num_hashed_blocks, full):
+            block_id = seq.block_table[i]
+            # an equal block computed twice (two prompts admitted together) stays unregistered
+            if hashes[i] not in self.cached:
+                self.cached[hashes[i]] = block_id
+                self.block_hash[block_id] = hashes[i]
+        seq.num_hashed_blocks = full
+
+    def release(self, seq: Sequence) -> None:
+        """Drop the sequence's hold on its blocks; cached ones stay reusable until evicted."""
+        # tail blocks first, so that eviction takes a sequence's end before its shared start
+        for block_id in reversed(seq.block_table):
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+            if self.ref_counts[block_id] == 0:
+                self.free[block_id] = None
+                if self.block_hash[block_id] is None:
+                    # holds nothing reusable: hand it out before any cached block
+                    self.free.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = seq.num_hashed_blocks = 0

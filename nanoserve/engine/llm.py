@@ -1,0 +1,89 @@
+"""The offline API: `LLM(...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+from tqdm import tqdm
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.outputs import CompletionOutput, RequestState
+from nanoserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass
+class RequestOutput:
+    """A finished request: its prompt and its n completions (the first also read directly)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+class LLM:
+    """Batch generation on one model. `LLM()` serves the bundled model.
+
+    Keyword arguments are EngineConfig fields: device, dtype, max_model_len, max_num_seqs,
+    max_num_batched_tokens, block_size, num_kvcache_blocks, enable_prefix_caching, load_format...
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        config = EngineConfig(model=model, **kwargs) if model else EngineConfig(**kwargs)
+        self.engine = LLMEngine(config, show_progress=True)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs keep the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                       else [sampling_params or SamplingParams()] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        results: list[RequestOutput] = []
+        states: dict[str, tuple[RequestOutput, RequestState]] = {}
+        for prompt, params in zip(prompts, params_list):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self.engine.check_prompt(ids, None)
+            result = RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, ids)
+            results.append(result)
+            for index in range(params.n):
+                request_id = f"{result.request_id}-{index}"
+                state = RequestState(self.tokenizer, ids, params, index)
+                result.outputs.append(state.output)
+                states[request_id] = (result, state)
+                self.engine.add_request(request_id, ids, params)
+        bar = tqdm(total=len(states), desc="Generating", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for step in self.engine.step():
+                result, state = states[step.request_id]
+                result.num_cached_tokens = max(result.num_cached_tokens, step.num_cached_tokens)
+                out = state.update(step)
+                if state.stopped and not step.finished:
+                    self.engine.abort_request(step.request_id)
+                if out.finished:
+                    bar.update(1)
+        bar.close()
+        return results

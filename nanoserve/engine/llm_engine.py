@@ -1,0 +1,139 @@
+"""The synchronous engine core: add requests, step the scheduler and the model runner."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.outputs import StepOutput
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.sequence import Sequence
+from nanoserve.runner.batch import SequenceWork
+from nanoserve.runner.model_runner import ModelRunner
+from nanoserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_ids(model: str, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    ids: set[int] = set()
+    try:
+        found = GenerationConfig.from_pretrained(model).eos_token_id
+        ids.update(found if isinstance(found, list) else [found] if found is not None else [])
+    except OSError:  # no generation_config.json
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class LLMEngine:
+    """Owns the scheduler, block manager and runner. Not thread-safe: one thread calls it."""
+
+    def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        self.runner = ModelRunner(config, show_progress)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.vocab_size = config.hf_config.vocab_size
+        self.sequences: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+
+    def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
+        """Raise ValueError naming the numbers when a prompt cannot be served as asked."""
+        n, limit = len(prompt_token_ids), self.config.max_model_len
+        if n == 0:
+            raise ValueError("The prompt is empty; it needs at least one token")
+        if n >= limit:
+            raise ValueError(f"The prompt has {n} tokens, but this model's maximum context length is "
+                             f"{limit} tokens (max_model_len), which leaves no room for output")
+        if max_tokens is not None and n + max_tokens > limit:
+            raise ValueError(f"This model's maximum context length is {limit} tokens, but {n + max_tokens} "
+                             f"were requested ({n} in the prompt and {max_tokens} for the completion)")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of range: the vocabulary has {self.vocab_size} tokens")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Only the prompt must fit; output stops at max_model_len if it must."""
+        self.check_prompt(prompt_token_ids, None)
+        if request_id in self.sequences:
+            raise ValueError(f"Request id {request_id!r} is already in use")
+        seq = Sequence(request_id, prompt_token_ids, params, next(self._arrivals))
+        if seq.max_tokens is None:
+            seq.max_tokens = self.config.max_model_len - len(prompt_token_ids)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Forget a request and free its blocks at once; False if it is unknown or done."""
+        seq = self.sequences.pop(request_id, None)
+        return seq is not None and self.scheduler.abort(request_id) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def _banned(self, seq: Sequence) -> tuple[int, ...]:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            return ()
+        banned = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned |= self.eos_token_ids
+        return tuple(banned)
+
+    def step(self) -> list[StepOutput]:
+        """Run one scheduled batch; report the tokens each request gained and who finished."""
+        step = self.scheduler.schedule()
+        if not step:
+            return []
+        work = [SequenceWork(seq.token_ids, seq.num_prompt_tokens, seq.num_computed_tokens, n, seq.block_table,
+                             seq.params if seq.num_computed_tokens + n == seq.num_tokens else None,
+                             self._banned(seq))
+                for seq, n in zip(step.seqs, step.num_new_tokens)]
+        sampled = self.runner.run(work)
+        outputs, row = [], 0
+        for seq, n, w in zip(step.seqs, step.num_new_tokens, work):
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+            if w.params is None:
+                continue
+            token = sampled.token_ids[row]
+            logprob = sampled.logprobs[row]
+            row += 1
+            seq.token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                del self.sequences[seq.request_id]
+            outputs.append(StepOutput(seq.request_id, [token], [logprob] if logprob is not None else None,
+                                      reason is not None, reason, seq.num_prompt_tokens, seq.num_cached_tokens))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                return "stop"
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None

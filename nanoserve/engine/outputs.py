@@ -1,0 +1,82 @@
+"""What the engine reports: per-step token deltas, and the text view built from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from nanoserve.engine.detokenizer import IncrementalDetokenizer
+from nanoserve.sampling_params import SamplingParams
+
+# (logprob of the chosen token, [(token id, logprob), ...] of the top alternatives)
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass
+class StepOutput:
+    """New tokens of one request from one engine step. Produced on the engine thread."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None       # "stop", "length", "abort" once finished
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class CompletionOutput:
+    """The text view of one request so far; `text_delta` is what the last update added."""
+
+    index: int
+    text: str = ""
+    text_delta: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestState:
+    """Detokenizes one request's token stream and applies stop strings.
+
+    Lives on the consumer side (offline loop or asyncio task), off the engine thread. When a stop
+    string matches, `stopped` becomes True and the owner must abort the engine request.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+                 params: SamplingParams, index: int = 0) -> None:
+        self.params = params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop,
+                                                  params.include_stop_str_in_output, params.skip_special_tokens)
+        self.output = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
+
+    @property
+    def stopped(self) -> bool:
+        return self.detokenizer.stopped is not None
+
+    def update(self, step: StepOutput) -> CompletionOutput:
+        out = self.output
+        if out.finished:
+            out.text_delta = ""
+            return out
+        tokens = step.new_token_ids
+        out.token_ids.extend(tokens)
+        if out.logprobs is not None and step.logprobs:
+            out.logprobs.extend(step.logprobs)
+        out.text_delta = self.detokenizer.add(tokens, finished=step.finished)
+        out.text += out.text_delta
+        if self.stopped:
+            out.finish_reason, out.stop_reason = "stop", self.detokenizer.stopped
+        elif step.finished:
+            out.finish_reason = step.finish_reason
+            last = tokens[-1] if tokens else None
+            if step.finish_reason == "stop" and last in self.params.stop_token_ids:
+                out.stop_reason = last
+        return out

@@ -1,0 +1,64 @@
+"""One request's tokens and its place in the KV cache."""
+
+from __future__ import annotations
+
+import enum
+
+from nanoserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Prompt and output tokens of one request, and the KV blocks that hold them.
+
+    `num_computed_tokens` counts tokens whose K/V are already in the cache; the scheduler
+    hands out the rest (`num_tokens - num_computed_tokens`) in chunks. A preempted sequence
+    drops its blocks and recomputes from zero, prefix cache permitting.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.arrival = arrival
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0   # prefix-cache hits at the last admission
+        self.num_hashed_blocks = 0   # leading full blocks registered in the prefix cache
+        self.block_hashes: list[int] = []
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.max_tokens = params.max_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")

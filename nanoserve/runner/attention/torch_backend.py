@@ -1,0 +1,57 @@
+"""Reference attention: plain torch, one sequence at a time. The oracle for every kernel."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.runner.batch import AttentionMetadata
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write each token's K/V to its cache slot; slot -1 (padding) writes nothing."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence, [length, kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    blocks = block_table[: -(-length // block_size)].long()
+    return cache[blocks].flatten(0, 1)[:length]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of packed queries [tokens, heads, dim] over keys read from the cache."""
+    out = torch.zeros_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    hi = 0
+    for i, (q_len, kv_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        lo, hi = hi, hi + q_len
+        if kv_len == 0:  # padding row: reads nothing
+            continue
+        keys = gather_kv(k_cache, meta.block_tables[i], kv_len).repeat_interleave(group, dim=1)
+        values = gather_kv(v_cache, meta.block_tables[i], kv_len).repeat_interleave(group, dim=1)
+        # query j sits at position kv_len - q_len + j and sees keys up to and including it
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1), keys.transpose(0, 1),
+                                           values.transpose(0, 1), attn_mask=mask, scale=scale)
+        out[lo:hi] = o.transpose(0, 1)
+    return out
+
+
+class TorchBackend:
+    """Attention backend of plain torch ops: CPU runs and the reference in tests."""
+
+    name = "torch"
+    supports_cuda_graphs = False
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,55 @@
+"""The contract between engine and runner: what one step asks the device to do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SequenceWork:
+    """One sequence's share of a step, owned by the engine and read-only to the runner.
+
+    The runner computes `token_ids[start:start + num_new]` at positions `start...`, whose K/V go
+    into `block_table`. When `params` is set this chunk reaches the end of the known tokens and
+    the runner samples the next one.
+    """
+
+    token_ids: list[int]                 # prompt + output so far (not copied: the engine's list)
+    num_prompt_tokens: int
+    start: int                           # tokens already in the KV cache
+    num_new: int                         # tokens to compute this step
+    block_table: list[int]
+    params: SamplingParams | None        # None: a prefill chunk that does not end the prompt
+    banned_token_ids: tuple[int, ...] = ()  # never sampled this step (stop tokens before min_tokens)
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, shared by every layer. Sequence i owns query rows
+    query_start_loc[i]:query_start_loc[i+1], and its keys are positions 0..seq_lens[i]-1."""
+
+    slot_mapping: torch.Tensor      # [num_tokens] int64, cache slot of each new token; -1 = padding
+    query_start_loc: torch.Tensor   # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor          # [num_seqs] int32, keys per sequence incl. the new tokens; 0 = padding
+    block_tables: torch.Tensor      # [num_seqs, max_blocks] int32, physical block ids, -1 past the end
+    max_query_len: int
+    max_seq_len: int
+    query_lens_host: list[int]      # host copies, for backends that loop or size launches
+    seq_lens_host: list[int]
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclass
+class SampleOutput:
+    """Sampled token per sampling row, with logprobs where asked for."""
+
+    token_ids: list[int]
+    # per row: (logprob of the sampled token, [(token id, logprob), ...] top-N) or None
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]

@@ -1,0 +1,72 @@
+"""The paged KV cache: one K and one V tensor per layer, [num_blocks, block_size, kv_heads, head_dim]."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from nanoserve.config import EngineConfig
+from nanoserve.runner.batch import SequenceWork
+from nanoserve.runner.models.decoder import head_dim_of
+from nanoserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 512 << 20
+
+
+def block_bytes(config: EngineConfig) -> int:
+    hf = config.hf_config
+    per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim_of(hf) * config.dtype.itemsize
+    return per_token * config.block_size
+
+
+def min_blocks(config: EngineConfig) -> int:
+    """One sequence of max_model_len must fit, or it could never finish."""
+    return -(-config.max_model_len // config.block_size)
+
+
+def blocks_for_cpu(config: EngineConfig) -> int:
+    return max(min_blocks(config), CPU_KV_CACHE_BYTES // block_bytes(config))
+
+
+def blocks_for_gpu(config: EngineConfig, activation_peak: int) -> int:
+    """What fits in gpu_memory_utilization of the card after weights, other users and activations."""
+    free, total = torch.cuda.mem_get_info()
+    budget = total * config.gpu_memory_utilization - (total - free) - activation_peak
+    num_blocks = int(budget // block_bytes(config))
+    logger.info("KV cache: %d blocks of %d tokens (%.1f GiB); activation peak %.2f GiB", num_blocks,
+                config.block_size, num_blocks * block_bytes(config) / 2**30, activation_peak / 2**30)
+    if num_blocks < min_blocks(config):
+        raise ValueError(f"Only {max(num_blocks, 0)} KV blocks fit in gpu_memory_utilization="
+                         f"{config.gpu_memory_utilization}; one sequence of max_model_len "
+                         f"({config.max_model_len}) needs {min_blocks(config)}. Raise "
+                         "gpu_memory_utilization or lower max_model_len / max_num_batched_tokens")
+    return num_blocks
+
+
+def profile_work(config: EngineConfig) -> list[SequenceWork]:
+    """The largest step the scheduler can produce: a full token budget, max_num_seqs sampling rows,
+    with top-k/top-p on so the sampler's sort is counted."""
+    budget, num_seqs = config.max_num_batched_tokens, min(config.max_num_seqs, config.max_num_batched_tokens)
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
+    work, next_block = [], 0
+    for i in range(num_seqs):
+        n = budget // num_seqs + (1 if i < budget % num_seqs else 0)
+        n = min(n, config.max_model_len)
+        blocks = -(-n // config.block_size)
+        work.append(SequenceWork([0] * n, n, 0, n, list(range(next_block, next_block + blocks)), params))
+        next_block += blocks
+    return work
+
+
+class KVCache:
+    def __init__(self, config: EngineConfig, num_blocks: int, device: torch.device) -> None:
+        hf = config.hf_config
+        self.num_blocks = num_blocks
+        shape = (2, hf.num_hidden_layers, num_blocks, config.block_size, hf.num_key_value_heads, head_dim_of(hf))
+        self.tensor = torch.empty(shape, dtype=config.dtype, device=device)
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(self.tensor[0, i], self.tensor[1, i]) for i in range(self.tensor.shape[1])]

@@ -1,0 +1,50 @@
+"""Rotary position embedding (GPT-NeoX layout), with the scaled variants of transformers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    """rope_theta and rope_scaling in one dict, whichever transformers version wrote the config."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config)
+    if params["rope_type"] == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    if params["rope_type"] not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"Unsupported rope type {params['rope_type']!r}; supported: default, "
+                         f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+    # llama3, yarn, linear...: the same formulas transformers uses, so outputs match it exactly
+    return ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
+        super().__init__()
+        inv_freq, scaling = inverse_frequencies(config, head_dim)
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, dim] and k [tokens, kv_heads, dim], rotated by their positions."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,61 @@
+"""Fills a model's parameters from the *.safetensors files of a Hugging Face folder."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+
+def _plain_copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def load_weights(model: nn.Module, folder: str, packed_modules: dict[str, tuple[str, str]],
+                 show_progress: bool = False) -> None:
+    """Copy every checkpoint tensor into its parameter; q/k/v and gate/up land in packed weights."""
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ValueError(f"No *.safetensors files in {folder!r}")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    loaded_names: set[str] = set()
+    for path in tqdm(files, desc="Loading weights", disable=not show_progress):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+                    continue
+                target, shard = name, None
+                for fragment, (packed, shard_name) in packed_modules.items():
+                    if f".{fragment}." in name:
+                        target, shard = name.replace(f".{fragment}.", f".{packed}."), shard_name
+                        break
+                if target not in params:
+                    raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(model).__name__}")
+                param = params[target]
+                if shard is None:
+                    _plain_copy(param, f.get_tensor(name))
+                else:
+                    param.weight_loader(param, f.get_tensor(name), shard)
+                loaded_names.add(target)
+    missing = [n for n in params if n not in loaded_names and not (tied and n == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"Checkpoint in {folder!r} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights of a realistic scale, for benchmarks of configs without a checkpoint."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+            continue
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        param.data.normal_(0.0, 0.02, generator=generators[param.device])

@@ -1,0 +1,100 @@
+"""Owns the device: the model, the KV cache, CUDA graphs, and one step's forward + sampling."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from nanoserve.config import EngineConfig
+from nanoserve.runner.attention import select_backend
+from nanoserve.runner.batch import SampleOutput, SequenceWork
+from nanoserve.runner.inputs import StepInputs, build_inputs
+from nanoserve.runner.kv_cache import KVCache, blocks_for_cpu, blocks_for_gpu
+from nanoserve.runner.loader import fill_dummy_weights, load_weights
+from nanoserve.runner.models.registry import model_class
+from nanoserve.runner.sampler import sample
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Runs steps of the engine's batches: build inputs, forward, logits on sampling rows, sample."""
+
+    def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        hf = config.hf_config
+        cls = model_class(hf, config.max_model_len)
+        torch.manual_seed(config.seed)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(config.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = cls(hf)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if config.load_format == "dummy":
+            fill_dummy_weights(self.model, config.seed)
+        else:
+            load_weights(self.model, config.model, cls.packed_modules, show_progress)
+        self.model.eval()
+        self.vocab_size = hf.vocab_size
+        self.backend = select_backend(config.attention_backend, config.device, config.block_size)
+        attention_layers = [layer.self_attn for layer in self.model.model.layers]
+        if self.device.type == "cuda":
+            peak = self.profile_peak_bytes()
+            num_blocks = config.num_kvcache_blocks or blocks_for_gpu(config, peak)
+        else:
+            num_blocks = config.num_kvcache_blocks or blocks_for_cpu(config)
+        self.kv_cache = KVCache(config, num_blocks, self.device)
+        for layer, (k, v) in zip(attention_layers, self.kv_cache.layers()):
+            layer.backend, layer.k_cache, layer.v_cache = self.backend, k, v
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
+            from nanoserve.runner.cuda_graph import DecodeGraphs
+            start = time.perf_counter()
+            self.graphs = DecodeGraphs(self.model, config, show_progress)
+            logger.info("captured %d CUDA graphs in %.1f s", len(self.graphs.sizes), time.perf_counter() - start)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @torch.inference_mode()
+    def run(self, work: list[SequenceWork]) -> SampleOutput:
+        """Compute every sequence's new tokens; sample one token for each row that asks."""
+        inputs = build_inputs(work, self.block_size, self.device)
+        hidden = self.forward(inputs)
+        if not inputs.sample_rows:
+            return SampleOutput([], [])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return sample(logits, inputs.sample_rows)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs)
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+
+    @torch.inference_mode()
+    def profile_peak_bytes(self) -> int:
+        """Peak activation bytes of the largest step, measured with a throwaway KV cache."""
+        from nanoserve.runner.kv_cache import profile_work
+        cfg = self.config
+        work = profile_work(cfg)
+        cache = KVCache(cfg, sum(len(w.block_table) for w in work), self.device)
+        for layer, (k, v) in zip((l.self_attn for l in self.model.model.layers), cache.layers()):
+            layer.backend, layer.k_cache, layer.v_cache = self.backend, k, v
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        self.run(work)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        del cache
+        for layer in (l.self_attn for l in self.model.model.layers):
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        torch.cuda.empty_cache()
+        return peak

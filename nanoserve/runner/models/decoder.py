@@ -1,0 +1,128 @@
+"""The decoder-only transformer that Llama, Mistral, Qwen2 and Qwen3 share.
+
+Families differ in two switches (q/k/v bias, per-head q/k RMSNorm) and in their
+config fields; each family file picks its switches.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanoserve.runner.batch import AttentionMetadata
+from nanoserve.runner.layers.linear import PackedLinear
+from nanoserve.runner.layers.norm import RMSNorm
+from nanoserve.runner.layers.rotary import RotaryEmbedding
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = PackedLinear(config.hidden_size, {"q": self.q_size, "k": self.kv_size,
+                                                          "v": self.kv_size}, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        # bound by the model runner once the cache is allocated
+        self.backend = None
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(o.flatten(1))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = PackedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, qkv_bias, qk_norm, rotary)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm, rotary)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        return self.norm(x, residual)[0]
+
+
+class DecoderForCausalLM(nn.Module):
+    """Hidden states from `forward`, logits from `compute_logits` on the rows that sample."""
+
+    qkv_bias = False
+    qk_norm = False
+    # checkpoint name fragment -> (our packed parameter fragment, shard)
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                      "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.uses_qkv_bias(config), self.qk_norm)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def uses_qkv_bias(cls, config: PretrainedConfig) -> bool:
+        return cls.qkv_bias or bool(getattr(config, "attention_bias", False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,11 @@
+"""Llama 2/3 (rope_scaling 'llama3' included) and Mistral: the plain decoder."""
+
+from nanoserve.runner.models.decoder import DecoderForCausalLM
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    pass
+
+
+class MistralForCausalLM(DecoderForCausalLM):
+    pass

@@ -1,0 +1,141 @@
+"""Turns the last-position logits of each sampling row into a token, all rows at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.runner.batch import SampleOutput, SequenceWork
+
+# JSON has no -inf; OpenAI clients expect a large negative number instead
+MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class SamplingTensors:
+    """The per-row settings of one step, on the device. Flags let the common cases skip work."""
+
+    temperature: torch.Tensor   # [rows] float32; 0 rows are greedy (stored as 1 to divide safely)
+    greedy: torch.Tensor        # [rows] bool
+    top_k: torch.Tensor | None  # [rows] int64, vocab size where disabled
+    top_p: torch.Tensor | None  # [rows] float32
+    min_p: torch.Tensor | None  # [rows] float32
+    all_greedy: bool
+    seeds: list[tuple[int, int]]  # (row, per-step seed) of rows with a seed
+    num_logprobs: int            # largest top-N asked for; -1 when no row wants logprobs
+    top_logprobs: list[int | None]  # per row: how many top alternatives, None = no logprobs
+
+    @staticmethod
+    def build(rows: list[SequenceWork], vocab_size: int, device: torch.device) -> "SamplingTensors":
+        params = [w.params for w in rows]
+        temps = [p.temperature for p in params]
+        greedy = [t == 0.0 for t in temps]
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+
+        def tensor(values: list, dtype: torch.dtype, needed: bool = True) -> torch.Tensor | None:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True) if needed else None
+
+        seeds = [(i, hash((p.seed, len(w.token_ids) - w.num_prompt_tokens)) & 0x7FFF_FFFF_FFFF)
+                 for i, (w, p) in enumerate(zip(rows, params)) if p.seed is not None and p.temperature > 0]
+        sampled = [not g for g in greedy]
+        return SamplingTensors(
+            temperature=tensor([t if t > 0 else 1.0 for t in temps], torch.float32),
+            greedy=tensor(greedy, torch.bool),
+            top_k=tensor(top_k, torch.int64, any(k < vocab_size and s for k, s in zip(top_k, sampled))),
+            top_p=tensor(top_p, torch.float32, any(p < 1.0 and s for p, s in zip(top_p, sampled))),
+            min_p=tensor(min_p, torch.float32, any(p > 0.0 and s for p, s in zip(min_p, sampled))),
+            all_greedy=all(greedy),
+            seeds=seeds,
+            num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+            top_logprobs=[p.logprobs for p in params],
+        )
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SequenceWork]) -> None:
+    """Presence, frequency and repetition penalties and logit bias, in place."""
+    device, vocab = logits.device, logits.shape[1]
+    penalized = [i for i, w in enumerate(rows) if w.params.uses_penalties]
+    if penalized:
+        sub = logits[penalized]
+        counts = torch.zeros_like(sub)
+        seen = torch.zeros(sub.shape, dtype=torch.bool, device=device)
+        for r, i in enumerate(penalized):
+            w = rows[i]
+            out = torch.tensor(w.token_ids[w.num_prompt_tokens:], dtype=torch.int64, device=device)
+            counts[r].index_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
+            seen[r, torch.tensor(w.token_ids, dtype=torch.int64, device=device)] = True
+        params = [rows[i].params for i in penalized]
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        # repetition penalty (prompt and output) divides positive logits and multiplies negative ones
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+        logits[penalized] = sub
+    for i, w in enumerate(rows):
+        if w.params.logit_bias:
+            ids = torch.tensor([int(t) for t in w.params.logit_bias], dtype=torch.int64, device=device)
+            bias = torch.tensor(list(w.params.logit_bias.values()), dtype=logits.dtype, device=device)
+            logits[i].index_add_(0, ids.clamp(0, vocab - 1), bias)
+        if w.banned_token_ids:
+            logits[i, list(w.banned_token_ids)] = float("-inf")
+
+
+def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Mask everything outside top-k, top-p and min-p to -inf (rows where they are off pass)."""
+    if st.top_k is not None or st.top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if st.top_k is not None:
+            drop |= ranks >= st.top_k[:, None]
+        if st.top_p is not None:
+            probs = sorted_logits.softmax(dim=-1)
+            # drop a token once the mass before it already reaches top_p; the first always stays
+            drop |= (probs.cumsum(dim=-1) - probs) >= st.top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    if st.min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SequenceWork]) -> SampleOutput:
+    """One token per row: argmax for temperature 0, else a draw from the filtered distribution."""
+    logits = logits.float()
+    st = SamplingTensors.build(rows, logits.shape[1], logits.device)
+    raw_logprobs = logits.log_softmax(dim=-1) if st.num_logprobs >= 0 else None
+    if any(w.params.uses_penalties or w.params.logit_bias or w.banned_token_ids for w in rows):
+        apply_penalties(logits, rows)
+    if st.all_greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        scaled = filter_logits(logits / st.temperature[:, None], st)
+        probs = scaled.softmax(dim=-1)
+        # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race), with no sort
+        noise = torch.empty_like(probs).exponential_()
+        for row, seed in st.seeds:
+            gen = torch.Generator(device=probs.device).manual_seed(seed)
+            noise[row] = torch.empty_like(probs[row]).exponential_(generator=gen)
+        drawn = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(st.greedy, logits.argmax(dim=-1), drawn)
+    if raw_logprobs is None:
+        return SampleOutput(tokens.tolist(), [None] * len(rows))
+    return _with_logprobs(tokens, raw_logprobs, st)
+
+
+def _with_logprobs(tokens: torch.Tensor, logprobs: torch.Tensor, st: SamplingTensors) -> SampleOutput:
+    chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1).clamp(min=MIN_LOGPROB)
+    top_vals, top_ids = logprobs.topk(max(st.num_logprobs, 1), dim=-1)
+    top_vals = top_vals.clamp(min=MIN_LOGPROB)
+    token_list, chosen_list = tokens.tolist(), chosen.tolist()
+    ids_list, vals_list = top_ids.tolist(), top_vals.tolist()
+    out: list = []
+    for i, n in enumerate(st.top_logprobs):
+        out.append(None if n is None else (chosen_list[i], list(zip(ids_list[i][:n], vals_list[i][:n]))))
+    return SampleOutput(token_list, out)
