@@ -69,12 +69,12 @@ class LLM:
             self.engine.check_prompt(ids, None)
             result = RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, ids)
             results.append(result)
-            for index in range(params.n):
-                request_id = f"{result.request_id}-{index}"
+            request_ids = [f"{result.request_id}-{index}" for index in range(params.n)]
+            for index, request_id in enumerate(request_ids):
                 state = RequestState(self.tokenizer, ids, params, index)
                 result.outputs.append(state.output)
                 states[request_id] = (result, state)
-                self.engine.add_request(request_id, ids, params)
+            self.engine.add_request(request_ids[0], ids, params, fork_ids=request_ids[1:])
         bar = tqdm(total=len(states), desc="Generating", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
             for step in self.engine.step():

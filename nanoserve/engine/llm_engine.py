@@ -48,6 +48,7 @@ class LLMEngine:
                                    config.enable_chunked_prefill)
         self.vocab_size = config.hf_config.vocab_size
         self.sequences: dict[str, Sequence] = {}
+        self.pending_forks: dict[str, list[str]] = {}  # request id -> siblings waiting for its prompt
         self._arrivals = itertools.count()
 
     def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
@@ -65,21 +66,43 @@ class LLMEngine:
         if bad:
             raise ValueError(f"Token id {bad[0]} is out of range: the vocabulary has {self.vocab_size} tokens")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Only the prompt must fit; output stops at max_model_len if it must."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    fork_ids: list[str] | tuple[str, ...] = ()) -> None:
+        """Queue a request. Only the prompt must fit; output stops at max_model_len if it must.
+
+        `fork_ids` name sibling requests (n > 1) with the same prompt and params. They start once
+        this request's prompt is in the KV cache, so they share its blocks instead of n prefills.
+        """
         self.check_prompt(prompt_token_ids, None)
-        if request_id in self.sequences:
-            raise ValueError(f"Request id {request_id!r} is already in use")
+        for rid in (request_id, *fork_ids):
+            if rid in self.sequences or rid in self.pending_forks:
+                raise ValueError(f"Request id {rid!r} is already in use")
+        self._enqueue(request_id, prompt_token_ids, params)
+        if fork_ids:
+            self.pending_forks[request_id] = list(fork_ids)
+
+    def _enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 front: bool = False) -> None:
         seq = Sequence(request_id, prompt_token_ids, params, next(self._arrivals))
         if seq.max_tokens is None:
             seq.max_tokens = self.config.max_model_len - len(prompt_token_ids)
         self.sequences[request_id] = seq
-        self.scheduler.add(seq)
+        if front:
+            self.scheduler.waiting.appendleft(seq)
+        else:
+            self.scheduler.add(seq)
+
+    def _start_forks(self, parent: Sequence) -> None:
+        for rid in reversed(self.pending_forks.pop(parent.request_id, [])):
+            self._enqueue(rid, parent.prompt_token_ids, parent.params, front=True)
 
     def abort_request(self, request_id: str) -> bool:
         """Forget a request and free its blocks at once; False if it is unknown or done."""
         seq = self.sequences.pop(request_id, None)
-        return seq is not None and self.scheduler.abort(request_id) is not None
+        if seq is None:
+            return False
+        self._start_forks(seq)  # siblings are requests of their own and live on
+        return self.scheduler.abort(request_id) is not None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work
@@ -121,6 +144,8 @@ class LLMEngine:
             logprob = sampled.logprobs[row]
             row += 1
             seq.token_ids.append(token)
+            if seq.request_id in self.pending_forks:
+                self._start_forks(seq)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
