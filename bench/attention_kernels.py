@@ -1,0 +1,171 @@
+"""Decode-attention micro-benchmark on the GPU: the KV bandwidth the Triton decode kernel achieves
+(bytes of K+V read / time), flash-attn's where it imports, and the device-to-device copy
+bandwidth (bytes read + written / time) as the ceiling.
+
+Workload: Qwen3-0.6B attention (16 q heads, 8 kv heads, head dim 128, bf16), block size 256,
+every sequence at the full context, physical blocks shuffled. Each call is captured in a CUDA
+graph (as the runner replays decode) and timed with triton.testing.do_bench (median, L2 flushed).
+
+    python bench/attention_kernels.py            # the table
+    python bench/attention_kernels.py --tiles --splits   # plus tile and split-count sweeps
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from nanoserve.runner.attention.triton_decode import num_decode_splits, paged_decode  # noqa: E402
+from nanoserve.runner.attention.triton_prefill import paged_prefill  # noqa: E402
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 256
+DTYPE = torch.bfloat16
+BATCHES, CONTEXTS = (1, 16, 256), (1024, 8192, 32768)
+
+try:
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+except ImportError:
+    flash_attn_with_kvcache = flash_attn_varlen_func = None
+
+
+def graph_time_us(fn) -> float:
+    fn()   # compile / warm up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+class Caches:
+    """One cache big enough for the largest batch x context; each case takes shuffled blocks."""
+
+    def __init__(self, tokens: int) -> None:
+        self.num_blocks = tokens // BLOCK + 1
+        shape = (self.num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+        self.k = torch.empty(shape, dtype=DTYPE, device="cuda").normal_()
+        self.v = torch.empty(shape, dtype=DTYPE, device="cuda").normal_()
+
+    def tables(self, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+        per_seq = -(-context // BLOCK)
+        blocks = torch.randperm(self.num_blocks, device="cuda")[:batch * per_seq]
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        return seq_lens, blocks.view(batch, per_seq).int()
+
+
+def decode_case(caches: Caches, batch: int, context: int, **kw) -> float:
+    seq_lens, tables = caches.tables(batch, context)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    return graph_time_us(lambda: paged_decode(q, caches.k, caches.v, seq_lens, tables,
+                                              HEAD_DIM ** -0.5, context, **kw))
+
+
+def flash_decode_case(caches: Caches, batch: int, context: int) -> float:
+    seq_lens, tables = caches.tables(batch, context)
+    q = torch.randn(batch, 1, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    return graph_time_us(lambda: flash_attn_with_kvcache(
+        q, caches.k, caches.v, cache_seqlens=seq_lens, block_table=tables,
+        softmax_scale=HEAD_DIM ** -0.5, causal=True))
+
+
+def kv_bytes(batch: int, context: int) -> int:
+    return 2 * batch * context * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+
+
+def prefill_line(caches: Caches, seqs: int = 16, prompt: int = 1024) -> str:
+    seq_lens, tables = caches.tables(seqs, prompt)
+    cu = torch.arange(0, (seqs + 1) * prompt, prompt, dtype=torch.int32, device="cuda")
+    q = torch.randn(seqs * prompt, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    flops = 4 * seqs * (prompt * (prompt + 1) / 2) * Q_HEADS * HEAD_DIM   # causal QK^T + PV
+    us = graph_time_us(lambda: paged_prefill(q, caches.k, caches.v, cu, seq_lens, tables,
+                                             HEAD_DIM ** -0.5, prompt))
+    line = f"prefill {seqs}x{prompt} causal: triton {us:8.1f} us {flops / us / 1e6:6.1f} TFLOP/s"
+    if flash_attn_varlen_func is not None:
+        us = graph_time_us(lambda: flash_attn_varlen_func(
+            q, caches.k, caches.v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=prompt,
+            max_seqlen_k=prompt, softmax_scale=HEAD_DIM ** -0.5, causal=True,
+            block_table=tables))
+        line += f" | flash_attn {us:8.1f} us {flops / us / 1e6:6.1f} TFLOP/s"
+    return line
+
+
+def tile_sweep(caches: Caches) -> None:
+    print("\ntile sweep (us): BLOCK_N / num_warps / num_stages")
+    cases = [(256, 1024), (256, 8192), (16, 8192)]
+    print("config        " + "".join(f"  b{b:<4}c{c:<6}" for b, c in cases))
+    for block_n in (32, 64, 128):
+        for warps in (4, 8):
+            for stages in (2, 3, 4):
+                cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+                try:
+                    times = [decode_case(caches, b, c, config=cfg) for b, c in cases]
+                except Exception as e:   # out of shared memory or registers
+                    print(f"{block_n:4d} {warps} {stages}     failed: {type(e).__name__}")
+                    continue
+                cells = "".join(f"  {t:11.1f}" for t in times)
+                print(f"{block_n:4d} {warps} {stages}     {cells}")
+
+
+def split_sweep(caches: Caches) -> None:
+    print("\nsplit sweep (us); * = the heuristic's choice")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch, context in ((1, 8192), (16, 8192), (16, 32768), (32, 4096), (64, 4096)):
+        chosen = num_decode_splits(batch, KV_HEADS, context, sms)
+        row = []
+        for splits in sorted({1, 2, 4, 8, 16, 32, 64, chosen}):
+            t = decode_case(caches, batch, context, num_splits=splits)
+            row.append(f"{splits}{'*' if splits == chosen else ''}:{t:.1f}")
+        print(f"batch {batch:3d} ctx {context:5d}  " + "  ".join(row))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiles", action="store_true", help="also sweep the decode tile config")
+    parser.add_argument("--splits", action="store_true", help="also sweep split counts")
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    copy = copy_bandwidth()
+    print(f"{props.name}, {props.multi_processor_count} SMs; device copy {copy / 1e12:.2f} TB/s "
+          f"(read + write)")
+    caches = Caches(max(BATCHES) * max(CONTEXTS))
+    print(f"{'batch':>5} {'context':>7} {'splits':>6} {'triton us':>10} {'TB/s':>6} {'%copy':>6}"
+          + (f" {'flash us':>9} {'TB/s':>6} {'%copy':>6}" if flash_attn_with_kvcache else ""))
+    summary = []
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            splits = num_decode_splits(batch, KV_HEADS, context, props.multi_processor_count)
+            us = decode_case(caches, batch, context)
+            bw = kv_bytes(batch, context) / (us * 1e-6)
+            line = (f"{batch:5d} {context:7d} {splits:6d} {us:10.1f} {bw / 1e12:6.2f} "
+                    f"{bw / copy:6.0%}")
+            if flash_attn_with_kvcache is not None:
+                fus = flash_decode_case(caches, batch, context)
+                fbw = kv_bytes(batch, context) / (fus * 1e-6)
+                line += f" {fus:9.1f} {fbw / 1e12:6.2f} {fbw / copy:6.0%}"
+            print(line)
+            if batch == 256 and context <= 8192:
+                summary.append(bw / copy)
+    print(prefill_line(caches))
+    if args.tiles:
+        tile_sweep(caches)
+    if args.splits:
+        split_sweep(caches)
+    print(f"summary: triton decode at batch 256, context 1k-8k: "
+          f"{min(summary):.0%}-{max(summary):.0%} of the copy bandwidth ({copy / 1e12:.2f} TB/s)")
+
+
+if __name__ == "__main__":
+    main()

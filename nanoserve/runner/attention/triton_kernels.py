@@ -1,0 +1,78 @@
+"""Triton attention backend: KV store by slot mapping, paged decode (triton_decode) and paged
+prefill (triton_prefill). Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (tests)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.runner.attention.triton_decode import paged_decode
+from nanoserve.runner.attention.triton_prefill import paged_prefill
+from nanoserve.runner.batch import AttentionMetadata
+
+__all__ = ["TritonBackend", "paged_decode", "paged_prefill", "store_kvcache"]
+
+
+@triton.jit
+def _store_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_slot, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ks, stride_kch, stride_vs, stride_vch,
+    KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token * stride_slot).to(tl.int64)
+    if slot >= 0:   # -1 marks a padding token: it writes nothing
+        offs_h = tl.arange(0, HEADS_POW2)
+        offs_d = tl.arange(0, HEAD_DIM)
+        mask = (offs_h < KV_HEADS)[:, None]
+        src = token.to(tl.int64) * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+        k = tl.load(k_ptr + src, mask=mask)
+        src = token.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+        v = tl.load(v_ptr + src, mask=mask)
+        dst = slot * stride_ks + offs_h[:, None] * stride_kch + offs_d[None, :]
+        tl.store(k_cache_ptr + dst, k, mask=mask)
+        dst = slot * stride_vs + offs_h[:, None] * stride_vch + offs_d[None, :]
+        tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k/v [tokens, kv_heads, dim] to their cache slots (block * block_size + offset)."""
+    num_tokens, kv_heads, head_dim = k.shape
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"store_kvcache needs a power-of-two head dim, got {head_dim}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("store_kvcache needs k, v and the caches contiguous in their last dim")
+    if k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1) or \
+            v_cache.stride(0) != v_cache.shape[1] * v_cache.stride(1):
+        raise ValueError("store_kvcache needs the tokens of all blocks evenly strided "
+                         "(slot = block * block_size + offset)")
+    if num_tokens == 0:
+        return
+    _store_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        slot_mapping.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+        KV_HEADS=kv_heads, HEADS_POW2=triton.next_power_of_2(kv_heads), HEAD_DIM=head_dim,
+        num_warps=4 if kv_heads * head_dim >= 1024 else 1,
+    )
+
+
+class TritonBackend:
+    """Attention through our own Triton kernels. The decode path reads no host lists and
+    syncs nothing, so it can be captured in a CUDA graph (see triton_decode)."""
+
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.decode_only:
+            return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
+                                meta.max_seq_len)
+        return paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                             meta.block_tables, scale, meta.max_query_len,
+                             num_query_tokens=sum(meta.query_lens_host))

@@ -1,0 +1,122 @@
+"""Paged prefill attention in Triton: packed variable-length queries over keys in the cache.
+
+The keys of every sequence are read from the paged cache, so prefix-cache hits and the history
+of a chunked prefill need no special case: query j of a sequence with q_len queries and seq_len
+keys sits at position seq_len - q_len + j and sees keys 0..that position.
+
+One program per (sequence, tile of queries, kv head). A tile's rows are (token, head) pairs of
+the kv head's query group, so each K/V tile is loaded once for the whole group (GQA).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.runner.attention.triton_decode import check_shapes, dot_precision
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale_log2,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt, stride_qsl, stride_sl, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq * stride_qsl)
+    q_len = tl.load(query_start_loc_ptr + (seq + 1) * stride_qsl) - q_start
+    if q_tile * BLOCK_Q >= q_len:   # the grid is sized for the longest query of the batch
+        return
+    seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
+    history = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = q_tile * BLOCK_Q + offs_m // GROUP
+    heads = kv_head * GROUP + offs_m % GROUP
+    mask_m = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh
+                + offs_d[None, :], mask=mask_m[:, None], other=0.0)
+    q_pos = history + tok
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # keys up to the tile's last query position; every row sees key 0, so m turns finite
+    end = history + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+    for n0 in range(0, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        block = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+        tok_n = offs_n % BLOCK_SIZE
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + tok_n[:, None] * stride_kt
+                    + kv_head * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + tok_n[:, None] * stride_vt
+                    + kv_head * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    o = acc / l[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
+
+
+def _prefill_config(head_dim: int, device: torch.device) -> dict:
+    if device.type != "cuda":   # interpreter: small tiles keep masked work (and CPU time) low
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+    if head_dim <= 64:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                  block_tables: torch.Tensor, scale: float, max_query_len: int,
+                  num_query_tokens: int | None = None) -> torch.Tensor:
+    """Causal attention of packed queries q [tokens, q_heads, dim] over their paged keys.
+
+    Rows past num_query_tokens (query_start_loc[-1], when the caller pads the batch) are zeroed.
+    """
+    check_shapes(q, k_cache, v_cache, block_tables)
+    num_tokens, q_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = q_heads // kv_heads
+    cfg = _prefill_config(head_dim, q.device)
+    block_m = max(cfg.pop("BLOCK_M"), triton.next_power_of_2(group))
+    block_q = block_m // group
+    out = torch.empty_like(q)
+    if num_query_tokens is not None and num_query_tokens < num_tokens:
+        out[num_query_tokens:].zero_()
+    num_seqs = seq_lens.shape[0]
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), query_start_loc.stride(0), seq_lens.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), **cfg,
+    )
+    return out

@@ -1,0 +1,192 @@
+"""Triton attention kernels against the torch reference, under the Triton interpreter on the CPU
+(tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported). Shapes stay small: the
+interpreter runs every program in numpy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.runner.attention import TorchBackend, select_backend
+from nanoserve.runner.attention.triton_decode import num_decode_splits, paged_decode
+from nanoserve.runner.attention.triton_kernels import TritonBackend, store_kvcache
+from nanoserve.runner.batch import AttentionMetadata
+
+if torch.cuda.is_available():
+    pytest.skip("the GPU versions of these checks live in tests/gpu", allow_module_level=True)
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+POISON = 1234.5
+
+
+def make_step(specs: list[tuple[int, int]], *, block_size: int, kv_heads: int, group: int,
+              head_dim: int, dtype: torch.dtype, seed: int, spare_blocks: int = 3):
+    """A step of sequences given as (q_len, seq_len): seq_len - q_len keys of history already in
+    a random cache, q_len new tokens to store and attend. seq_len 0 is a padding row. Physical
+    blocks are shuffled so that only correct block-table indexing can pass."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // block_size) for _, s in specs]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(max(blocks_per_seq), 1) + 1   # one -1 column past every sequence's end
+    block_tables = torch.full((len(specs), max_blocks), -1, dtype=torch.int32)
+    slots, used = [], 0
+    for i, ((q_len, seq_len), n) in enumerate(zip(specs, blocks_per_seq)):
+        table = perm[used:used + n]
+        used += n
+        block_tables[i, :n] = torch.tensor(table, dtype=torch.int32)
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(table[pos // block_size] * block_size + pos % block_size
+                         if seq_len else -1)
+    num_tokens = sum(q for q, _ in specs)
+    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    v_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    q = torch.randn(num_tokens, kv_heads * group, head_dim, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
+    q_lens = [q for q, _ in specs]
+    seq_lens = [s for _, s in specs]
+    # seq_lens and block tables are views of one buffer, as in the runner's CUDA-graph inputs
+    lens_and_tables = torch.cat([torch.tensor(seq_lens, dtype=torch.int32)[:, None],
+                                 block_tables], dim=1)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64).repeat_interleave(2)[::2],  # strided
+        query_start_loc=torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+        seq_lens=lens_and_tables[:, 0],
+        block_tables=lens_and_tables[:, 1:],
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_host=q_lens,
+        seq_lens_host=seq_lens,
+    )
+    return q, k, v, k_cache, v_cache, meta
+
+
+def reference(q, k, v, k_cache, v_cache, meta, scale):
+    """The torch backend in float32 on copies of the caches: (out, k_cache, v_cache)."""
+    kc, vc = k_cache.float().clone(), v_cache.float().clone()
+    out = TorchBackend().forward(q.float(), k.float(), v.float(), kc, vc, meta, scale)
+    return out, kc, vc
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not actual.isnan().any()
+    err = (actual.float() - expected).norm() / expected.norm().clamp_min(1e-6)
+    assert err < TOL[dtype], f"relative error {err:.2e} over {TOL[dtype]:.0e}"
+
+
+def test_store_writes_each_token_to_its_slot_and_skips_padding() -> None:
+    torch.manual_seed(0)
+    num_blocks, block_size, kv_heads, head_dim = 4, 16, 3, 64   # 3 heads: a masked head tile
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), POISON)
+    v_cache = torch.full_like(k_cache, POISON)
+    slots = torch.tensor([5, -1, 63, 16, -1, 0], dtype=torch.int64).repeat_interleave(2)[1::2]
+    # k, v as strided views of one packed projection, as the model produces them
+    kv = torch.randn(len(slots), 2, kv_heads, head_dim)
+    k, v = kv[:, 0], kv[:, 1]
+    store_kvcache(k, v, k_cache, v_cache, slots)
+    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    written = slots[slots >= 0]
+    torch.testing.assert_close(flat_k[written], k[slots >= 0], rtol=0, atol=0)
+    torch.testing.assert_close(flat_v[written], v[slots >= 0], rtol=0, atol=0)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[written] = False
+    assert (flat_k[untouched] == POISON).all() and (flat_v[untouched] == POISON).all()
+
+
+DECODE_CASES = [
+    # dtype, block_size, head_dim, group, seed
+    (torch.float32, 16, 64, 2, 1),
+    (torch.float16, 16, 64, 4, 2),
+    (torch.float32, 32, 64, 1, 3),
+    (torch.float16, 32, 128, 2, 4),
+]
+
+
+@pytest.mark.parametrize("dtype,block_size,head_dim,group,seed", DECODE_CASES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_reference_with_gqa_split_k_and_padding(
+        dtype, block_size, head_dim, group, seed, num_splits) -> None:
+    torch.manual_seed(seed)
+    # a padding row (seq_len 0, slot -1) sits between real rows; one row fits in one tile
+    specs = [(1, 70), (1, 0), (1, 33), (1, 5)]
+    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=block_size, kv_heads=2,
+                                                group=group, head_dim=head_dim, dtype=dtype,
+                                                seed=seed * 10 + num_splits)
+    scale = head_dim ** -0.5
+    ref_out, ref_k, ref_v = reference(q, k, v, k_cache, v_cache, meta, scale)
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
+                       meta.max_seq_len, num_splits=num_splits)
+    assert (out[1] == 0).all(), "a padding row must come back as zeros"
+    assert_close(out, ref_out, dtype)
+    assert torch.equal(k_cache.float(), ref_k) and torch.equal(v_cache.float(), ref_v)
+
+
+def test_decode_splits_longer_than_a_sequence_write_neutral_partials() -> None:
+    # 8 splits of a 20-key context: most splits are empty and must not disturb the merge
+    q, k, v, k_cache, v_cache, meta = make_step([(1, 20), (1, 3)], block_size=16, kv_heads=1,
+                                                group=4, head_dim=64, dtype=torch.float32, seed=7)
+    ref_out, _, _ = reference(q, k, v, k_cache, v_cache, meta, 0.125)
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.125,
+                       max_seq_len=4096, num_splits=8)
+    assert_close(out, ref_out, torch.float32)
+
+
+PREFILL_CASES = [
+    # dtype, block_size, head_dim, group, seed
+    (torch.float32, 16, 64, 2, 11),
+    (torch.float16, 16, 64, 1, 12),
+    (torch.float16, 32, 64, 4, 13),
+    (torch.float32, 32, 128, 2, 14),
+]
+
+
+@pytest.mark.parametrize("dtype,block_size,head_dim,group,seed", PREFILL_CASES)
+def test_prefill_matches_reference_with_prefix_history(
+        dtype, block_size, head_dim, group, seed) -> None:
+    torch.manual_seed(seed)
+    # a fresh prompt, a prefix hit (history 40), a chunk after a chunk, and a decode row
+    specs = [(23, 23), (9, 49), (17, 50), (1, 38)]
+    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=block_size, kv_heads=2,
+                                                group=group, head_dim=head_dim, dtype=dtype,
+                                                seed=seed)
+    scale = head_dim ** -0.5
+    ref_out, ref_k, ref_v = reference(q, k, v, k_cache, v_cache, meta, scale)
+    out = TritonBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
+    assert_close(out, ref_out, dtype)
+    assert torch.equal(k_cache.float(), ref_k) and torch.equal(v_cache.float(), ref_v)
+
+
+def test_backend_decode_path_matches_reference() -> None:
+    q, k, v, k_cache, v_cache, meta = make_step([(1, 40), (1, 0), (1, 17)], block_size=16,
+                                                kv_heads=2, group=2, head_dim=64,
+                                                dtype=torch.float32, seed=21)
+    assert meta.decode_only
+    ref_out, _, _ = reference(q, k, v, k_cache, v_cache, meta, 0.125)
+    out = TritonBackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    assert_close(out, ref_out, torch.float32)
+
+
+def test_split_count_fills_the_gpu_only_when_the_batch_cannot() -> None:
+    sms = 132
+    assert num_decode_splits(batch=256, kv_heads=8, max_seq_len=32768, num_sms=sms) == 1
+    assert num_decode_splits(batch=1, kv_heads=8, max_seq_len=32768, num_sms=sms) > 16
+    assert num_decode_splits(batch=1, kv_heads=8, max_seq_len=100, num_sms=sms) == 1
+
+
+def test_select_backend_picks_torch_on_cpu_and_explains_refusals(monkeypatch) -> None:
+    assert select_backend("auto", "cpu", 16).name == "torch"
+    assert select_backend("torch", "cpu", 16).name == "torch"
+    assert select_backend("triton", "cpu", 16).name == "triton"   # the interpreter is on
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_backend("xformers", "cpu", 16)
+    with pytest.raises(ValueError, match="power-of-two block size"):
+        select_backend("triton", "cpu", 24)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_backend("triton", "cpu", 16)
+    with pytest.raises(ValueError, match="flash_attn"):
+        select_backend("flash_attn", "cpu", 256)
