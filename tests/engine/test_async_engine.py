@@ -1,0 +1,200 @@
+"""AsyncEngine: one engine thread serving many asyncio consumers, with aborts, stops and failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nanoserve import LLM, EngineConfig, SamplingParams
+from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from tests.conftest import random_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def make_engine(model: str, **kwargs) -> AsyncEngine:
+    max_queue_len = kwargs.pop("max_queue_len", None)
+    return AsyncEngine(EngineConfig(model=model, device="cpu", dtype="float32", **kwargs), max_queue_len)
+
+
+async def drain(stream: RequestStream) -> list[list[int]]:
+    async for _ in stream:
+        pass
+    return [out.token_ids for out in stream.outputs]
+
+
+async def wait_idle(engine: AsyncEngine, timeout: float = 30.0) -> None:
+    """Until the engine thread has published a snapshot with nothing running or holding blocks."""
+    for _ in range(int(timeout / 0.02)):
+        s = engine.stats
+        if s.num_running == 0 and s.num_waiting == 0 and s.blocks_in_use == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"engine still busy: {engine.stats}")
+
+
+@pytest.fixture(scope="module")
+def offline(qwen3_model) -> LLM:
+    return LLM(qwen3_model, device="cpu", dtype="float32")
+
+
+def test_concurrent_requests_equal_offline_generate(qwen3_model, offline):
+    prompts = random_prompts(6, 384, 3, 40, seed=11)
+    lengths = [3, 12, 7, 1, 9, 5]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    expected = [o.token_ids for o in offline.generate(prompts, params, use_tqdm=False)]
+
+    async def main():
+        engine = make_engine(qwen3_model)
+        engine.start()
+        try:
+            streams = [engine.add_request(f"r{i}", [p], sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+            results = await asyncio.gather(*(drain(s) for s in streams))
+            await wait_idle(engine)
+            return [r[0] for r in results]
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(main()) == expected
+
+
+def test_prompts_and_choices_are_indexed_prompt_major_and_siblings_share_the_prompt(qwen3_model, offline):
+    prompts = random_prompts(2, 384, 40, 40, seed=12)  # 40 tokens: two full blocks of 16 to share
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=3)
+    single = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = [o.token_ids for o in offline.generate(prompts, single, use_tqdm=False)]
+
+    async def main():
+        engine = make_engine(qwen3_model, block_size=16)
+        engine.start()
+        try:
+            stream = engine.add_request("multi", prompts, params)
+            indices = set()
+            async for update in stream:
+                indices.add(update.index)
+                assert update.num_prompt_tokens == 40
+            await wait_idle(engine)
+            return indices, [o.token_ids for o in stream.outputs], engine.stats
+        finally:
+            await engine.shutdown()
+
+    indices, outputs, stats = asyncio.run(main())
+    assert indices == set(range(6))
+    assert outputs == [expected[0]] * 3 + [expected[1]] * 3
+    # each of the 2 siblings per prompt found the prompt's 2 full blocks in the cache: no second prefill
+    assert stats.prefix_hit_tokens >= 2 * 2 * 32
+
+
+def test_closing_a_stream_aborts_at_once_and_frees_every_block(qwen3_model):
+    async def main():
+        engine = make_engine(qwen3_model)
+        engine.start()
+        try:
+            long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True, n=2)
+            stream = engine.add_request("gone", random_prompts(1, 384, 30, 30, seed=13), long)
+            seen = 0
+            async for update in stream:
+                seen += len(update.token_ids)
+                if seen >= 4:
+                    break
+            stream.close()  # what the server does when the client disconnects
+            await wait_idle(engine, timeout=10)
+            assert all(len(o.token_ids) < 300 for o in stream.outputs)
+            # and it keeps serving
+            follow = engine.add_request("next", [[5, 6, 7]], GREEDY)
+            assert len((await drain(follow))[0]) == GREEDY.max_tokens
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_stop_string_aborts_the_engine_request(qwen3_model, offline):
+    prompt = random_prompts(1, 384, 10, 10, seed=14)[0]
+    full = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                            use_tqdm=False)[0].text
+    stop = full[len(full) // 3:len(full) // 3 + 3]
+    assert len(stop) == 3 and stop.strip()
+
+    async def main():
+        engine = make_engine(qwen3_model)
+        engine.start()
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+            stream = engine.add_request("stop", [prompt], params)
+            updates = [u async for u in stream]
+            await wait_idle(engine)
+            return updates, stream.outputs[0]
+        finally:
+            await engine.shutdown()
+
+    updates, out = asyncio.run(main())
+    assert out.text == full[:full.index(stop)]
+    assert "".join(u.text for u in updates) == out.text
+    assert updates[-1].finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) < 40  # aborted when the stop string showed up, not run to max_tokens
+
+
+def test_queue_limit_refuses_without_queueing(qwen3_model):
+    async def main():
+        engine = make_engine(qwen3_model, max_num_seqs=1, max_queue_len=2)
+        engine.start()
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+            streams = [engine.add_request("q0", [[3, 4, 5]], params)]
+            while engine.stats.num_running == 0:
+                await asyncio.sleep(0.01)
+            # q0 runs (max_num_seqs=1); the next two wait; the fourth finds the queue full
+            streams += [engine.add_request(f"q{i}", [[3, 4, 5]], params) for i in (1, 2)]
+            with pytest.raises(QueueFullError, match="max_queue_len 2"):
+                engine.add_request("q3", [[3, 4, 5]], params)
+            results = await asyncio.gather(*(drain(s) for s in streams))
+            assert all(len(r[0]) == 30 for r in results)
+            await wait_idle(engine)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_bad_prompt_is_refused_before_queueing(qwen3_model):
+    async def main():
+        engine = make_engine(qwen3_model, max_model_len=64)
+        engine.start()
+        try:
+            with pytest.raises(ValueError, match="64 tokens.*60 in the prompt and 10"):
+                engine.add_request("long", [[1] * 60], SamplingParams(max_tokens=10))
+            with pytest.raises(ValueError, match="empty"):
+                engine.add_request("empty", [[]], SamplingParams())
+            assert engine.stats.num_waiting == 0
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_an_engine_failure_fails_requests_in_flight_and_marks_it_unhealthy(qwen3_model):
+    async def main():
+        engine = make_engine(qwen3_model)
+        real_step, calls = engine.engine.step, []
+
+        def failing_step():
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("simulated device fault")
+            return real_step()
+
+        engine.engine.step = failing_step
+        engine.start()
+        try:
+            stream = engine.add_request("doomed", [[3, 4, 5]], SamplingParams(max_tokens=50, ignore_eos=True))
+            with pytest.raises(EngineDeadError, match="simulated device fault"):
+                await asyncio.wait_for(drain(stream), timeout=10)
+            assert not engine.healthy
+            with pytest.raises(EngineDeadError):
+                engine.add_request("after", [[3]], SamplingParams())
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

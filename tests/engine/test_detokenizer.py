@@ -1,0 +1,107 @@
+"""Incremental detokenization: whole characters only, stop strings found across tokens and never leaked."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from nanoserve.engine.detokenizer import IncrementalDetokenizer
+from nanoserve.engine.outputs import RequestState, StepOutput
+from nanoserve.sampling_params import SamplingParams
+from tests.conftest import _save_tokenizer
+
+MULTIBYTE = "naïve café — 日本語 ✓ 🙂 done"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("byte-level-tokenizer")
+    _save_tokenizer(str(folder))  # byte-level BPE trained on English: every non-ASCII character is split
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def feed(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    """Deltas after each token, the last one marked finished, as the engine reports them."""
+    return [detok.add([t], finished=i == len(ids) - 1) for i, t in enumerate(ids)]
+
+
+def test_characters_split_across_tokens_are_never_emitted_in_part(tokenizer):
+    ids = tokenizer.encode(MULTIBYTE)
+    # the premise: some characters really are spread over several tokens
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)
+    deltas = feed(IncrementalDetokenizer(tokenizer, []), ids)
+    assert "".join(deltas) == MULTIBYTE
+    assert not any("\ufffd" in d for d in deltas)
+    # the three bytes of 日 arrive as three tokens: the first two add nothing, the third adds the character
+    assert "日" in deltas
+
+
+def test_prompt_context_does_not_leak_into_the_output(tokenizer):
+    prompt = tokenizer.encode("The quick brown")
+    ids = tokenizer.encode(" fox jumps 日本")
+    assert "".join(feed(IncrementalDetokenizer(tokenizer, prompt), ids)) == " fox jumps 日本"
+
+
+def test_a_sequence_ending_inside_a_character_shows_what_the_tokenizer_makes_of_it(tokenizer):
+    ids = tokenizer.encode("ok 日")[:-1]  # cut the last byte of 日
+    deltas = feed(IncrementalDetokenizer(tokenizer, []), ids)
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert not any("\ufffd" in d for d in deltas[:-1])
+
+
+@pytest.mark.parametrize("stop", ["own fo", "語 ✓", "x jum"])
+def test_stop_string_spanning_tokens_ends_the_text_and_is_not_returned(tokenizer, stop):
+    text = "The quick brown fox jumps 日本語 ✓ over"
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=[stop])
+    deltas, expected = [], text[:text.index(stop)]
+    for i, t in enumerate(ids):
+        deltas.append(detok.add([t], finished=i == len(ids) - 1))
+        # at every moment, what was shown is a prefix of the final answer: nothing past the stop leaked
+        assert expected.startswith("".join(deltas))
+        if detok.stopped:
+            break
+    assert "".join(deltas) == expected
+    assert detok.stopped == stop
+    # the stop string spans tokens: no single token holds it
+    assert not any(stop in tokenizer.decode([t]) for t in ids)
+
+
+def test_possible_stop_prefix_is_held_back_then_released(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["fox!"])
+    shown = detok.add(tokenizer.encode("The fox"))
+    assert "fox" not in shown, "'fox' could be the start of 'fox!': it must wait"
+    shown += detok.add(tokenizer.encode(" jumps"))
+    assert "fox" in shown  # ' j' proved it is not the stop string
+    shown += detok.add([], finished=True)
+    assert shown == "The fox jumps"
+    assert detok.stopped is None
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(tokenizer):
+    ids = tokenizer.encode("The quick brown fox jumps")
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["brown f"], include_stop=True)
+    assert "".join(feed(detok, ids)) == "The quick brown f"
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer):
+    ids = tokenizer.encode("a list holds items in order")
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["in order", "holds"])
+    assert "".join(feed(detok, ids)) == "a list "
+    assert detok.stopped == "holds"
+
+
+def test_request_state_reports_stop_and_ignores_tokens_after_it(tokenizer):
+    params = SamplingParams(stop=["brown"], max_tokens=50)
+    ids = tokenizer.encode("The quick brown fox jumps")
+    state = RequestState(tokenizer, [1, 2], params)
+    texts = []
+    for t in ids:
+        out = state.update(StepOutput("r", [t], None, False, None, 2, 0))
+        texts.append(out.text_delta)
+        if state.stopped:
+            break
+    assert out.finish_reason == "stop" and out.stop_reason == "brown"
+    assert out.text == "The quick "
+    late = state.update(StepOutput("r", ids[-1:], None, True, "length", 2, 0))
+    assert late.text == "The quick " and late.text_delta == "" and late.finish_reason == "stop"
