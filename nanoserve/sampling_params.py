@@ -32,6 +32,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, no text (saves host time in benchmarks)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -48,6 +48,15 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         config = EngineConfig(model=model, **kwargs) if model else EngineConfig(**kwargs)
+        self._start(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config, show_progress=True)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
@@ -71,7 +80,7 @@ class LLM:
             results.append(result)
             request_ids = [f"{result.request_id}-{index}" for index in range(params.n)]
             for index, request_id in enumerate(request_ids):
-                state = RequestState(self.tokenizer, ids, params, index)
+                state = RequestState(self.tokenizer, ids, params, index, streaming=False)
                 result.outputs.append(state.output)
                 states[request_id] = (result, state)
             self.engine.add_request(request_ids[0], ids, params, fork_ids=request_ids[1:])

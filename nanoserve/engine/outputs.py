@@ -51,8 +51,10 @@ class RequestState:
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
-                 params: SamplingParams, index: int = 0) -> None:
+                 params: SamplingParams, index: int = 0, streaming: bool = True) -> None:
         self.params = params
+        # without streaming or stop strings, one decode at the end gives the same text for less work
+        self.incremental = streaming or bool(params.stop)
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop,
                                                   params.include_stop_str_in_output, params.skip_special_tokens)
         self.output = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
@@ -70,8 +72,10 @@ class RequestState:
         out.token_ids.extend(tokens)
         if out.logprobs is not None and step.logprobs:
             out.logprobs.extend(step.logprobs)
-        out.text_delta = self.detokenizer.add(tokens, finished=step.finished)
-        out.text += out.text_delta
+        if self.params.detokenize and (self.incremental or step.finished):
+            pending = tokens if self.incremental else out.token_ids
+            out.text_delta = self.detokenizer.add(pending, finished=step.finished)
+            out.text += out.text_delta
         if self.stopped:
             out.finish_reason, out.stop_reason = "stop", self.detokenizer.stopped
         elif step.finished:

@@ -10,7 +10,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.runner.attention import select_backend
 from nanoserve.runner.batch import SampleOutput, SequenceWork
-from nanoserve.runner.inputs import StepInputs, build_inputs
+from nanoserve.runner.inputs import build_inputs
 from nanoserve.runner.kv_cache import KVCache, blocks_for_cpu, blocks_for_gpu
 from nanoserve.runner.loader import fill_dummy_weights, load_weights
 from nanoserve.runner.models.registry import model_class
@@ -66,17 +66,16 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, work: list[SequenceWork]) -> SampleOutput:
         """Compute every sequence's new tokens; sample one token for each row that asks."""
-        inputs = build_inputs(work, self.block_size, self.device)
-        hidden = self.forward(inputs)
-        if not inputs.sample_rows:
+        if self.graphs is not None and self.graphs.fits(work):
+            # a decode step: every row has one new token and samples from it
+            hidden, rows = self.graphs.run(work), work
+        else:
+            inputs = build_inputs(work, self.block_size, self.device)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden, rows = hidden[inputs.logits_indices], inputs.sample_rows
+        if not rows:
             return SampleOutput([], [])
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return sample(logits, inputs.sample_rows)
-
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs)
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return sample(self.model.compute_logits(hidden), rows)
 
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:

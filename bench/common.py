@@ -1,0 +1,22 @@
+"""Shared by the benchmarks: build an engine config from a bare model config file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from transformers import AutoConfig
+
+from nanoserve import DEFAULT_MODEL, EngineConfig
+
+
+def config_from_file(path: str, **kwargs) -> EngineConfig:
+    """An EngineConfig for random weights of the architecture described in a config.json file.
+
+    The bundled model's tokenizer stands in: benchmarks feed token ids and read token ids.
+    """
+    with open(path) as f:
+        values = json.load(f)
+    hf_config = AutoConfig.for_model(values.pop("model_type"), **values)
+    return EngineConfig(model=os.path.dirname(os.path.abspath(path)), tokenizer=os.environ.get("NANOSERVE_BENCH_TOKENIZER", DEFAULT_MODEL),
+                        hf_config=hf_config, load_format="dummy", **kwargs)

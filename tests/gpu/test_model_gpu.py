@@ -1,0 +1,89 @@
+"""The CUDA runner against transformers: exact greedy tokens in float32, close logits in bf16."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from nanoserve import DEFAULT_MODEL, LLM, SamplingParams
+from tests.conftest import random_prompts
+
+pytestmark = pytest.mark.gpu
+
+CONFIG_06B = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "configs", "qwen3-0.6b.json")
+
+
+@pytest.fixture(scope="module")
+def qwen3_06b(tmp_path_factory) -> str:
+    """Random weights in the Qwen3-0.6B architecture, saved as a Hugging Face folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with open(CONFIG_06B) as f:
+        values = json.load(f)
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    folder = tmp_path_factory.mktemp("qwen3-0.6b")
+    model.save_pretrained(folder)
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(DEFAULT_MODEL).save_pretrained(folder)
+    return str(folder)
+
+
+def hf_model(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_float32_greedy_matches_transformers(qwen3_06b, enforce_eager):
+    prompts = random_prompts(16, 10000, 10, 200, seed=7)
+    llm = LLM(qwen3_06b, dtype="float32", device="cuda", max_model_len=1024, max_num_seqs=16,
+              enforce_eager=enforce_eager, gpu_memory_utilization=0.5)
+    ours = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64,
+                                                                      ignore_eos=True), use_tqdm=False)]
+    model = hf_model(qwen3_06b, torch.float32)
+    with torch.no_grad():
+        for ids, got in zip(prompts, ours):
+            out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=64, do_sample=False,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
+                                 pad_token_id=0)
+            assert got == out[0, len(ids):].tolist()
+
+
+def test_bf16_first_step_logits_close_to_transformers(qwen3_06b):
+    """bf16 logits stay within 2% relative L2 error of transformers' float32 logits."""
+    from nanoserve.runner.batch import SequenceWork
+
+    prompts = random_prompts(8, 10000, 20, 300, seed=8)
+    llm = LLM(qwen3_06b, dtype="bfloat16", device="cuda", max_model_len=1024, gpu_memory_utilization=0.5)
+    runner = llm.engine.runner
+    model = hf_model(qwen3_06b, torch.float32)
+    for i, ids in enumerate(prompts):
+        blocks = list(range(i * 2, i * 2 + 2))  # 2 blocks of 256 hold each prompt
+        captured = {}
+        original = runner.model.compute_logits
+        runner.model.compute_logits = lambda h: captured.setdefault("logits", original(h))
+        try:
+            runner.run([SequenceWork(ids, len(ids), 0, len(ids), blocks, SamplingParams(temperature=0))])
+        finally:
+            runner.model.compute_logits = original
+        with torch.no_grad():
+            ref = model(torch.tensor([ids], device="cuda")).logits[0, -1].float()
+        ours = captured["logits"][0].float()
+        error = ((ours - ref).norm() / ref.norm()).item()
+        assert error < 2e-2, f"prompt {i}: relative L2 error {error:.4f}"
+
+
+def test_cpu_and_gpu_paths_agree_on_bundled_model():
+    prompts = ["The function returns", "A list is", "In Python, a class", "import os\n", "Return the"]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    cpu = LLM(device="cpu", dtype="float32").generate(prompts, params, use_tqdm=False)
+    gpu = LLM(device="cuda", dtype="float32", gpu_memory_utilization=0.3).generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in cpu] == [o.token_ids for o in gpu]
