@@ -1,0 +1,110 @@
+"""`nanoserve serve [MODEL]` runs the OpenAI-compatible server; `nanoserve generate "prompt"` runs one prompt offline."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from nanoserve.config import ATTENTION_BACKENDS, DEFAULT_MODEL, EngineConfig
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", help="auto (the model's, float32 on the CPU), float32, float16, bfloat16")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (power of two)")
+    p.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of equal prefixes")
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: random weights, for benchmarks")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
+    """EngineConfig fields from the flags shared by `serve` and `generate`."""
+    return dict(
+        model=model or DEFAULT_MODEL, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
+        num_kvcache_blocks=args.num_kvcache_blocks, enable_prefix_caching=not args.no_prefix_caching,
+        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        load_format=args.load_format, seed=args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="Hugging Face model folder (default: the bundled tiny model)")
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="names clients use in 'model' (default: the MODEL argument as given)")
+    serve.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on every route but /health "
+                            "(default: $NANOSERVE_API_KEY)")
+    serve.add_argument("--max-queue-len", type=int, default=1024,
+                       help="answer 503 when more requests than this are waiting")
+    serve.add_argument("--allowed-origins", nargs="+", default=[],
+                       help="enable CORS for these origins ('*' for any); off by default")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds that requests in flight get to finish after SIGTERM")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _engine_args(serve)
+
+    gen = sub.add_parser("generate", help="complete one prompt offline and print the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=None, help="Hugging Face model folder (default: the bundled tiny model)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    _engine_args(gen)
+    return parser
+
+
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from nanoserve.server.app import serve  # the web stack loads only for `serve`
+    from nanoserve.server.state import ServerSettings
+
+    if args.max_queue_len < 1:
+        parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
+    names = args.served_model_name or [args.model or os.path.basename(DEFAULT_MODEL)]
+    settings = ServerSettings(served_model_names=names, api_key=args.api_key or None,
+                              allowed_origins=args.allowed_origins)
+    serve(EngineConfig(**_engine_kwargs(args, args.model)), settings, args.host, args.port, args.max_queue_len,
+          args.shutdown_timeout, args.log_level)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from nanoserve.engine.llm import LLM
+    from nanoserve.sampling_params import SamplingParams
+
+    llm = LLM(**_engine_kwargs(args, args.model))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    print(llm.generate(args.prompt, params, use_tqdm=False)[0].text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "serve":
+            _serve(args, parser)
+        else:
+            _generate(args)
+    except ValueError as exc:  # a bad flag value, caught by EngineConfig or SamplingParams
+        parser.exit(2, f"nanoserve: error: {exc}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, then generated."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import jinja2
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from nanoserve.engine.async_engine import EngineDeadError, RequestStream
+from nanoserve.server.errors import APIError
+from nanoserve.server.logprobs import chat_logprobs
+from nanoserve.server.metrics import RequestTimer
+from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage
+from nanoserve.server.state import ServerState, new_id, sampling_error, timed, usage
+from nanoserve.server.wire import DONE, cancel_on_disconnect, json_response, parse_body, sse_event, sse_response
+
+router = APIRouter()
+
+
+def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of the conversation as the model's chat template writes it."""
+    tok = state.tokenizer
+    if not tok.chat_template:
+        raise APIError("This model has no chat template, so it cannot serve /v1/chat/completions; "
+                       "use /v1/completions with a prompt instead", param="messages")
+    conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in messages]
+    try:
+        text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except jinja2.TemplateError as exc:  # e.g. "roles must alternate user/assistant"
+        raise APIError(f"The chat template refused these messages: {exc}", param="messages") from None
+    # the template already wrote every special token the model expects (BOS included)
+    return tok.encode(text, add_special_tokens=False)
+
+
+class ChatCompletion:
+    """One /v1/chat/completions request between validation and its last byte."""
+
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, model: str) -> None:
+        self.state, self.req, self.model = state, req, model
+        self.id, self.created = new_id("chatcmpl"), int(time.time())
+        self.prompt = render_chat(state, req.messages)
+        self.top_n = req.top_logprobs or 0
+        self.cached: dict[int, int] = {}
+
+    def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": choices}
+        if self.req.include_usage:
+            body["usage"] = usage_
+        return body
+
+    def logprobs(self, token_ids: list[int], logprobs: list | None) -> dict | None:
+        return chat_logprobs(self.state.texts, token_ids, logprobs or [], self.top_n) if self.req.logprobs else None
+
+    def usage(self, stream: RequestStream) -> dict:
+        return usage(stream, self.req.n, [len(self.prompt)], self.cached)
+
+    async def collect(self, stream: RequestStream, timer: RequestTimer) -> dict:
+        try:
+            async for update in timed(stream, timer):
+                self.cached[update.index] = update.num_cached_tokens
+        except EngineDeadError as exc:
+            raise APIError(str(exc), 500, code="engine_dead") from None
+        finally:
+            stream.close()
+        choices = [{"index": c, "message": {"role": "assistant", "content": out.text},
+                    "logprobs": self.logprobs(out.token_ids, out.logprobs), "finish_reason": out.finish_reason}
+                   for c, out in enumerate(stream.outputs)]
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage(stream)}
+
+    async def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
+        pending: dict[int, tuple[list, list]] = {}  # tokens whose logprobs wait for a chunk with text
+        try:
+            yield sse_event(self.chunk([{"index": c, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}
+                                        for c in range(len(stream.outputs))]))
+            async for u in timed(stream, timer):
+                self.cached[u.index] = u.num_cached_tokens
+                ids, lps = pending.setdefault(u.index, ([], []))
+                ids.extend(u.token_ids)
+                lps.extend(u.logprobs or [])
+                if not u.text and u.finish_reason is None:
+                    continue  # held back (half a character or a possible stop string): nothing to show yet
+                ids, lps = pending.pop(u.index)
+                delta = {"content": u.text} if u.text else {}
+                yield sse_event(self.chunk([{"index": u.index, "delta": delta, "logprobs": self.logprobs(ids, lps),
+                                             "finish_reason": u.finish_reason}]))
+            if self.req.include_usage:
+                yield sse_event(self.chunk([], self.usage(stream)))
+        except EngineDeadError as exc:
+            yield sse_event(APIError(str(exc), 500, code="engine_dead").body())
+        finally:
+            stream.close()
+        yield DONE
+
+
+def max_tokens(req: ChatCompletionRequest) -> int | None:
+    if req.max_tokens is not None and req.max_completion_tokens is not None \
+            and req.max_tokens != req.max_completion_tokens:
+        raise APIError(f"max_tokens ({req.max_tokens}) and max_completion_tokens ({req.max_completion_tokens}) "
+                       "disagree; give only max_completion_tokens", param="max_completion_tokens")
+    return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    req = await parse_body(request, ChatCompletionRequest)
+    model = state.model_name(req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+    try:
+        params = req.sampling_params(max_tokens(req), (req.top_logprobs or 0) if req.logprobs else None)
+    except ValueError as exc:
+        raise sampling_error(exc) from None
+    chat = ChatCompletion(state, req, model)
+    stream = state.start(chat.id, [chat.prompt], params)
+    timer = state.metrics.timer()
+    timer.prompt(len(chat.prompt))
+    if req.stream:
+        return sse_response(chat.events(stream, timer), stream.close)
+    body = await cancel_on_disconnect(request, chat.collect(stream, timer))
+    return json_response(body) if body is not None else Response(status_code=499)

@@ -1,0 +1,138 @@
+"""POST /v1/completions: prompts as text or token ids, whole responses or SSE chunks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from nanoserve.engine.async_engine import EngineDeadError, RequestStream
+from nanoserve.server.errors import APIError
+from nanoserve.server.logprobs import completion_logprobs
+from nanoserve.server.metrics import RequestTimer
+from nanoserve.server.protocol import CompletionRequest
+from nanoserve.server.state import ServerState, new_id, sampling_error, timed, usage
+from nanoserve.server.wire import DONE, cancel_on_disconnect, json_response, parse_body, sse_event, sse_response
+
+router = APIRouter()
+
+
+class Completion:
+    """One /v1/completions request between validation and its last byte."""
+
+    def __init__(self, state: ServerState, req: CompletionRequest, model: str) -> None:
+        self.state, self.req, self.model = state, req, model
+        self.id, self.created = new_id("cmpl"), int(time.time())
+        self.prompt_texts, self.prompts = self._prompts(req.prompt)
+        self.cached: dict[int, int] = {}
+
+    def _prompts(self, prompt: str | list) -> tuple[list[str], list[list[int]]]:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError("'prompt' is an empty list; give at least one prompt", param="prompt")
+        tok = self.state.tokenizer
+        ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        for p in ids:
+            self.state.check_token_ids(p, "prompt")
+        # the text of token-id prompts is only needed for echo
+        texts = [p if isinstance(p, str) else (tok.decode(i) if self.req.echo else "") for p, i in zip(prompt, ids)]
+        return texts, ids
+
+    def echo(self, choice: int) -> str:
+        return self.prompt_texts[choice // self.req.n] if self.req.echo else ""
+
+    def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
+        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices}
+        if self.req.include_usage:
+            body["usage"] = usage_
+        return body
+
+    async def collect(self, stream: RequestStream, timer: RequestTimer) -> dict:
+        try:
+            async for update in timed(stream, timer):
+                self.cached[update.index] = update.num_cached_tokens
+        except EngineDeadError as exc:
+            raise APIError(str(exc), 500, code="engine_dead") from None
+        finally:
+            stream.close()
+        choices = []
+        for c, out in enumerate(stream.outputs):
+            prefix = self.echo(c)
+            logprobs = None
+            if self.req.logprobs is not None:
+                logprobs, _ = completion_logprobs(self.state.texts, out.token_ids, out.logprobs or [], len(prefix))
+            choices.append({"index": c, "text": prefix + out.text, "logprobs": logprobs,
+                            "finish_reason": out.finish_reason})
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage(stream)}
+
+    def usage(self, stream: RequestStream) -> dict:
+        return usage(stream, self.req.n, [len(p) for p in self.prompts], self.cached)
+
+    async def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
+        want_logprobs = self.req.logprobs is not None
+        offsets = [len(self.echo(c)) for c in range(len(stream.outputs))]
+        pending: dict[int, tuple[list, list]] = {}  # tokens whose logprobs wait for a chunk with text
+        try:
+            if self.req.echo:
+                yield sse_event(self.chunk([{"index": c, "text": self.echo(c), "logprobs": None,
+                                             "finish_reason": None} for c in range(len(stream.outputs))]))
+            async for u in timed(stream, timer):
+                self.cached[u.index] = u.num_cached_tokens
+                if want_logprobs:
+                    ids, lps = pending.setdefault(u.index, ([], []))
+                    ids.extend(u.token_ids)
+                    lps.extend(u.logprobs or [])
+                if not u.text and u.finish_reason is None:
+                    continue  # held back (half a character or a possible stop string): nothing to show yet
+                logprobs = None
+                if want_logprobs:
+                    ids, lps = pending.pop(u.index)
+                    logprobs, offsets[u.index] = completion_logprobs(self.state.texts, ids, lps, offsets[u.index])
+                yield sse_event(self.chunk([{"index": u.index, "text": u.text, "logprobs": logprobs,
+                                             "finish_reason": u.finish_reason}]))
+            if self.req.include_usage:
+                yield sse_event(self.chunk([], self.usage(stream)))
+        except EngineDeadError as exc:
+            yield sse_event(APIError(str(exc), 500, code="engine_dead").body())
+        finally:
+            stream.close()
+        yield DONE
+
+
+def refuse_unsupported(req: CompletionRequest) -> None:
+    if req.suffix is not None:
+        raise APIError("'suffix' is not supported by this server (no fill-in-the-middle)", param="suffix",
+                       code="unsupported_parameter")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(f"best_of ({req.best_of}) must equal n ({req.n}): this server returns every completion it "
+                       "generates and does not rank extra ones", param="best_of", code="unsupported_parameter")
+    if req.echo and req.logprobs is not None:
+        raise APIError("echo together with logprobs needs the prompt's logprobs, which this server does not "
+                       "compute; drop one of the two", param="echo", code="unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    req = await parse_body(request, CompletionRequest)
+    model = state.model_name(req.model)
+    refuse_unsupported(req)
+    completion = Completion(state, req, model)
+    try:
+        params = req.sampling_params(req.max_tokens, req.logprobs)
+    except ValueError as exc:
+        raise sampling_error(exc) from None
+    stream = state.start(completion.id, completion.prompts, params)
+    timer = state.metrics.timer()
+    timer.prompt(sum(map(len, completion.prompts)))
+    if req.stream:
+        return sse_response(completion.events(stream, timer), stream.close)
+    body = await cancel_on_disconnect(request, completion.collect(stream, timer))
+    return json_response(body) if body is not None else Response(status_code=499)

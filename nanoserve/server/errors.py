@@ -1,0 +1,86 @@
+"""OpenAI error objects: every failure the client sees is {"error": {message, type, param, code}}.
+
+Bad input is always a 400, never pydantic's 422 and never a 500: the `openai` client retries
+5xx and 429, so a 500 for bad input would triple the load.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+logger = logging.getLogger(__name__)
+
+# request fields of the OpenAI API that this server knows of but does not implement
+UNSUPPORTED_FIELDS = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+                      "audio", "modalities", "prediction", "web_search_options", "reasoning_effort"}
+
+
+class APIError(Exception):
+    """Raise anywhere in a route to answer with an OpenAI error object."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.headers = message, status, param, code, headers
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> Response:
+        return Response(orjson.dumps(self.body()), self.status, self.headers, media_type="application/json")
+
+
+def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """One 400 naming the first bad field, in the words of the OpenAI API where it has them."""
+    err = exc.errors()[0]
+    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+    # union members show up in the location as type names ("list[int]"); keep the user's path only
+    path = [part for part in loc if not any(c in part for c in "[]") and part not in ("str", "int", "float")]
+    param = ".".join(path) or None
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        return APIError(f"We could not parse the JSON body of your request ({err['msg']}); send a valid "
+                        "UTF-8 JSON object", param=None, code="invalid_json")
+    if kind == "missing":
+        return APIError(f"Missing required parameter: '{param}'", param=param, code="missing_required_parameter")
+    if kind == "extra_forbidden":
+        if param in UNSUPPORTED_FIELDS:
+            return APIError(f"'{param}' is not supported by this server", param=param, code="unsupported_parameter")
+        return APIError(f"Unrecognized request argument supplied: {param}", param=param,
+                        code="unrecognized_argument")
+    if kind == "model_type":
+        return APIError("The request body must be a JSON object", param=param, code="invalid_type")
+    if kind.endswith("_type") or kind.endswith("_parsing") or kind == "union_tag_invalid":
+        return APIError(f"Invalid type for '{param}': {err['msg']}", param=param, code="invalid_type")
+    return APIError(f"Invalid value for '{param}': {err['msg']}", param=param, code="invalid_value")
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = {404: "Not found: no such route; see /v1/completions, /v1/chat/completions, /v1/models",
+                   405: "Method not allowed on this route"}.get(exc.status_code, str(exc.detail))
+        return APIError(message, exc.status_code, code=code, headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        logger.exception("Unhandled error in a request")
+        return APIError(f"Internal server error: {exc!r}", 500).response()

@@ -1,0 +1,81 @@
+"""The small routes: models, health, version, metrics, tokenize, detokenize."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from nanoserve import __version__
+from nanoserve.server.chat import render_chat
+from nanoserve.server.errors import APIError
+from nanoserve.server.metrics import CONTENT_TYPE
+from nanoserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from nanoserve.server.state import ServerState
+from nanoserve.server.wire import json_response, parse_body
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _model_card(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "nanoserve",
+            "root": state.engine.config.model, "max_model_len": state.engine.config.max_model_len}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    state = _state(request)
+    return json_response({"object": "list",
+                          "data": [_model_card(state, name) for name in state.settings.served_model_names]})
+
+
+@router.get("/v1/models/{name:path}")
+async def get_model(request: Request, name: str) -> Response:
+    state = _state(request)
+    return json_response(_model_card(state, state.model_name(name)))
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    engine = _state(request).engine
+    if not engine.healthy:
+        reason = repr(engine.error) if engine.error else "the engine is not running"
+        raise APIError(f"Unhealthy: {reason}; restart the server", 503, code="engine_dead")
+    return json_response({"status": "ok"})
+
+
+@router.get("/version")
+async def version() -> Response:
+    return json_response({"version": __version__})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    state = _state(request)
+    req = await parse_body(request, TokenizeRequest)
+    state.model_name(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError("Give exactly one of 'prompt' and 'messages'", param="prompt")
+    if req.prompt is not None:
+        tokens = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    else:
+        tokens = render_chat(state, req.messages, req.add_generation_prompt)
+    return json_response({"count": len(tokens), "max_model_len": state.engine.config.max_model_len,
+                          "tokens": tokens})
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    state = _state(request)
+    req = await parse_body(request, DetokenizeRequest)
+    state.model_name(req.model)
+    state.check_token_ids(req.tokens, "tokens")
+    return json_response({"prompt": state.tokenizer.decode(req.tokens)})

@@ -1,0 +1,93 @@
+"""What every route shares: the engine, the served names, metrics, and how a request is started."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream, RequestUpdate
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.server.errors import APIError
+from nanoserve.server.logprobs import TokenTexts
+from nanoserve.server.metrics import RequestTimer, ServerMetrics
+
+
+@dataclass
+class ServerSettings:
+    """HTTP-side settings; the engine's own live in EngineConfig."""
+
+    served_model_names: list[str]
+    api_key: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)  # CORS: empty = off
+    retry_after_s: int = 1  # told to clients refused with 503
+
+
+class ServerState:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer = engine.tokenizer
+        self.texts = TokenTexts(engine.tokenizer)
+        self.metrics = ServerMetrics(lambda: engine.stats)
+        self.created = int(time.time())
+
+    def model_name(self, requested: str | None) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        names = self.settings.served_model_names
+        if requested is None:
+            return names[0]
+        if requested not in names:
+            raise APIError(f"The model '{requested}' does not exist; this server serves {names}", 404,
+                           param="model", code="model_not_found")
+        return requested
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        vocab = self.engine.config.hf_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"Token id {bad[0]} in '{param}' is out of range: the vocabulary has {vocab} tokens",
+                           param=param)
+
+    def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
+        """Queue the request, turning engine refusals into OpenAI errors."""
+        if params.logit_bias:
+            self.check_token_ids(list(params.logit_bias), "logit_bias")
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        try:
+            return self.engine.add_request(request_id, prompts, params)
+        except ValueError as exc:
+            raise APIError(str(exc), param="prompt" if "prompt" in str(exc).lower() else None) from None
+        except QueueFullError as exc:
+            raise APIError(f"The server is overloaded: {exc}", 503, code="queue_full",
+                           headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+        except EngineDeadError as exc:
+            raise APIError(str(exc), 500, code="engine_dead") from None
+
+
+def sampling_error(exc: ValueError) -> APIError:
+    return APIError(f"Invalid sampling parameters: {exc}")
+
+
+async def timed(stream: RequestStream, timer: RequestTimer) -> AsyncIterator[RequestUpdate]:
+    """The stream's updates, recording latencies and token counts on the way."""
+    async for update in stream:
+        timer.tokens(update.index, len(update.token_ids))
+        if update.finish_reason is not None:
+            timer.finished(update.finish_reason)
+        yield update
+
+
+def usage(stream: RequestStream, n: int, prompt_lens: list[int], cached: dict[int, int]) -> dict:
+    """OpenAI usage: each prompt counted once however many choices it has.
+
+    `cached` maps a choice index to its prompt tokens found in the prefix cache."""
+    completion = sum(len(out.token_ids) for out in stream.outputs)
+    prompt = sum(prompt_lens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.get(p * n, 0) for p in range(len(prompt_lens)))}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

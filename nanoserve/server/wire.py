@@ -1,0 +1,84 @@
+"""What goes over the wire: JSON bodies in, JSON and SSE out, and cancellation when the client leaves."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import orjson
+from pydantic import BaseModel, ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response
+
+from nanoserve.server.errors import APIError, from_validation_error
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+DONE = b"data: [DONE]\n\n"
+
+
+def json_response(content: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(content), status, headers, media_type="application/json")
+
+
+def sse_event(payload: object) -> bytes:
+    """One SSE event: `data: <json>` and a blank line (orjson never writes a raw newline)."""
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def sse_response(events: AsyncIterator[bytes], on_close: Callable[[], None]) -> EventSourceResponse:
+    """Stream pre-framed events; `on_close` runs however the stream ends, even if it never started."""
+    async def closed(_: object) -> None:
+        on_close()
+
+    # on a disconnect sse-starlette cancels `events` (whose cleanup aborts the request) and calls
+    # `closed`; the background task covers a stream that ends before `events` ever ran
+    return EventSourceResponse(events, sep="\n", client_close_handler_callable=closed,
+                               background=BackgroundTask(on_close))
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The request's JSON body validated against `model`; any problem is a 400 naming the field."""
+    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if content_type != "application/json":
+        raise APIError(f"Content-Type must be application/json, got {content_type!r}; send a JSON body "
+                       "with the header 'Content-Type: application/json'", param=None, code="invalid_content_type")
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work`, cancelling it if the client disconnects first (then return None).
+
+    Without this a non-streaming request whose client gave up would keep its KV blocks and its
+    place in the batch until it finished on its own.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    # the body was read already: the next message is the disconnect (or never comes)
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

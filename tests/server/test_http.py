@@ -1,0 +1,184 @@
+"""Raw HTTP: SSE framing and the exact JSON shape of every endpoint."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from nanoserve import SamplingParams
+from nanoserve.server.logprobs import TokenTexts
+
+COMPLETION_KEYS = {"id", "object", "created", "model", "choices", "usage"}
+USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The data of each event, checking the framing on the way: `data: ...` then a blank line."""
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/event-stream")
+    raw = response.read().decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")
+    assert events[-1] == ""
+    assert all(e.startswith("data: ") and "\n" not in e for e in events[:-1]), raw
+    return [e[len("data: "):] for e in events[:-1]]
+
+
+def stream(http: httpx.Client, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
+        data = sse_events(response)
+    assert data[-1] == "[DONE]" and "[DONE]" not in data[:-1]
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_completion_stream_framing_and_usage_chunk(http):
+    body = {"model": "tiny", "prompt": "A dict maps", "max_tokens": 7, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    chunks = stream(http, "/v1/completions", body)
+    for chunk in chunks:
+        assert set(chunk) == COMPLETION_KEYS
+        assert chunk["object"] == "text_completion" and chunk["model"] == "tiny"
+        assert chunk["id"] == chunks[0]["id"] and chunk["id"].startswith("cmpl-")
+    *text_chunks, last = chunks
+    assert last["choices"] == [] and set(last["usage"]) == USAGE_KEYS
+    assert last["usage"]["completion_tokens"] == 7
+    assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 7
+    for chunk in text_chunks:
+        assert chunk["usage"] is None
+        (choice,) = chunk["choices"]
+        assert set(choice) == {"index", "text", "logprobs", "finish_reason"}
+    assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])
+    whole = http.post("/v1/completions", json={**body, "stream_options": None}).json()
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == whole["choices"][0]["text"]
+
+
+def test_stream_without_include_usage_has_no_usage_key(http):
+    chunks = stream(http, "/v1/completions", {"prompt": "A dict maps", "max_tokens": 3})
+    assert all("usage" not in c for c in chunks)
+
+
+def test_chat_stream_role_first_then_content_then_finish(http):
+    chunks = stream(http, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 5, "temperature": 0,
+                                                   "ignore_eos": True, "n": 2,
+                                                   "stream_options": {"include_usage": True}})
+    first, *middle, last = chunks
+    assert first["object"] == "chat.completion.chunk" and first["id"].startswith("chatcmpl-")
+    assert [c["delta"] for c in first["choices"]] == [{"role": "assistant", "content": ""}] * 2
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 10
+    finishes = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in middle
+                if c["choices"][0]["finish_reason"]}
+    assert finishes == {0: "length", 1: "length"}
+    for chunk in middle:
+        (choice,) = chunk["choices"]
+        assert set(choice) == {"index", "delta", "logprobs", "finish_reason"}
+        assert set(choice["delta"]) <= {"content"}
+
+
+def test_completion_response_shape(http):
+    r = http.post("/v1/completions", json={"prompt": "A list", "max_tokens": 4, "temperature": 0, "n": 2,
+                                           "ignore_eos": True, "user": "someone"})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert set(body) == COMPLETION_KEYS and body["object"] == "text_completion"
+    assert body["model"] == "tiny"  # the name asked for, defaulting to the first served name
+    assert [set(c) for c in body["choices"]] == [{"index", "text", "logprobs", "finish_reason"}] * 2
+    assert body["usage"]["completion_tokens"] == 8 and set(body["usage"]) == USAGE_KEYS
+
+
+def test_chat_response_shape(http):
+    body = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 3}).json()
+    assert set(body) == COMPLETION_KEYS and body["object"] == "chat.completion"
+    (choice,) = body["choices"]
+    assert set(choice) == {"index", "message", "logprobs", "finish_reason"}
+    assert set(choice["message"]) == {"role", "content"} and choice["logprobs"] is None
+
+
+def test_completion_logprobs_shape_and_text_offsets(http):
+    body = http.post("/v1/completions", json={"prompt": "A list", "max_tokens": 5, "temperature": 0,
+                                              "ignore_eos": True, "logprobs": 2}).json()
+    choice = body["choices"][0]
+    lp = choice["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert len(lp["tokens"]) == 5 and lp["text_offset"][0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(lp["text_offset"], lp["text_offset"][1:], lp["tokens"]))
+    assert all(isinstance(x, float) and x <= 0 for x in lp["token_logprobs"])
+    # streamed, the offsets go on from chunk to chunk
+    chunks = stream(http, "/v1/completions", {"prompt": "A list", "max_tokens": 5, "temperature": 0,
+                                              "ignore_eos": True, "logprobs": 2})
+    merged = {k: sum((c["choices"][0]["logprobs"][k] for c in chunks), []) for k in lp}
+    assert merged == lp
+
+
+def test_chat_logprobs_shape(http):
+    body = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, "logprobs": True,
+                                                   "top_logprobs": 3, "ignore_eos": True}).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert len(entry["top_logprobs"]) == 3
+        assert all(set(t) == {"token", "logprob", "bytes"} for t in entry["top_logprobs"])
+
+
+def test_echo_prepends_the_prompt(http):
+    body = http.post("/v1/completions", json={"prompt": "A list", "max_tokens": 3, "temperature": 0,
+                                              "echo": True}).json()
+    plain = http.post("/v1/completions", json={"prompt": "A list", "max_tokens": 3, "temperature": 0}).json()
+    assert body["choices"][0]["text"] == "A list" + plain["choices"][0]["text"]
+    chunks = stream(http, "/v1/completions", {"prompt": "A list", "max_tokens": 3, "temperature": 0, "echo": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == body["choices"][0]["text"]
+
+
+def test_multibyte_characters_forced_by_logit_bias_stream_whole(http, offline):
+    # only the two byte tokens of "é" can win, and the frequency penalty makes them take turns:
+    # the output is "é" split over two tokens (plus stray halves), which a stream must never cut
+    texts = TokenTexts(offline.tokenizer)
+    byte_ids = [t for t in offline.tokenizer.encode("é", add_special_tokens=False) if len(texts.get(t)[0]) == 1]
+    assert len(byte_ids) == 2, "the tokenizer should split é into its two bytes"
+    sampling = dict(temperature=0.0, max_tokens=12, ignore_eos=True, frequency_penalty=2.0)
+    ref = offline.generate("Text:", SamplingParams(**sampling, logit_bias={t: 100.0 for t in byte_ids}),
+                           use_tqdm=False)[0]
+    assert set(ref.token_ids) == set(byte_ids) and "é" in ref.text
+    body = {"prompt": "Text:", **sampling, "logit_bias": {str(t): 100.0 for t in byte_ids}}
+    chunks = [c["choices"][0]["text"] for c in stream(http, "/v1/completions", body)]
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    # a chunk cut inside "é" would put a U+FFFD where the whole text has the character
+    assert "".join(chunks) == whole == ref.text == offline.tokenizer.decode(ref.token_ids)
+    assert len(chunks) > 1
+
+
+def test_models_health_version_metrics(http):
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list"
+    (card,) = models["data"]
+    assert card["id"] == "tiny" and card["object"] == "model" and {"created", "owned_by"} <= set(card)
+    assert http.get("/v1/models/tiny").json()["id"] == "tiny"
+    assert http.get("/health").status_code == 200
+    assert http.get("/version").json()["version"]
+    metrics = http.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hit_rate",
+                 "prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_bucket",
+                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket"):
+        assert f"nanoserve:{name}" in metrics.text
+
+
+def test_tokenize_and_detokenize_round_trip(http, offline):
+    text = "A dict maps keys to values: 日本"
+    tok = http.post("/tokenize", json={"prompt": text}).json()
+    assert tok["tokens"] == offline.tokenizer.encode(text) and tok["count"] == len(tok["tokens"])
+    assert tok["max_model_len"] == 2048
+    assert http.post("/detokenize", json={"tokens": tok["tokens"]}).json() == {"prompt": text}
+    chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
+    rendered = offline.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == offline.tokenizer.encode(rendered, add_special_tokens=False)

@@ -1,0 +1,156 @@
+"""The official `openai` client, sync and async, against a real server: same text as offline generation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from nanoserve import SamplingParams
+
+PROMPTS = ["The function returns", "A list is", "In Python, a class"]
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is a dict?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def chat_prompt(offline) -> list[int]:
+    text = offline.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    return offline.tokenizer.encode(text, add_special_tokens=False)
+
+
+def reference(offline, prompt, **kwargs):
+    return offline.generate(prompt, SamplingParams(**kwargs), use_tqdm=False)[0]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_completion_streamed_equals_whole_equals_offline(client, offline, prompt):
+    ref = reference(offline, prompt, temperature=0.0, max_tokens=24)
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True))
+    streamed = "".join(c.choices[0].text for c in chunks)
+    assert whole.choices[0].text == streamed == ref.text
+    assert whole.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == ref.finish_reason
+    assert whole.usage.completion_tokens == len(ref.token_ids)
+    assert whole.usage.prompt_tokens == len(offline.tokenizer.encode(prompt))
+    assert whole.model == "tiny" and whole.object == "text_completion"
+
+
+def test_seeded_sampling_streamed_equals_whole_equals_offline(client, offline):
+    ref = reference(offline, PROMPTS[0], temperature=0.9, top_p=0.95, seed=1234, max_tokens=20)
+    kwargs = dict(model="tiny", prompt=PROMPTS[0], max_tokens=20, temperature=0.9, top_p=0.95, seed=1234)
+    whole = client.completions.create(**kwargs)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
+    assert whole.choices[0].text == streamed == ref.text
+
+
+def test_chat_streamed_equals_whole_equals_offline(client, offline, chat_prompt):
+    ref = reference(offline, chat_prompt, temperature=0.0, max_tokens=24)
+    whole = client.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=24, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=24, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert whole.choices[0].message.content == streamed == ref.text
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == ref.finish_reason
+    assert whole.usage.prompt_tokens == len(chat_prompt)
+
+
+def test_async_client_concurrent_completions_and_chats(server, offline, chat_prompt):
+    refs = [reference(offline, p, temperature=0.0, max_tokens=16).text for p in PROMPTS]
+    chat_ref = reference(offline, chat_prompt, temperature=0.0, max_tokens=16).text
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def complete(prompt):
+            return (await client.completions.create(model="tiny", prompt=prompt, max_tokens=16,
+                                                    temperature=0)).choices[0].text
+
+        async def complete_streamed(prompt):
+            stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                                     stream=True)
+            return "".join([c.choices[0].text async for c in stream])
+
+        async def chat_streamed():
+            stream = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=16, temperature=0,
+                                                          stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in stream])
+
+        async with client:
+            return await asyncio.gather(*(complete(p) for p in PROMPTS), *(complete_streamed(p) for p in PROMPTS),
+                                        chat_streamed())
+
+    results = asyncio.run(main())
+    assert results == refs + refs + [chat_ref]
+
+
+def test_n_choices_share_the_prompt_blocks(client, server, offline):
+    # 60 tokens of prompt: three full 16-token blocks that the siblings must find in the prefix cache
+    prompt = offline.tokenizer.decode(offline.tokenizer.encode(" ".join(PROMPTS * 8))[:60])
+    prompt_ids = offline.tokenizer.encode(prompt)
+    full_blocks = (len(prompt_ids) - 1) // 16
+    assert full_blocks >= 3
+    before = server.metrics()["nanoserve:prefix_cache_hits_total"]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.8, n=4,
+                                    extra_body={"ignore_eos": True})
+    hits = server.metrics()["nanoserve:prefix_cache_hits_total"] - before
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.usage.prompt_tokens == len(prompt_ids)  # the prompt counts once
+    assert out.usage.completion_tokens == 4 * 8
+    assert hits >= 3 * full_blocks * 16, "siblings recomputed the prompt instead of sharing its blocks"
+
+
+def test_several_prompts_and_n_come_back_prompt_major(client, offline):
+    refs = [reference(offline, p, temperature=0.0, max_tokens=10).text for p in PROMPTS[:2]]
+    out = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=10, temperature=0, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [refs[0], refs[0], refs[1], refs[1]]
+
+
+def test_token_id_prompt_equals_text_prompt(client, offline):
+    ids = offline.tokenizer.encode(PROMPTS[1])
+    by_text = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0)
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_stop_string_cuts_the_text_streamed_and_whole(client, offline):
+    ref = reference(offline, PROMPTS[2], temperature=0.0, max_tokens=30, ignore_eos=True).text
+    stop = ref[10:13]
+    expected = ref[:ref.index(stop)]
+    kwargs = dict(model="tiny", prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop, "zzzz"],
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks) == expected
+    assert whole.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs_through_the_client(client):
+    out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert all(len(top) in (3, 4) for top in lp.top_logprobs)  # top 3, plus the chosen token if not among them
+    # greedy: the chosen token is the most likely one
+    assert all(abs(max(top.values()) - chosen) < 1e-5 for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    assert b"".join(bytes(c.bytes) for c in content).decode() == chat.choices[0].message.content
+
+
+def test_models_list_and_errors_reach_the_client(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=-1)
