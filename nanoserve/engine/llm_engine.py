@@ -117,7 +117,7 @@ class LLMEngine:
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
         params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
+        if not params.min_tokens or seq.num_output_tokens >= params.min_tokens:
             return ()
         banned = set(params.stop_token_ids)
         if not params.ignore_eos:

@@ -9,7 +9,7 @@ import torch
 from nanoserve.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SequenceWork:
     """One sequence's share of a step, owned by the engine and read-only to the runner.
 

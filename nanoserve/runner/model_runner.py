@@ -42,6 +42,7 @@ class ModelRunner:
             load_weights(self.model, config.model, cls.packed_modules, show_progress)
         self.model.eval()
         self.vocab_size = hf.vocab_size
+        self.graphs = None
         self.backend = select_backend(config.attention_backend, config.device, config.block_size)
         attention_layers = [layer.self_attn for layer in self.model.model.layers]
         if self.device.type == "cuda":
@@ -52,7 +53,6 @@ class ModelRunner:
         self.kv_cache = KVCache(config, num_blocks, self.device)
         for layer, (k, v) in zip(attention_layers, self.kv_cache.layers()):
             layer.backend, layer.k_cache, layer.v_cache = self.backend, k, v
-        self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             from nanoserve.runner.cuda_graph import DecodeGraphs
             start = time.perf_counter()

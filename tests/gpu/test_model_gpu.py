@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from nanoserve import DEFAULT_MODEL, LLM, SamplingParams
-from tests.conftest import random_prompts
+from nanoserve import LLM, SamplingParams
+from tests.conftest import _save_tokenizer, random_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -28,8 +28,7 @@ def qwen3_06b(tmp_path_factory) -> str:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     folder = tmp_path_factory.mktemp("qwen3-0.6b")
     model.save_pretrained(folder)
-    from transformers import AutoTokenizer
-    AutoTokenizer.from_pretrained(DEFAULT_MODEL).save_pretrained(folder)
+    _save_tokenizer(str(folder))
     return str(folder)
 
 
