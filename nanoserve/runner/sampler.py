@@ -77,9 +77,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[SequenceWork]) -> None:
         logits[penalized] = sub
     for i, w in enumerate(rows):
         if w.params.logit_bias:
-            ids = torch.tensor([int(t) for t in w.params.logit_bias], dtype=torch.int64, device=device)
-            bias = torch.tensor(list(w.params.logit_bias.values()), dtype=logits.dtype, device=device)
-            logits[i].index_add_(0, ids.clamp(0, vocab - 1), bias)
+            # an id outside the vocabulary has no logit to move (clamping it would bias the last token)
+            bias = {int(t): b for t, b in w.params.logit_bias.items() if 0 <= int(t) < vocab}
+            ids = torch.tensor(list(bias), dtype=torch.int64, device=device)
+            logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype, device=device))
         if w.banned_token_ids:
             logits[i, list(w.banned_token_ids)] = float("-inf")
 
@@ -93,7 +94,8 @@ def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         if st.top_k is not None:
             drop |= ranks >= st.top_k[:, None]
         if st.top_p is not None:
-            probs = sorted_logits.softmax(dim=-1)
+            # top-p weighs what top-k left, renormalized (as in vLLM and transformers)
+            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
             # drop a token once the mass before it already reaches top_p; the first always stays
             drop |= (probs.cumsum(dim=-1) - probs) >= st.top_p[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

@@ -1,0 +1,231 @@
+"""The sampler: greedy, top-k / top-p / min-p filters, seeds, penalties, logit bias, banned ids, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from nanoserve.runner.batch import SequenceWork
+from nanoserve.runner.sampler import sample
+from nanoserve.sampling_params import SamplingParams
+
+VOCAB = 50
+
+
+def row(params: SamplingParams, prompt: list[int] = (40, 41, 42), output: list[int] = (),
+        banned: tuple[int, ...] = ()) -> SequenceWork:
+    tokens = list(prompt) + list(output)
+    return SequenceWork(tokens, len(prompt), len(tokens) - 1, 1, [0], params, banned)
+
+
+def padded(logits: list[float], pad: float = -20.0) -> torch.Tensor:
+    """Crafted logits for the first tokens; the rest of the vocabulary far below them."""
+    return torch.tensor([logits + [pad] * (VOCAB - len(logits))])
+
+
+def greedy_pick(logits: list[float], params: SamplingParams, **kw) -> int:
+    return sample(padded(logits), [row(params, **kw)]).token_ids[0]
+
+
+def test_temperature_zero_is_argmax():
+    logits = torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    rows = [row(SamplingParams(temperature=0.0)) for _ in range(16)]
+    assert sample(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
+    # greedy rows stay argmax beside sampled rows that use every filter
+    mixed = [row(SamplingParams(temperature=0.0)) if i % 2 else
+             row(SamplingParams(temperature=1.5, top_k=3, top_p=0.5, min_p=0.2, seed=i)) for i in range(16)]
+    picks = sample(logits, mixed).token_ids
+    assert picks[1::2] == logits.argmax(dim=-1)[1::2].tolist()
+
+
+def allowed_tokens(logits: np.ndarray, p: SamplingParams, slack: float = 1e-4) -> set[int]:
+    """The tokens a request may draw, by the vLLM / transformers definition, applied in order:
+    temperature, then top-k, then top-p over what top-k left (renormalized), then min-p.
+    `slack` widens each cut a little so that float rounding at a boundary cannot fail the test."""
+    x = logits.astype(np.float64) / p.temperature
+    keep = np.ones_like(x, dtype=bool)
+    if p.top_k > 0:
+        kth = np.sort(x)[::-1][p.top_k - 1]
+        keep &= x >= kth - slack
+    if p.top_p < 1.0:
+        probs = np.where(keep, np.exp(x - x.max()), 0.0)
+        probs /= probs.sum()
+        order = np.argsort(-probs, kind="stable")
+        mass_before = np.cumsum(probs[order]) - probs[order]
+        keep_p = np.zeros_like(keep)
+        keep_p[order[mass_before < p.top_p + slack]] = True
+        keep &= keep_p
+    if p.min_p > 0.0:
+        # relative to the most likely token, so independent of what the other filters removed
+        keep &= np.exp(x - x.max()) >= p.min_p * (1 - slack)
+    return set(np.flatnonzero(keep).tolist())
+
+
+FILTERS = [
+    SamplingParams(top_k=1),
+    SamplingParams(top_k=5),
+    SamplingParams(top_p=0.3),
+    SamplingParams(top_p=0.8, temperature=0.7),
+    SamplingParams(min_p=0.1),
+    SamplingParams(min_p=0.3, temperature=1.5),
+    SamplingParams(top_k=8, top_p=0.5),
+    SamplingParams(top_k=10, top_p=0.6, min_p=0.05, temperature=0.8),
+]
+
+
+@pytest.mark.parametrize("params", FILTERS, ids=lambda p: f"k{p.top_k}-p{p.top_p}-min{p.min_p}-t{p.temperature}")
+def test_filters_never_pick_outside_the_allowed_set(params):
+    gen = torch.Generator().manual_seed(1)
+    # a few near-flat rows and a few peaked ones, so the filters cut at very different ranks
+    logits = torch.randn(64, VOCAB, generator=gen) * torch.linspace(0.2, 4.0, 64)[:, None]
+    allowed = [allowed_tokens(r, params) for r in logits.numpy()]
+    # unfiltered rows in the same batch must not change what the filtered rows may pick
+    rows = [row(params) if i % 4 else row(SamplingParams()) for i in range(64)]
+    seen = [set() for _ in range(64)]
+    for _ in range(40):
+        for i, t in enumerate(sample(logits, rows).token_ids):
+            seen[i].add(t)
+    for i in range(64):
+        if i % 4:
+            assert seen[i] <= allowed[i], f"row {i} drew {sorted(seen[i] - allowed[i])}"
+    if params.top_k != 1:
+        assert any(len(seen[i]) > 1 for i in range(64) if i % 4), "nothing was left to draw from"
+
+
+def test_top_p_keeps_the_token_that_crosses_the_threshold():
+    logits = padded([math.log(0.5), math.log(0.3), math.log(0.2)], pad=float("-inf"))
+    draws = {sample(logits, [row(SamplingParams(top_p=0.6))]).token_ids[0] for _ in range(200)}
+    assert draws == {0, 1}
+
+
+def test_top_p_applies_to_what_top_k_left():
+    # top-k 2 leaves 0.45 / 0.45, i.e. 0.5 / 0.5 renormalized; top-p 0.5 then keeps only the first
+    logits = padded([math.log(0.45), math.log(0.45) - 1e-3, math.log(0.1)], pad=float("-inf"))
+    draws = {sample(logits, [row(SamplingParams(top_k=2, top_p=0.5))]).token_ids[0] for _ in range(200)}
+    assert draws == {0}
+
+
+def test_min_p_is_relative_to_the_most_likely_token():
+    logits = padded([math.log(0.5), math.log(0.3), math.log(0.2)], pad=float("-inf"))
+    draws = {sample(logits, [row(SamplingParams(min_p=0.5))]).token_ids[0] for _ in range(200)}
+    assert draws == {0, 1}  # 0.2 < 0.5 * 0.5
+
+
+def run_steps(logits: torch.Tensor, target: SamplingParams, others: list[SamplingParams], position: int,
+              steps: int = 8) -> list[int]:
+    """Sample `steps` tokens for the target row, growing its output as the engine does."""
+    output: list[int] = []
+    other_outputs: list[list[int]] = [[] for _ in others]
+    for step in range(steps):
+        params = list(others)
+        params.insert(position, target)
+        outputs = list(other_outputs)
+        outputs.insert(position, output)
+        batch = torch.randn(len(params), VOCAB) * 2
+        batch[position] = logits[step]
+        tokens = sample(batch, [row(p, output=o) for p, o in zip(params, outputs)]).token_ids
+        output.append(tokens[position])
+        for o, t in zip(other_outputs, tokens[:position] + tokens[position + 1:]):
+            o.append(t)
+    return output
+
+
+def test_seeded_request_gives_the_same_tokens_alone_and_in_a_busy_batch():
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(2))
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    torch.manual_seed(0)
+    alone = run_steps(logits, seeded, [], 0)
+    busy = [SamplingParams(temperature=0.8), SamplingParams(seed=7), SamplingParams(temperature=0.0),
+            SamplingParams(top_k=5, top_p=0.9, seed=99), SamplingParams(min_p=0.2, presence_penalty=1.0)]
+    torch.manual_seed(1)
+    assert run_steps(logits, seeded, busy, 3) == alone
+    torch.manual_seed(2)
+    assert run_steps(logits, seeded, busy[:2], 0) == alone
+    # the per-step seed moves with the output length: a fixed row does not repeat one draw
+    flat = torch.zeros(8, VOCAB)
+    assert len(set(run_steps(flat, seeded, [], 0))) > 1
+    assert run_steps(logits, SamplingParams(seed=4321), [], 0) != alone
+
+
+def test_presence_penalty_subtracts_once_for_any_output_occurrence():
+    logits = [2.0, 1.5, 0.0, 0.0]
+    assert greedy_pick(logits, SamplingParams(temperature=0, presence_penalty=0.4), output=[0, 0, 0]) == 0
+    assert greedy_pick(logits, SamplingParams(temperature=0, presence_penalty=0.6), output=[0]) == 1
+    # prompt tokens are not penalized
+    assert greedy_pick(logits, SamplingParams(temperature=0, presence_penalty=2.0), prompt=[0, 0]) == 0
+    # a negative penalty encourages repeats
+    assert greedy_pick(logits, SamplingParams(temperature=0, presence_penalty=-1.0), output=[1]) == 1
+
+
+def test_frequency_penalty_scales_with_the_output_count():
+    logits = [2.0, 1.5, 0.0, 0.0]
+    params = SamplingParams(temperature=0, frequency_penalty=0.2)
+    assert greedy_pick(logits, params, output=[0]) == 0         # 2.0 - 0.2 > 1.5
+    assert greedy_pick(logits, params, output=[0, 0, 0]) == 1   # 2.0 - 0.6 < 1.5
+    assert greedy_pick(logits, params, prompt=[0, 0, 0, 0, 0]) == 0
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    params = SamplingParams(temperature=0, repetition_penalty=1.5)
+    assert greedy_pick([2.0, 1.5, 0.0], params, prompt=[0]) == 1      # 2.0 / 1.5 < 1.5, prompt counts
+    assert greedy_pick([2.0, 1.2, 0.0], params, output=[0]) == 0      # 2.0 / 1.5 > 1.2
+    assert greedy_pick([-1.0, -1.4, -9.0], params, prompt=[2], output=[0]) == 1   # -1.5 < -1.4
+    assert greedy_pick([-1.0, -1.6, -9.0], params, output=[0, 0, 0]) == 0          # once, not per count
+    assert greedy_pick([2.0, 1.5, 0.0], SamplingParams(temperature=0, repetition_penalty=0.5),
+                       prompt=[1]) == 1                               # < 1 rewards seen tokens
+
+
+def test_logit_bias_adds_to_the_logits():
+    logits = [2.0, 1.5, 0.0, -1.0]
+    assert greedy_pick(logits, SamplingParams(temperature=0, logit_bias={3: 3.5})) == 3
+    assert greedy_pick(logits, SamplingParams(temperature=0, logit_bias={3: 2.5})) == 0
+    assert greedy_pick(logits, SamplingParams(temperature=0, logit_bias={0: -0.6})) == 1
+    # an id outside the vocabulary biases nothing (not a clamped neighbour)
+    assert greedy_pick(logits, SamplingParams(temperature=0, logit_bias={10_000: 100.0})) == 0
+
+
+def test_penalties_leave_other_rows_alone():
+    logits = padded([2.0, 1.5, 0.0]).repeat(3, 1)
+    rows = [row(SamplingParams(temperature=0), output=[0]),
+            row(SamplingParams(temperature=0, presence_penalty=1.0), output=[0]),
+            row(SamplingParams(temperature=0, logit_bias={2: 5.0}), output=[0])]
+    assert sample(logits, rows).token_ids == [0, 1, 2]
+
+
+def test_banned_token_ids_are_never_sampled():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(32, VOCAB, generator=gen)
+    top = logits.argmax(dim=-1)
+    banned = [(int(t), (int(t) + 1) % VOCAB) for t in top]
+    rows = [row(SamplingParams(temperature=0.0 if i % 2 else 1.0), banned=b) for i, b in enumerate(banned)]
+    for _ in range(30):
+        tokens = sample(logits, rows).token_ids
+        assert all(t not in b for t, b in zip(tokens, banned))
+    logits[:, 5] = 100.0  # even an overwhelming favourite
+    assert all(t != 5 for t in sample(logits[:4], [row(SamplingParams(), banned=(5,))] * 4).token_ids)
+
+
+def test_logprobs_are_of_the_raw_logits_with_sorted_top_n():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, VOCAB, generator=gen) * 2
+    raw = logits.log_softmax(dim=-1)
+    params = [SamplingParams(temperature=0, logprobs=3, presence_penalty=2.0, logit_bias={7: 5.0}),
+              SamplingParams(temperature=0.7, logprobs=0),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=1.3, top_k=4, logprobs=5, seed=1)]
+    rows = [row(p, output=[int(logits[i].argmax())]) for i, p in enumerate(params)]
+    out = sample(logits.clone(), rows)
+    assert out.logprobs[2] is None
+    for i, n in ((0, 3), (1, 0), (3, 5)):
+        chosen, top = out.logprobs[i]
+        assert chosen == pytest.approx(raw[i, out.token_ids[i]].item(), abs=1e-5)
+        assert len(top) == n
+        assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+        assert [t for t, _ in top] == raw[i].topk(n).indices.tolist() if n else top == []
+        for t, lp in top:
+            assert lp == pytest.approx(raw[i, t].item(), abs=1e-5)
+    assert out.token_ids[0] == 7  # sampled from the biased logits, reported against the raw ones
+
