@@ -72,8 +72,13 @@ class BlockManager:
         hit = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens = hit
         seq.num_hashed_blocks = len(seq.block_table)
-        self.prefix_queried_tokens += seq.num_tokens
-        self.prefix_hit_tokens += hit
+
+    def record_prefix_hit(self, seq: Sequence) -> None:
+        """Count an admitted sequence's lookup in the hit statistics."""
+        # not in admit(): a sequence that then finds no room looks up again next step
+        if self.enable_prefix_caching:
+            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_hit_tokens += seq.num_cached_tokens
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the block table to hold `num_new_tokens` more tokens; False if blocks ran out."""

@@ -70,6 +70,7 @@ class Scheduler:
                 self.block_manager.release(seq)
                 break
             self.waiting.popleft()
+            self.block_manager.record_prefix_hit(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             step.seqs.append(seq)

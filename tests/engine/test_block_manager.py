@@ -1,0 +1,208 @@
+"""Paged KV blocks: reference counts, chain-hashed prefix cache, LRU reuse of freed cached blocks."""
+
+from __future__ import annotations
+
+import itertools
+
+from nanoserve.engine.block_manager import BlockManager, chain_hash
+from nanoserve.engine.sequence import Sequence
+from nanoserve.sampling_params import SamplingParams
+
+BS = 4
+_ids = itertools.count()
+
+
+def make_seq(tokens: list[int]) -> Sequence:
+    return Sequence(f"r{next(_ids)}", tokens, SamplingParams())
+
+
+def prefill(bm: BlockManager, tokens: list[int]) -> Sequence:
+    """Admit a sequence and compute its whole prompt, as one engine step would."""
+    seq = make_seq(tokens)
+    bm.admit(seq)
+    assert bm.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.commit(seq)
+    return seq
+
+
+def hit_tokens(bm: BlockManager, tokens: list[int]) -> int:
+    """How many leading tokens a new sequence would find cached (and give the blocks back)."""
+    seq = make_seq(tokens)
+    bm.admit(seq)
+    hit = seq.num_cached_tokens
+    bm.release(seq)
+    return hit
+
+
+def assert_all_free(bm: BlockManager) -> None:
+    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.ref_counts == [0] * bm.num_blocks
+
+
+def test_equal_prefixes_share_blocks_and_count_references():
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    a = prefill(bm, list(range(1, 11)))              # 2 full blocks + 2 tokens
+    b = make_seq(list(range(1, 9)) + [50, 51, 52])   # same first 2 blocks, different tail
+    bm.admit(b)
+
+    assert b.block_table == a.block_table[:2]
+    assert b.num_cached_tokens == b.num_computed_tokens == 8
+    assert [bm.ref_counts[i] for i in a.block_table] == [2, 2, 1]
+
+    assert bm.allocate_slots(b, b.num_tokens - b.num_computed_tokens)
+    assert len(b.block_table) == 3 and b.block_table[2] not in a.block_table
+    bm.release(a)
+    assert [bm.ref_counts[i] for i in b.block_table] == [1, 1, 1]
+    bm.release(b)
+    assert_all_free(bm)
+
+
+def test_freed_prefix_blocks_are_reused_before_evicting():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    prompt = list(range(1, 10))                      # 2 full blocks + 1 token
+    a = prefill(bm, prompt)
+    shared = a.block_table[:2]
+    bm.release(a)
+    assert_all_free(bm)
+
+    # an unrelated allocation that fits in the other free blocks leaves the cached ones alone
+    other = prefill(bm, [90, 91, 92, 93, 94])
+    assert not set(other.block_table) & set(shared)
+
+    b = make_seq(prompt + [7])
+    bm.admit(b)
+    assert b.block_table == shared
+    assert b.num_cached_tokens == 8
+    assert [bm.ref_counts[i] for i in shared] == [1, 1]
+    bm.release(b)
+    bm.release(other)
+    assert_all_free(bm)
+
+
+def test_allocation_evicts_unhashed_free_blocks_before_cached_ones():
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    prompt = [1, 2, 3, 4, 5]                         # one cached block + a partial (unhashed) tail
+    a = prefill(bm, prompt)
+    b = prefill(bm, [60, 61, 62])                    # one partial block, never hashed
+    bm.release(a)
+    bm.release(b)                                    # freed last, yet holds nothing worth keeping
+
+    x = prefill(bm, [70, 71, 72, 73, 74])            # two blocks: both unhashed ones go, the prefix stays
+    assert hit_tokens(bm, prompt) == 4
+    bm.release(x)
+    assert_all_free(bm)
+
+
+def test_allocation_under_pressure_evicts_the_least_recently_freed_cached_block():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    old = [1, 2, 3, 4, 5]                            # one cached block each, plus a partial tail
+    new = [11, 12, 13, 14, 15]
+    bm.release(prefill(bm, old))
+    bm.release(prefill(bm, new))
+
+    # three blocks needed: both unhashed tails, then the cached block freed longest ago
+    x = prefill(bm, [20, 21, 22, 23, 24, 25, 26, 27, 28])
+    assert hit_tokens(bm, old) == 0
+    assert hit_tokens(bm, new) == 4
+    bm.release(x)
+    assert_all_free(bm)
+
+
+def test_a_sequence_frees_its_tail_before_its_shared_start():
+    # the tail of a chain is useless without its head: evicting it first keeps more hits
+    prompt = list(range(1, 13)) + [99]               # 3 cached blocks (the 4th would be partial)
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    bm.release(prefill(bm, prompt))
+    assert hit_tokens(bm, prompt) == 12
+
+    x = prefill(bm, [40, 41, 42, 43, 44])            # takes the unhashed tail and the last cached block
+    assert hit_tokens(bm, prompt) == 8
+    bm.release(x)
+    assert_all_free(bm)
+
+
+def test_chain_hash_does_not_match_equal_blocks_after_different_prefixes():
+    block = [7, 8, 9, 10]
+    assert chain_hash(0, block) != chain_hash(chain_hash(0, [1, 2, 3, 4]), block)
+
+    bm = BlockManager(num_blocks=12, block_size=BS)
+    a = prefill(bm, [1, 2, 3, 4] + block + [0])
+    b = make_seq([5, 6, 7, 8] + block + [0])         # second block equal, first differs
+    bm.admit(b)
+    assert b.num_cached_tokens == 0 and b.block_table == []
+    c = make_seq([1, 2, 3, 4] + [7, 8, 9, 11, 0])    # first equal, second differs in its last token
+    bm.admit(c)
+    assert c.block_table == a.block_table[:1]
+    for seq in (a, b, c):
+        bm.release(seq)
+    assert_all_free(bm)
+
+
+def test_last_token_is_always_recomputed():
+    bm = BlockManager(num_blocks=12, block_size=BS)
+    prompt = list(range(1, 13))                      # exactly 3 full blocks
+    a = prefill(bm, prompt)
+    assert bm.num_blocks - bm.num_free_blocks == 3
+
+    # the step must sample from the last token's logits, so at most 2 of the 3 blocks are reused
+    b = make_seq(prompt)
+    bm.admit(b)
+    assert b.num_cached_tokens == 8 and b.num_computed_tokens == 8
+    assert b.block_table == a.block_table[:2]
+    # one more token and all 3 full blocks are reused
+    assert hit_tokens(bm, prompt + [13]) == 12
+    bm.release(a)
+    bm.release(b)
+    assert_all_free(bm)
+
+
+def test_commit_registers_only_full_computed_blocks():
+    bm = BlockManager(num_blocks=12, block_size=BS)
+    prompt = list(range(1, 12))                      # 11 tokens
+    a = make_seq(prompt)
+    bm.admit(a)
+    assert bm.allocate_slots(a, 6)                   # a first chunk of 6: one full block
+    a.num_computed_tokens = 6
+    bm.commit(a)
+    assert hit_tokens(bm, prompt) == 4
+
+    assert bm.allocate_slots(a, 5)
+    a.num_computed_tokens = 11
+    bm.commit(a)
+    assert hit_tokens(bm, prompt + [12, 13]) == 8    # the third block holds 3 tokens: not registered
+
+    a.token_ids.append(12)                           # sampled, not yet computed: block 3 full but not in cache
+    bm.commit(a)
+    assert hit_tokens(bm, prompt + [12, 13]) == 8
+    assert bm.allocate_slots(a, 1)
+    a.num_computed_tokens = 12
+    bm.commit(a)
+    assert hit_tokens(bm, prompt + [12, 13]) == 12
+    bm.release(a)
+    assert_all_free(bm)
+
+
+def test_allocation_that_does_not_fit_changes_nothing():
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    a = make_seq(list(range(1, 14)))                 # needs 4 blocks
+    bm.admit(a)
+    assert not bm.allocate_slots(a, a.num_tokens)
+    assert a.block_table == []
+    assert_all_free(bm)
+    assert bm.allocate_slots(a, 12)
+    assert bm.num_free_blocks == 0
+    bm.release(a)
+    assert_all_free(bm)
+
+
+def test_without_prefix_caching_nothing_is_shared():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    prompt = list(range(1, 10))
+    a = prefill(bm, prompt)
+    b = make_seq(prompt)
+    bm.admit(b)
+    assert b.block_table == [] and b.num_computed_tokens == 0
+    bm.release(a)
+    assert hit_tokens(bm, prompt) == 0
+    assert_all_free(bm)
