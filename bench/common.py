@@ -18,5 +18,5 @@ def config_from_file(path: str, **kwargs) -> EngineConfig:
     with open(path) as f:
         values = json.load(f)
     hf_config = AutoConfig.for_model(values.pop("model_type"), **values)
-    return EngineConfig(model=os.path.dirname(os.path.abspath(path)), tokenizer=os.environ.get("NANOSERVE_BENCH_TOKENIZER", DEFAULT_MODEL),
+    return EngineConfig(model=os.path.dirname(os.path.abspath(path)), tokenizer=DEFAULT_MODEL,
                         hf_config=hf_config, load_format="dummy", **kwargs)

@@ -71,11 +71,12 @@ class LLM:
                        else [sampling_params or SamplingParams()] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for ids in token_ids:  # all checked before any is queued: a bad prompt leaves nothing behind
+            self.engine.check_prompt(ids, None)
         results: list[RequestOutput] = []
         states: dict[str, tuple[RequestOutput, RequestState]] = {}
-        for prompt, params in zip(prompts, params_list):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            self.engine.check_prompt(ids, None)
+        for prompt, ids, params in zip(prompts, token_ids, params_list):
             result = RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, ids)
             results.append(result)
             request_ids = [f"{result.request_id}-{index}" for index in range(params.n)]

@@ -11,7 +11,8 @@ from nanoserve.config import EngineConfig
 from nanoserve.runner.attention import select_backend
 from nanoserve.runner.batch import SampleOutput, SequenceWork
 from nanoserve.runner.inputs import build_inputs
-from nanoserve.runner.kv_cache import KVCache, blocks_for_cpu, blocks_for_gpu
+from nanoserve.runner.layers.ops import EAGER_OPS, compiled_ops
+from nanoserve.runner.kv_cache import KVCache, blocks_for_cpu, blocks_for_gpu, profile_work
 from nanoserve.runner.loader import fill_dummy_weights, load_weights
 from nanoserve.runner.models.registry import model_class
 from nanoserve.runner.sampler import sample
@@ -32,8 +33,10 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
+            # fused elementwise kernels pay on the GPU; compiling would only slow the CPU path
+            ops = compiled_ops() if self.device.type == "cuda" and not config.enforce_eager else EAGER_OPS
             with torch.device(self.device):
-                self.model = cls(hf)
+                self.model = cls(hf, ops)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
@@ -80,7 +83,6 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:
         """Peak activation bytes of the largest step, measured with a throwaway KV cache."""
-        from nanoserve.runner.kv_cache import profile_work
         cfg = self.config
         work = profile_work(cfg)
         cache = KVCache(cfg, sum(len(w.block_table) for w in work), self.device)

@@ -109,14 +109,17 @@ def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, rows: list[SequenceWork]) -> SampleOutput:
     """One token per row: argmax for temperature 0, else a draw from the filtered distribution."""
-    logits = logits.float()
     st = SamplingTensors.build(rows, logits.shape[1], logits.device)
-    raw_logprobs = logits.log_softmax(dim=-1) if st.num_logprobs >= 0 else None
+    raw_logprobs = logits.float().log_softmax(dim=-1) if st.num_logprobs >= 0 else None
     if any(w.params.uses_penalties or w.params.logit_bias or w.banned_token_ids for w in rows):
+        logits = logits.float()
         apply_penalties(logits, rows)
-    if st.all_greedy:
-        tokens = logits.argmax(dim=-1)
+    if logits.is_cuda and st.top_k is None and st.top_p is None and st.min_p is None:
+        tokens = _fused_draw(logits, st)
+    elif st.all_greedy:
+        tokens = logits.float().argmax(dim=-1)
     else:
+        logits = logits.float()
         scaled = filter_logits(logits / st.temperature[:, None], st)
         probs = scaled.softmax(dim=-1)
         # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race), with no sort
@@ -129,6 +132,17 @@ def sample(logits: torch.Tensor, rows: list[SequenceWork]) -> SampleOutput:
     if raw_logprobs is None:
         return SampleOutput(tokens.tolist(), [None] * len(rows))
     return _with_logprobs(tokens, raw_logprobs, st)
+
+
+def _fused_draw(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The one-pass Gumbel-max kernel, for rows without top-k / top-p / min-p."""
+    from nanoserve.runner.sampling_kernel import gumbel_argmax
+
+    seeds = torch.randint(0, 2**31 - 1, (logits.shape[0],), dtype=torch.int64)
+    for row, seed in st.seeds:
+        seeds[row] = seed & 0x7FFF_FFFF
+    temperature = st.temperature.masked_fill(st.greedy, 0.0)
+    return gumbel_argmax(logits, temperature, seeds.to(logits.device, non_blocking=True))
 
 
 def _with_logprobs(tokens: torch.Tensor, logprobs: torch.Tensor, st: SamplingTensors) -> SampleOutput:

@@ -151,8 +151,6 @@ def test_prompt_longer_than_max_model_len_is_rejected(llm):
         llm.generate(["word " * 300], greedy(4), use_tqdm=False)
 
 
-@pytest.mark.xfail(strict=True, reason="generate() queues the prompts before a later one is rejected; "
-                                       "they stay in the engine and break the next call")
 def test_a_rejected_batch_leaves_nothing_queued(qwen3_model):
     llm = LLM(qwen3_model, dtype="float32", device="cpu", max_model_len=64)
     with pytest.raises(ValueError):

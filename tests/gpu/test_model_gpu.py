@@ -44,7 +44,7 @@ def hf_model(path: str, dtype: torch.dtype):
 def test_float32_greedy_matches_transformers(qwen3_06b, enforce_eager):
     prompts = random_prompts(16, 10000, 10, 200, seed=7)
     llm = LLM(qwen3_06b, dtype="float32", device="cuda", max_model_len=1024, max_num_seqs=16,
-              enforce_eager=enforce_eager, gpu_memory_utilization=0.5)
+              num_kvcache_blocks=64, enforce_eager=enforce_eager)
     ours = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64,
                                                                       ignore_eos=True), use_tqdm=False)]
     model = hf_model(qwen3_06b, torch.float32)
@@ -61,7 +61,7 @@ def test_bf16_first_step_logits_close_to_transformers(qwen3_06b):
     from nanoserve.runner.batch import SequenceWork
 
     prompts = random_prompts(8, 10000, 20, 300, seed=8)
-    llm = LLM(qwen3_06b, dtype="bfloat16", device="cuda", max_model_len=1024, gpu_memory_utilization=0.5)
+    llm = LLM(qwen3_06b, dtype="bfloat16", device="cuda", max_model_len=1024, num_kvcache_blocks=64)
     runner = llm.engine.runner
     model = hf_model(qwen3_06b, torch.float32)
     for i, ids in enumerate(prompts):
@@ -84,5 +84,5 @@ def test_cpu_and_gpu_paths_agree_on_bundled_model():
     prompts = ["The function returns", "A list is", "In Python, a class", "import os\n", "Return the"]
     params = SamplingParams(temperature=0, max_tokens=32)
     cpu = LLM(device="cpu", dtype="float32").generate(prompts, params, use_tqdm=False)
-    gpu = LLM(device="cuda", dtype="float32", gpu_memory_utilization=0.3).generate(prompts, params, use_tqdm=False)
+    gpu = LLM(device="cuda", dtype="float32", num_kvcache_blocks=64).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in cpu] == [o.token_ids for o in gpu]

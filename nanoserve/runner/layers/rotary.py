@@ -1,4 +1,4 @@
-"""Rotary position embedding (GPT-NeoX layout), with the scaled variants of transformers."""
+"""Rotary position embedding tables (GPT-NeoX layout), with the scaled variants of transformers."""
 
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.
     return ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryTables(nn.Module):
+    """cos and sin of every position up to max_position, [positions, head_dim] float32."""
+
     def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
         super().__init__()
         inv_freq, scaling = inverse_frequencies(config, head_dim)
@@ -36,15 +38,3 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [tokens, heads, dim] and k [tokens, kv_heads, dim], rotated by their positions."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

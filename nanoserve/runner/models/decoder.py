@@ -13,7 +13,8 @@ from transformers import PretrainedConfig
 from nanoserve.runner.batch import AttentionMetadata
 from nanoserve.runner.layers.linear import PackedLinear
 from nanoserve.runner.layers.norm import RMSNorm
-from nanoserve.runner.layers.rotary import RotaryEmbedding
+from nanoserve.runner.layers.ops import EAGER_OPS, LayerOps
+from nanoserve.runner.layers.rotary import RotaryTables
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -22,8 +23,10 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 class Attention(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryTables, ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
+        self.eps = config.rms_norm_eps
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
@@ -46,32 +49,34 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        cos, sin = self.rotary.cos, self.rotary.sin
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = self.ops.qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.eps, cos, sin)
+        else:
+            q, k = self.ops.rope(positions, q, k, cos, sin)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
         self.gate_up_proj = PackedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryTables, ops: LayerOps) -> None:
         super().__init__()
-        self.self_attn = Attention(config, qkv_bias, qk_norm, rotary)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, qkv_bias, qk_norm, rotary, ops)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,13 +90,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, ops: LayerOps) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings)
+        rotary = RotaryTables(config, head_dim_of(config), config.max_position_embeddings)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm, rotary)
+        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm, rotary, ops)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
@@ -109,10 +114,10 @@ class DecoderForCausalLM(nn.Module):
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, ops: LayerOps = EAGER_OPS) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.uses_qkv_bias(config), self.qk_norm)
+        self.model = DecoderModel(config, self.uses_qkv_bias(config), self.qk_norm, ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,0 +1,51 @@
+"""One pass over the logits: temperature, Gumbel noise and argmax fused in a Triton kernel.
+
+argmax(logits / T + G) with G = -log(-log(U)) is a draw from softmax(logits / T) (the Gumbel-max
+trick), so a row needs no softmax, no float32 copy of the logits and no second pass. Each row's
+noise comes from its own Philox seed, so a seeded row draws the same token whatever else is in
+the batch. Rows with temperature 0 take the plain argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048
+
+
+@triton.jit
+def _gumbel_argmax_kernel(logits_ptr, stride, inv_temp_ptr, seeds_ptr, out_ptr, vocab,
+                          BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    inv_temp = tl.load(inv_temp_ptr + row)
+    seed = tl.load(seeds_ptr + row)
+    greedy = inv_temp == 0.0
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < vocab
+        x = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        u = tl.rand(seed, cols)
+        # u in [0, 1): u = 0 gives -inf noise, a token that can never win, which is harmless
+        score = tl.where(greedy, x, x * inv_temp - tl.log(-tl.log(u)))
+        score = tl.where(mask, score, float("-inf"))
+        better = score > best  # strict: each lane keeps its first maximum
+        best = tl.where(better, score, best)
+        best_idx = tl.where(better, cols, best_idx)
+    top = tl.max(best, axis=0)
+    # the first index among lanes holding the maximum, as torch.argmax returns
+    index = tl.min(tl.where(best == top, best_idx, vocab), axis=0)
+    tl.store(out_ptr + row, index)
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """Sampled token per row of logits [rows, vocab]; temperature [rows] (0 = greedy), seeds [rows] int."""
+    rows, vocab = logits.shape
+    assert logits.stride(1) == 1, "logits rows must be contiguous"
+    inv_temp = torch.where(temperature > 0, 1.0 / temperature.clamp(min=1e-6), torch.zeros_like(temperature))
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    _gumbel_argmax_kernel[(rows,)](logits, logits.stride(0), inv_temp.float(), seeds, out, vocab, BLOCK=BLOCK)
+    return out
