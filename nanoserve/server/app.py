@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import signal
+import sys
+import threading
 from collections.abc import AsyncIterator
 
 import uvicorn
@@ -81,4 +84,7 @@ def serve(config: EngineConfig, settings: ServerSettings, host: str = "0.0.0.0",
     AppStatus.disable_automatic_graceful_drain()
     app = build_app(engine, settings)
     logger.info("Serving %s as %s on http://%s:%d", config.model, settings.served_model_names, host, port)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn drains, then re-raises SIGTERM to the handler it found: make that a clean exit (0)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)

@@ -1,0 +1,71 @@
+"""The waiting-queue limit (503 with Retry-After) and SIGTERM letting requests in flight finish."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from nanoserve import SamplingParams
+from tests.server.conftest import ServerProcess
+
+
+@pytest.fixture
+def limited(server_model, tmp_path):
+    # one sequence at a time and room for two waiting: a burst must overflow
+    proc = ServerProcess(server_model, tmp_path, "--max-queue-len", "2", "--max-num-seqs", "1",
+                         "--num-kvcache-blocks", "128", "--block-size", "16")
+    yield proc
+    proc.stop()
+
+
+def test_a_burst_past_the_queue_limit_gets_503s_and_the_admitted_all_complete(limited, offline):
+    prompts = [f"A list of {i} items" for i in range(12)]
+    refs = [o.text for o in offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24,
+                                                                      ignore_eos=True), use_tqdm=False)]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=limited.url, timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json={
+                "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True}) for p in prompts))
+
+    responses = asyncio.run(main())
+    refused = [r for r in responses if r.status_code == 503]
+    admitted = [(i, r) for i, r in enumerate(responses) if r.status_code == 200]
+    assert len(refused) + len(admitted) == 12
+    assert refused and len(admitted) >= 2  # at least the two that fit in the queue
+    for r in refused:
+        assert r.headers["retry-after"] == "1"
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert "max_queue_len 2" in r.json()["error"]["message"]
+    for i, r in admitted:
+        assert r.json()["choices"][0]["text"] == refs[i]
+    limited.wait_idle()
+
+
+def test_sigterm_lets_the_stream_in_flight_finish_then_exits(server_model, tmp_path, offline):
+    proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "128", "--block-size", "16")
+    try:
+        body = {"prompt": "A list", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{proc.url}/v1/completions", json=body, timeout=120) as response:
+            data = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
+            first = next(data)
+            proc.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(httpx.TransportError):  # no new connections while draining
+                httpx.get(f"{proc.url}/health", timeout=2)
+            rest = list(data)
+        assert rest[-1] == "[DONE]"
+        chunks = [json.loads(d)["choices"][0] for d in [first, *rest[:-1]]]
+        assert chunks[-1]["finish_reason"] == "length"
+        text = "".join(c["text"] for c in chunks)
+        assert proc.proc.wait(30) == 0
+        ref = offline.generate("A list", SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True),
+                               use_tqdm=False)[0].text
+        assert text == ref  # all 400 tokens arrived
+    finally:
+        proc.stop()
