@@ -1,0 +1,66 @@
+"""`nanoserve generate` and `nanoserve serve`'s flags; `import nanoserve` stays free of the web stack."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from nanoserve import SamplingParams
+from nanoserve.cli import build_parser, main
+from tests.server.conftest import REPO
+
+ISSUE_FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
+               "--max-num-batched-tokens", "--gpu-memory-utilization", "--max-queue-len", "--dtype", "--device",
+               "--attention-backend", "--enforce-eager", "--block-size", "--num-kvcache-blocks", "--seed",
+               "--load-format", "--allowed-origins"]
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nanoserve.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+def test_generate_prints_the_offline_completion(offline):
+    prompt = "The function returns"
+    expected = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0].text
+    result = run_cli("generate", prompt, "--max-tokens", "12", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected + "\n"
+
+
+def test_serve_accepts_every_flag_of_the_issue(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--help"])
+    assert exit_.value.code == 0
+    help_text = capsys.readouterr().out
+    assert [f for f in ISSUE_FLAGS if f not in help_text] == []
+    args = build_parser().parse_args(["serve", "/models/x", "--served-model-name", "a", "b", "--enforce-eager",
+                                      "--allowed-origins", "https://example.org", "--max-queue-len", "7"])
+    assert (args.model, args.served_model_name, args.enforce_eager) == ("/models/x", ["a", "b"], True)
+    assert (args.allowed_origins, args.max_queue_len) == (["https://example.org"], 7)
+
+
+def test_a_bad_flag_value_exits_with_a_message_naming_the_fix():
+    result = run_cli("serve", "--block-size", "3", "--device", "cpu", "--port", "1")
+    assert result.returncode == 2
+    assert "block_size must be a power of two, got 3" in result.stderr
+
+
+def test_the_console_script_is_declared():
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert re.search(r'^\[project\.scripts\]\nnanoserve = "nanoserve\.cli:main"$', pyproject, re.M)
+
+
+def test_import_nanoserve_does_not_load_the_web_stack():
+    code = ("import sys, nanoserve; bad = [m for m in ('fastapi', 'uvicorn', 'sse_starlette', 'starlette', "
+            "'nanoserve.server') if m in sys.modules]; print(bad)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_the_server_never_imports_the_runner():
+    for path in (REPO / "nanoserve" / "server").glob("*.py"):
+        assert "nanoserve.runner" not in path.read_text(), f"{path.name} reaches into the runner"
