@@ -1,4 +1,4 @@
-"""`nanoserve serve [MODEL]` runs the OpenAI-compatible server; `nanoserve generate "prompt"` runs one prompt offline."""
+"""`nanoserve serve [MODEL]` runs the OpenAI-compatible server; `nanoserve generate "prompt"` prints a completion."""
 
 from __future__ import annotations
 

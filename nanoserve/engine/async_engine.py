@@ -111,6 +111,10 @@ class RequestStream:
         return RequestUpdate(out.index, out.text_delta, step.new_token_ids, step.logprobs, out.finish_reason,
                              step.num_prompt_tokens, step.num_cached_tokens)
 
+    def push(self, item: StepOutput | BaseException) -> None:
+        """Called on the event loop with an engine output for one of its choices, or an error for all."""
+        self._queue.put_nowait(item)
+
     def close(self) -> None:
         """Abort the unfinished choices and stop routing outputs here. Idempotent."""
         if self.closed:
@@ -200,7 +204,9 @@ class AsyncEngine:
         stream = RequestStream(self, ids, states)
         with self._cond:
             waiting = self._stats.num_waiting + self._pending_adds
-            if self.max_queue_len is not None and waiting + len(prompts) > self.max_queue_len:
+            # refuse only when the queue is already full, so that a request of more prompts than
+            # max_queue_len can still get in when the server is idle
+            if self.max_queue_len is not None and waiting >= self.max_queue_len:
                 raise QueueFullError(f"{waiting} requests are already waiting (max_queue_len "
                                      f"{self.max_queue_len}); retry later")
             for rid in ids:
@@ -269,13 +275,13 @@ class AsyncEngine:
         for step in outputs:
             stream = self._streams.get(step.request_id)
             if stream is not None:  # None: its client is gone and the abort is on its way
-                stream._queue.put_nowait(step)
+                stream.push(step)
 
     def _fail_request(self, request_ids: list[str], exc: BaseException) -> None:
         streams = {self._streams.get(rid) for rid in request_ids} - {None}
         for stream in streams:
-            stream._queue.put_nowait(exc)
+            stream.push(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in set(self._streams.values()):
-            stream._queue.put_nowait(exc)
+            stream.push(exc)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 
 import orjson
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError

@@ -20,7 +20,8 @@ LONG = " ".join(["list dict class"] * 40)  # far over 64 tokens
 @pytest.fixture(scope="module")
 def server(server_model, tmp_path_factory):
     proc = ServerProcess(server_model, tmp_path_factory.mktemp("bad-requests"), "--max-model-len", str(CONTEXT),
-                         "--num-kvcache-blocks", "64", "--block-size", "16", api_key=KEY)
+                         "--num-kvcache-blocks", "64", "--block-size", "16",
+                         "--allowed-origins", "https://app.example", api_key=KEY)
     yield proc
     proc.stop()
 
@@ -196,3 +197,15 @@ def test_max_tokens_defaults_to_the_rest_of_the_context(server):
     r = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=120).json()
     assert r["choices"][0]["finish_reason"] == "length"
     assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == CONTEXT
+
+
+def test_cors_answers_allowed_origins_only_and_preflights_need_no_key(server):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    r = httpx.options(f"{server.url}/v1/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    r = httpx.options(f"{server.url}/v1/completions", headers={**preflight, "Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.get(f"{server.url}/v1/models", headers={**server.headers, "Origin": "https://app.example"})
+    assert r.headers["access-control-allow-origin"] == "https://app.example"
+

@@ -182,3 +182,10 @@ def test_tokenize_and_detokenize_round_trip(http, offline):
     chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
     rendered = offline.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     assert chat["tokens"] == offline.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def test_cors_is_off_by_default(http):
+    r = http.options("/v1/completions", headers={"Origin": "https://app.example",
+                                                 "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in r.headers
+    assert "access-control-allow-origin" not in http.get("/v1/models", headers={"Origin": "https://a.b"}).headers
