@@ -78,6 +78,10 @@ def test_async_client_concurrent_completions_and_chats(server, offline, chat_pro
                                                      stream=True)
             return "".join([c.choices[0].text async for c in stream])
 
+        async def chat():
+            return (await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=16,
+                                                         temperature=0)).choices[0].message.content
+
         async def chat_streamed():
             stream = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=16, temperature=0,
                                                           stream=True)
@@ -85,10 +89,10 @@ def test_async_client_concurrent_completions_and_chats(server, offline, chat_pro
 
         async with client:
             return await asyncio.gather(*(complete(p) for p in PROMPTS), *(complete_streamed(p) for p in PROMPTS),
-                                        chat_streamed())
+                                        chat(), chat_streamed())
 
     results = asyncio.run(main())
-    assert results == refs + refs + [chat_ref]
+    assert results == refs + refs + [chat_ref, chat_ref]
 
 
 def test_n_choices_share_the_prompt_blocks(client, server, offline):
