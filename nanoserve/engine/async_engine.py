@@ -14,6 +14,8 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import CompletionOutput, RequestState, StepOutput, TokenLogprob
@@ -233,6 +235,9 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            if self.config.device.startswith("cuda:"):
+                # the current device is per thread: make it the engine's, not cuda:0 by default
+                torch.cuda.set_device(torch.device(self.config.device))
             while True:
                 with self._cond:
                     while not (self._inbox or self._stopping or self.engine.has_unfinished_requests()):

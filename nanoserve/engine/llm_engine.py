@@ -84,8 +84,10 @@ class LLMEngine:
     def _enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  front: bool = False) -> None:
         seq = Sequence(request_id, prompt_token_ids, params, next(self._arrivals))
-        if seq.max_tokens is None:
-            seq.max_tokens = self.config.max_model_len - len(prompt_token_ids)
+        room = self.config.max_model_len - len(prompt_token_ids)
+        seq.max_tokens = room if seq.max_tokens is None else min(seq.max_tokens, room)
+        seq.stop_token_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         self.sequences[request_id] = seq
         if front:
             self.scheduler.waiting.appendleft(seq)
@@ -115,14 +117,13 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    def _banned(self, seq: Sequence) -> tuple[int, ...]:
-        params = seq.params
-        if not params.min_tokens or seq.num_output_tokens >= params.min_tokens:
+    @staticmethod
+    def _banned(seq: Sequence) -> tuple[int, ...]:
+        """Stop tokens cannot be sampled before min_tokens outputs."""
+        min_tokens = seq.params.min_tokens
+        if not min_tokens or len(seq.token_ids) - seq.num_prompt_tokens >= min_tokens:
             return ()
-        banned = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            banned |= self.eos_token_ids
-        return tuple(banned)
+        return tuple(seq.stop_token_ids)
 
     def step(self) -> list[StepOutput]:
         """Run one scheduled batch; report the tokens each request gained and who finished."""
@@ -154,11 +155,12 @@ class LLMEngine:
                                       reason is not None, reason, seq.num_prompt_tokens, seq.num_cached_tokens))
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
-            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-                return "stop"
-        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
+    @staticmethod
+    def _finish_reason(seq: Sequence, token: int) -> str | None:
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        if token in seq.stop_token_ids and num_output >= seq.params.min_tokens:
+            return "stop"
+        # max_tokens was capped at what the context leaves, so this also ends at max_model_len
+        if num_output >= seq.max_tokens:
             return "length"
         return None

@@ -38,6 +38,7 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.max_tokens = params.max_tokens
+        self.stop_token_ids: frozenset[int] = frozenset(params.stop_token_ids)  # eos added by the engine
 
     @property
     def num_tokens(self) -> int:

@@ -40,11 +40,27 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: t
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                 k_weight: torch.Tensor, eps: float, cos_cache: torch.Tensor, sin_cache: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's per-head RMSNorm of q and k, then rotary."""
-    return rope(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos_cache, sin_cache)
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return (q.reshape(-1, num_heads, head_dim), k.reshape(-1, num_kv_heads, head_dim),
+            v.reshape(-1, num_kv_heads, head_dim))
+
+
+def qkv_rope(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+             cos_cache: torch.Tensor, sin_cache: torch.Tensor, q_weight: torch.Tensor | None = None,
+             k_weight: torch.Tensor | None = None, eps: float = 0.0
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split the packed projection [tokens, (H + 2 KV) * D] into q, k, v; Qwen3's per-head RMSNorm
+    of q and k when their weights are given; rotary on q and k.
+
+    Taking the contiguous packed tensor, not strided views of it, keeps torch.compile from
+    specializing on strides that happen to equal a token count."""
+    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    if q_weight is not None:
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    q, k = rope(positions, q, k, cos_cache, sin_cache)
+    return q, k, v
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -56,15 +72,17 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 class LayerOps:
     rms_norm: Callable
     add_rms_norm: Callable
-    rope: Callable
-    qk_norm_rope: Callable
+    qkv_rope: Callable
     silu_mul: Callable
 
 
-EAGER_OPS = LayerOps(rms_norm, add_rms_norm, rope, qk_norm_rope, silu_mul)
+EAGER_OPS = LayerOps(rms_norm, add_rms_norm, qkv_rope, silu_mul)
 
 
 def compiled_ops() -> LayerOps:
     """The same functions fused by torch.compile (shapes dynamic in the token count)."""
+    # each model shape compiles its own variants; a process that loads several models (tests,
+    # benchmarks) would otherwise run out of dynamo's default budget of 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     fuse = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
-    return LayerOps(*(fuse(fn) for fn in (rms_norm, add_rms_norm, rope, qk_norm_rope, silu_mul)))
+    return LayerOps(*(fuse(fn) for fn in (rms_norm, add_rms_norm, qkv_rope, silu_mul)))

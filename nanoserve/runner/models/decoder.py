@@ -45,15 +45,9 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        cos, sin = self.rotary.cos, self.rotary.sin
-        if self.q_norm is not None:
-            q, k = self.ops.qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.eps, cos, sin)
-        else:
-            q, k = self.ops.rope(positions, q, k, cos, sin)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.eps) if self.q_norm is not None else ()
+        q, k, v = self.ops.qkv_rope(positions, self.qkv_proj(x), self.num_heads, self.num_kv_heads,
+                                    self.head_dim, self.rotary.cos, self.rotary.sin, *norms)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
 
