@@ -17,6 +17,8 @@ import pytest
 from nanoserve.config import DEFAULT_MODEL
 
 REPO = Path(__file__).resolve().parents[2]
+# CI runs these on the CPU; NANOSERVE_TEST_DEVICE=cuda runs the same tests on a GPU
+DEVICE = os.environ.get("NANOSERVE_TEST_DEVICE", "cpu")
 CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] "
           "+ '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
           "{%- endif %}")
@@ -86,7 +88,7 @@ class ServerProcess:
         self.api_key = api_key
         self.log_path = log_dir / f"server-{self.port}.log"
         cmd = [sys.executable, "-m", "nanoserve.cli", "serve", model, "--host", "127.0.0.1",
-               "--port", str(self.port), "--device", "cpu", "--served-model-name", "tiny", *args]
+               "--port", str(self.port), "--device", DEVICE, "--served-model-name", "tiny", *args]
         if api_key:
             cmd += ["--api-key", api_key]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -167,4 +169,4 @@ def offline(server_model):
     """The offline LLM on the same model and settings: the reference for the server's greedy outputs."""
     from nanoserve import LLM
 
-    return LLM(server_model, device="cpu", num_kvcache_blocks=512, block_size=16, max_num_seqs=64)
+    return LLM(server_model, device=DEVICE, num_kvcache_blocks=512, block_size=16, max_num_seqs=64)

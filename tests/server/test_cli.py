@@ -10,7 +10,7 @@ import pytest
 
 from nanoserve import SamplingParams
 from nanoserve.cli import build_parser, main
-from tests.server.conftest import REPO
+from tests.server.conftest import DEVICE, REPO
 
 ISSUE_FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
                "--max-num-batched-tokens", "--gpu-memory-utilization", "--max-queue-len", "--dtype", "--device",
@@ -26,7 +26,7 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def test_generate_prints_the_offline_completion(offline):
     prompt = "The function returns"
     expected = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0].text
-    result = run_cli("generate", prompt, "--max-tokens", "12", "--device", "cpu")
+    result = run_cli("generate", prompt, "--max-tokens", "12", "--device", DEVICE)
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected + "\n"
 

@@ -18,12 +18,12 @@ from nanoserve import EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.server.app import build_app
 from nanoserve.server.state import ServerSettings
-from tests.server.conftest import free_port
+from tests.server.conftest import DEVICE, free_port
 
 
 @pytest.fixture(scope="module")
 def failing_server(server_model):
-    engine = AsyncEngine(EngineConfig(model=server_model, device="cpu", num_kvcache_blocks=128, block_size=16))
+    engine = AsyncEngine(EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=128, block_size=16))
     fail = threading.Event()
     real_step = engine.engine.step
 
