@@ -80,9 +80,11 @@ EAGER_OPS = LayerOps(rms_norm, add_rms_norm, qkv_rope, silu_mul)
 
 
 def compiled_ops() -> LayerOps:
-    """The same functions fused by torch.compile (shapes dynamic in the token count)."""
+    """The same functions fused by torch.compile."""
     # each model shape compiles its own variants; a process that loads several models (tests,
     # benchmarks) would otherwise run out of dynamo's default budget of 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    fuse = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
+    # default (automatic) dynamism: the token count turns dynamic after its first change, while the
+    # model's own ints (heads, head_dim) stay constants that no token count can be confused with
+    fuse = lambda fn: torch.compile(fn, fullgraph=True)  # noqa: E731
     return LayerOps(*(fuse(fn) for fn in (rms_norm, add_rms_norm, qkv_rope, silu_mul)))
