@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 import jinja2
@@ -14,7 +13,8 @@ from nanoserve.server.errors import APIError
 from nanoserve.server.logprobs import chat_logprobs
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage
-from nanoserve.server.state import ServerState, new_id, sampling_error, timed, usage
+from nanoserve.server.response import OpenAIResponse
+from nanoserve.server.state import ServerState, sampling_error, timed, usage
 from nanoserve.server.wire import DONE, cancel_on_disconnect, json_response, parse_body, sse_event, sse_response
 
 router = APIRouter()
@@ -36,22 +36,15 @@ def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_
     return tok.encode(text, add_special_tokens=False)
 
 
-class ChatCompletion:
+class ChatCompletion(OpenAIResponse):
     """One /v1/chat/completions request between validation and its last byte."""
 
+    id_prefix, body_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
     def __init__(self, state: ServerState, req: ChatCompletionRequest, model: str) -> None:
-        self.state, self.req, self.model = state, req, model
-        self.id, self.created = new_id("chatcmpl"), int(time.time())
+        super().__init__(state, req, model)
         self.prompt = render_chat(state, req.messages)
         self.top_n = req.top_logprobs or 0
-        self.cached: dict[int, int] = {}
-
-    def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
-        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": choices}
-        if self.req.include_usage:
-            body["usage"] = usage_
-        return body
 
     def logprobs(self, token_ids: list[int], logprobs: list | None) -> dict | None:
         return chat_logprobs(self.state.texts, token_ids, logprobs or [], self.top_n) if self.req.logprobs else None
@@ -60,18 +53,11 @@ class ChatCompletion:
         return usage(stream, self.req.n, [len(self.prompt)], self.cached)
 
     async def collect(self, stream: RequestStream, timer: RequestTimer) -> dict:
-        try:
-            async for update in timed(stream, timer):
-                self.cached[update.index] = update.num_cached_tokens
-        except EngineDeadError as exc:
-            raise APIError(str(exc), 500, code="engine_dead") from None
-        finally:
-            stream.close()
+        await self.drain(stream, timer)
         choices = [{"index": c, "message": {"role": "assistant", "content": out.text},
                     "logprobs": self.logprobs(out.token_ids, out.logprobs), "finish_reason": out.finish_reason}
                    for c, out in enumerate(stream.outputs)]
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.usage(stream)}
+        return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
 
     async def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
         pending: dict[int, tuple[list, list]] = {}  # tokens whose logprobs wait for a chunk with text

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -13,20 +12,21 @@ from nanoserve.server.errors import APIError
 from nanoserve.server.logprobs import completion_logprobs
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.protocol import CompletionRequest
-from nanoserve.server.state import ServerState, new_id, sampling_error, timed, usage
+from nanoserve.server.response import OpenAIResponse
+from nanoserve.server.state import ServerState, sampling_error, timed, usage
 from nanoserve.server.wire import DONE, cancel_on_disconnect, json_response, parse_body, sse_event, sse_response
 
 router = APIRouter()
 
 
-class Completion:
+class Completion(OpenAIResponse):
     """One /v1/completions request between validation and its last byte."""
 
+    id_prefix, body_object, chunk_object = "cmpl", "text_completion", "text_completion"
+
     def __init__(self, state: ServerState, req: CompletionRequest, model: str) -> None:
-        self.state, self.req, self.model = state, req, model
-        self.id, self.created = new_id("cmpl"), int(time.time())
+        super().__init__(state, req, model)
         self.prompt_texts, self.prompts = self._prompts(req.prompt)
-        self.cached: dict[int, int] = {}
 
     def _prompts(self, prompt: str | list) -> tuple[list[str], list[list[int]]]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -44,21 +44,8 @@ class Completion:
     def echo(self, choice: int) -> str:
         return self.prompt_texts[choice // self.req.n] if self.req.echo else ""
 
-    def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
-        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices}
-        if self.req.include_usage:
-            body["usage"] = usage_
-        return body
-
     async def collect(self, stream: RequestStream, timer: RequestTimer) -> dict:
-        try:
-            async for update in timed(stream, timer):
-                self.cached[update.index] = update.num_cached_tokens
-        except EngineDeadError as exc:
-            raise APIError(str(exc), 500, code="engine_dead") from None
-        finally:
-            stream.close()
+        await self.drain(stream, timer)
         choices = []
         for c, out in enumerate(stream.outputs):
             prefix = self.echo(c)
@@ -67,8 +54,7 @@ class Completion:
                 logprobs, _ = completion_logprobs(self.state.texts, out.token_ids, out.logprobs or [], len(prefix))
             choices.append({"index": c, "text": prefix + out.text, "logprobs": logprobs,
                             "finish_reason": out.finish_reason})
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.usage(stream)}
+        return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
 
     def usage(self, stream: RequestStream) -> dict:
         return usage(stream, self.req.n, [len(p) for p in self.prompts], self.cached)
