@@ -53,3 +53,16 @@ def test_prompt_longer_than_context_is_rejected(qwen3_model):
     llm = LLM(qwen3_model, dtype="float32", device="cpu", max_model_len=64)
     with pytest.raises(ValueError, match="64"):
         llm.generate([[5] * 64], GREEDY, use_tqdm=False)
+
+
+def test_bundled_model_matches_hf():
+    from nanoserve import DEFAULT_MODEL
+
+    llm = LLM(dtype="float32", device="cpu")
+    texts = ["The function returns", "A list is", "In Python, a class", "import os\n", "Return the number of",
+             "If the", "The default value of the argument", "Raise"]
+    prompts = [llm.tokenizer.encode(t) for t in texts]
+    params = SamplingParams(temperature=0.0, max_tokens=32)  # eos on: both sides stop at the same token
+    outputs = llm.generate(texts, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == hf_greedy(DEFAULT_MODEL, prompts, 32, stop_at_eos=True)
+    assert all(o.text for o in outputs)
