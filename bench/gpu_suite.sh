@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [t1024] [eager] [8b] [decode] [profile]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [t1024] [eager] [async] [8b] [decode] [profile]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/nanoserve-gpu}; mkdir -p "$out"
@@ -13,6 +13,7 @@ for part in $parts; do
     tests) python3 -m pytest -q -m gpu tests/gpu 2>&1 | tee "$out/tests.log" | tail -25 ;;
     throughput) "$0" t256 eager t1024 ;;
     t256) python3 bench/throughput.py --num-seqs 256 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
+    async) python3 bench/throughput.py --num-seqs 256 --async-scheduling 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     t1024) python3 bench/throughput.py --num-seqs 1024 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     eager) python3 bench/throughput.py --num-seqs 256 --enforce-eager 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     8b) python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;

@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="launch step N+1 before reading step N's sampled ids")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -42,7 +44,7 @@ def main() -> None:
 
     config = config_from_file(args.config, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-                              attention_backend=args.attention_backend, block_size=args.block_size,
+                              async_scheduling=args.async_scheduling, attention_backend=args.attention_backend, block_size=args.block_size,
                               gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
     llm = LLM.from_config(config)
     rng = Random(args.seed)
@@ -60,6 +62,7 @@ def main() -> None:
     assert tokens == sum(p.max_tokens for p in params)
     backend = llm.engine.runner.backend.name
     graphs = "eager" if llm.engine.runner.graphs is None else "cuda-graphs"
+    graphs += ", async scheduling" if args.async_scheduling else ""
     print(f"throughput: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:.0f} tok/s "
           f"({args.num_seqs} seqs, {os.path.basename(args.config)}, {backend}, {graphs}, "
           f"block {config.block_size}, preemptions {llm.engine.scheduler.num_preemptions})")

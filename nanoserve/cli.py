@@ -22,6 +22,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of equal prefixes")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="launch the next step before reading this one's sampled ids (overlaps host and GPU)")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: random weights, for benchmarks")
     p.add_argument("--seed", type=int, default=0)
@@ -35,7 +37,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
         num_kvcache_blocks=args.num_kvcache_blocks, enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        load_format=args.load_format, seed=args.seed)
+        async_scheduling=args.async_scheduling, load_format=args.load_format, seed=args.seed)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,6 +50,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     load_format: str = "auto"
     enforce_eager: bool = False
+    async_scheduling: bool = False  # launch step N+1 before reading step N's sampled ids
     attention_backend: str = "auto"
     seed: int = 0
     hf_config: PretrainedConfig | None = field(default=None, repr=False)

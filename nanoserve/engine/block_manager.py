@@ -96,9 +96,13 @@ class BlockManager:
             seq.block_table.append(block_id)
         return True
 
-    def commit(self, seq: Sequence) -> None:
-        """Register the blocks that the last step filled completely in the prefix cache."""
-        full = seq.num_computed_tokens // self.block_size
+    def commit(self, seq: Sequence, num_known_tokens: int | None = None) -> None:
+        """Register the blocks that the last step filled completely in the prefix cache.
+
+        `num_known_tokens` limits it to blocks whose tokens are all known on the host."""
+        computed = seq.num_computed_tokens if num_known_tokens is None else min(seq.num_computed_tokens,
+                                                                                 num_known_tokens)
+        full = computed // self.block_size
         if not self.enable_prefix_caching or full <= seq.num_hashed_blocks:
             return
         hashes = self._hashes(seq, full)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
@@ -12,8 +13,8 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.outputs import StepOutput
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
-from nanoserve.runner.batch import SequenceWork
-from nanoserve.runner.model_runner import ModelRunner
+from nanoserve.runner.batch import PENDING_TOKEN, SequenceWork
+from nanoserve.runner.model_runner import ModelRunner, PendingSample
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,15 @@ def eos_token_ids(model: str, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     return ids
 
 
+@dataclass
+class InFlightStep:
+    """A launched step: its sampling sequences in row order, and where each one's token goes."""
+
+    pending: PendingSample
+    sequences: list[Sequence] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # index of the placeholder in token_ids
+
+
 class LLMEngine:
     """Owns the scheduler, block manager and runner. Not thread-safe: one thread calls it."""
 
@@ -49,6 +59,7 @@ class LLMEngine:
         self.vocab_size = config.hf_config.vocab_size
         self.sequences: dict[str, Sequence] = {}
         self.pending_forks: dict[str, list[str]] = {}  # request id -> siblings waiting for its prompt
+        self.in_flight: InFlightStep | None = None  # launched, sampled ids not read yet
         self._arrivals = itertools.count()
 
     def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
@@ -107,7 +118,7 @@ class LLMEngine:
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.in_flight is not None
 
     @property
     def num_running(self) -> int:
@@ -126,38 +137,75 @@ class LLMEngine:
         return tuple(seq.stop_token_ids)
 
     def step(self) -> list[StepOutput]:
-        """Run one scheduled batch; report the tokens each request gained and who finished."""
+        """Run one scheduled batch; report the tokens each request gained and who finished.
+
+        With async scheduling the next batch is launched before this one's sampled ids are read,
+        so the host's bookkeeping overlaps the device's work and outputs arrive one step later."""
+        if self.config.async_scheduling and not self._needs_token_history():
+            launched = self._launch()
+            outputs = self._complete(self.in_flight) if self.in_flight else []
+            self.in_flight = launched
+            return outputs
+        outputs = self._complete(self.in_flight) if self.in_flight else []
+        self.in_flight = None
+        launched = self._launch()
+        return outputs + (self._complete(launched) if launched else [])
+
+    def _needs_token_history(self) -> bool:
+        # penalties read every past token on the host: the last step's ids must be back first
+        return any(seq.params.uses_penalties for seq in self.scheduler.running)
+
+    def _launch(self) -> InFlightStep | None:
         step = self.scheduler.schedule()
         if not step:
-            return []
+            return None
         work = [SequenceWork(seq.token_ids, seq.num_prompt_tokens, seq.num_computed_tokens, n, seq.block_table,
                              seq.params if seq.num_computed_tokens + n == seq.num_tokens else None,
-                             self._banned(seq))
+                             self._banned(seq), seq.pending_row)
                 for seq, n in zip(step.seqs, step.num_new_tokens)]
-        sampled = self.runner.run(work)
-        outputs, row = [], 0
+        launched = InFlightStep(self.runner.launch(work))
         for seq, n, w in zip(step.seqs, step.num_new_tokens, work):
             seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
             if w.params is None:
                 continue
+            seq.pending_row = len(launched.sequences)
+            seq.token_ids.append(PENDING_TOKEN)
+            launched.sequences.append(seq)
+            launched.positions.append(len(seq.token_ids) - 1)
+            if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:
+                # done whatever the token turns out to be: free its place for the next launch now
+                # (its blocks are rewritten only by later launches, which run after this one)
+                first_pending = len(seq.token_ids) - (2 if w.prev_row >= 0 else 1)
+                self.block_manager.commit(seq, first_pending)
+                self.scheduler.finish(seq, "length")
+        return launched
+
+    def _complete(self, launched: InFlightStep) -> list[StepOutput]:
+        """Read a launched step's sampled ids back; update, stop and report its sequences."""
+        sampled = launched.pending.result()
+        outputs = []
+        for row, (seq, position) in enumerate(zip(launched.sequences, launched.positions)):
             token = sampled.token_ids[row]
-            logprob = sampled.logprobs[row]
-            row += 1
-            seq.token_ids.append(token)
+            seq.token_ids[position] = token
+            if seq.pending_row == row and len(seq.token_ids) == position + 1:
+                seq.pending_row = -1
+            if self.sequences.get(seq.request_id) is not seq:
+                continue  # aborted, or finished by a stop token in the step before
+            self.block_manager.commit(seq, position + 1)
             if seq.request_id in self.pending_forks:
                 self._start_forks(seq)
-            reason = self._finish_reason(seq, token)
+            reason = self._finish_reason(seq, token, position + 1 - seq.num_prompt_tokens)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, reason)
                 del self.sequences[seq.request_id]
+            logprob = sampled.logprobs[row]
             outputs.append(StepOutput(seq.request_id, [token], [logprob] if logprob is not None else None,
                                       reason is not None, reason, seq.num_prompt_tokens, seq.num_cached_tokens))
         return outputs
 
     @staticmethod
-    def _finish_reason(seq: Sequence, token: int) -> str | None:
-        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+    def _finish_reason(seq: Sequence, token: int, num_output: int) -> str | None:
         if token in seq.stop_token_ids and num_output >= seq.params.min_tokens:
             return "stop"
         # max_tokens was capped at what the context leaves, so this also ends at max_model_len

@@ -98,9 +98,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        # a sequence preempted while its last step was in flight finishes from the waiting queue
+        (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.running.remove(seq)
         self.block_manager.release(seq)
 
     def abort(self, request_id: str) -> Sequence | None:

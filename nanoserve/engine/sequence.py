@@ -38,6 +38,7 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.max_tokens = params.max_tokens
+        self.pending_row = -1  # row of the launched step whose sampled id is still on the device
         self.stop_token_ids: frozenset[int] = frozenset(params.stop_token_ids)  # eos added by the engine
 
     @property

@@ -25,6 +25,12 @@ class SequenceWork:
     block_table: list[int]
     params: SamplingParams | None        # None: a prefill chunk that does not end the prompt
     banned_token_ids: tuple[int, ...] = ()  # never sampled this step (stop tokens before min_tokens)
+    # >= 0: token_ids[start] is not known on the host yet; it is the token the previous launch
+    # sampled for its row `prev_row`, still on the device (pipelined scheduling)
+    prev_row: int = -1
+
+
+PENDING_TOKEN = -1  # stands in the engine's token lists for a sampled id not yet read back
 
 
 @dataclass

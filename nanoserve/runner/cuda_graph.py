@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
+from nanoserve.runner.inputs import fill_pending_tokens
 
 MAX_GRAPH_BATCH = 512
 
@@ -88,8 +89,8 @@ class DecodeGraphs:
     def fits(self, work: list[SequenceWork]) -> bool:
         return len(work) <= self.max_batch and all(w.num_new == 1 and w.params is not None for w in work)
 
-    def run(self, work: list[SequenceWork]) -> torch.Tensor:
-        """Hidden states [len(work), hidden] of one decode step."""
+    def run(self, work: list[SequenceWork], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [len(work), hidden] of one decode step; `prev_tokens` fill pending ids."""
         n = len(work)
         batch = next(s for s in self.sizes if s >= n)
         bs, i64, i32 = self.block_size, self.np_i64, self.np_i32
@@ -107,5 +108,7 @@ class DecodeGraphs:
             itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
         self.dev_i64[:, :batch].copy_(self.host_i64[:, :batch], non_blocking=True)
         self.dev_i32[:batch].copy_(self.host_i32[:batch], non_blocking=True)
+        pending = [i for i, w in enumerate(work) if w.prev_row >= 0]
+        fill_pending_tokens(self.dev_i64[0], pending, [work[i].prev_row for i in pending], prev_tokens)
         self.graphs[batch].replay()
         return self.outputs[batch][:n]

@@ -36,7 +36,18 @@ def block_table_array(work: list[SequenceWork], width: int) -> np.ndarray:
     return table
 
 
-def build_inputs(work: list[SequenceWork], block_size: int, device: torch.device) -> StepInputs:
+def fill_pending_tokens(input_ids: torch.Tensor, rows: list[int], prev_rows: list[int],
+                        prev_tokens: torch.Tensor | None) -> None:
+    """Put the previous launch's sampled ids (still on the device) where the host had placeholders."""
+    if not rows:
+        return
+    index = torch.tensor(rows, dtype=torch.int64).to(input_ids.device, non_blocking=True)
+    source = torch.tensor(prev_rows, dtype=torch.int64).to(input_ids.device, non_blocking=True)
+    input_ids[index] = prev_tokens[source]
+
+
+def build_inputs(work: list[SequenceWork], block_size: int, device: torch.device,
+                 prev_tokens: torch.Tensor | None = None) -> StepInputs:
     query_lens = [w.num_new for w in work]
     seq_lens = [w.start + w.num_new for w in work]
     if max(query_lens) == 1:
@@ -66,5 +77,9 @@ def build_inputs(work: list[SequenceWork], block_size: int, device: torch.device
         query_lens_host=query_lens,
         seq_lens_host=seq_lens,
     )
-    return StepInputs(_to_device(ids, device), _to_device(positions, device), meta,
-                      _to_device(logits_indices, device), sample_rows)
+    input_ids = _to_device(ids, device)
+    pending = [i for i, w in enumerate(work) if w.prev_row >= 0]
+    fill_pending_tokens(input_ids, [int(query_start[i]) for i in pending], [work[i].prev_row for i in pending],
+                        prev_tokens)
+    return StepInputs(input_ids, _to_device(positions, device), meta, _to_device(logits_indices, device),
+                      sample_rows)

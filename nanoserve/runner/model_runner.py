@@ -15,9 +15,33 @@ from nanoserve.runner.layers.ops import EAGER_OPS, compiled_ops
 from nanoserve.runner.kv_cache import KVCache, blocks_for_cpu, blocks_for_gpu, profile_work
 from nanoserve.runner.loader import fill_dummy_weights, load_weights
 from nanoserve.runner.models.registry import model_class
-from nanoserve.runner.sampler import sample
+from nanoserve.runner.sampler import draw
 
 logger = logging.getLogger(__name__)
+
+
+class PendingSample:
+    """The sampled ids of a launched step. `result()` is the step's one device-to-host sync."""
+
+    def __init__(self, tokens: torch.Tensor | None, logprobs: list | None, num_rows: int) -> None:
+        self.tokens, self.logprobs, self.num_rows = tokens, logprobs, num_rows
+        self.event = None
+        if tokens is not None and tokens.is_cuda:
+            # start the copy now; whoever waits later finds the ids already on the host
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def result(self) -> SampleOutput:
+        if self.tokens is None:
+            return SampleOutput([], [])
+        if self.event is not None:
+            self.event.synchronize()
+            ids = self.host.tolist()
+        else:
+            ids = self.tokens.tolist()
+        return SampleOutput(ids, self.logprobs if self.logprobs is not None else [None] * self.num_rows)
 
 
 class ModelRunner:
@@ -46,6 +70,7 @@ class ModelRunner:
         self.model.eval()
         self.vocab_size = hf.vocab_size
         self.graphs = None
+        self.prev_tokens: torch.Tensor | None = None  # the last launch's sampled ids, on the device
         self.backend = select_backend(config.attention_backend, config.device, config.block_size)
         attention_layers = [layer.self_attn for layer in self.model.model.layers]
         if self.device.type == "cuda":
@@ -66,19 +91,28 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
-    @torch.inference_mode()
     def run(self, work: list[SequenceWork]) -> SampleOutput:
         """Compute every sequence's new tokens; sample one token for each row that asks."""
+        return self.launch(work).result()
+
+    @torch.inference_mode()
+    def launch(self, work: list[SequenceWork]) -> PendingSample:
+        """Queue a step on the device and return without waiting for it.
+
+        Rows with `prev_row` set read their input token from what the previous launch sampled."""
         if self.graphs is not None and self.graphs.fits(work):
             # a decode step: every row has one new token and samples from it
-            hidden, rows = self.graphs.run(work), work
+            hidden, rows = self.graphs.run(work, self.prev_tokens), work
         else:
-            inputs = build_inputs(work, self.block_size, self.device)
+            inputs = build_inputs(work, self.block_size, self.device, self.prev_tokens)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
             hidden, rows = hidden[inputs.logits_indices], inputs.sample_rows
         if not rows:
-            return SampleOutput([], [])
-        return sample(self.model.compute_logits(hidden), rows)
+            self.prev_tokens = None
+            return PendingSample(None, None, 0)
+        tokens, logprobs = draw(self.model.compute_logits(hidden), rows)
+        self.prev_tokens = tokens
+        return PendingSample(tokens, logprobs, len(rows))
 
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:

@@ -109,6 +109,12 @@ def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, rows: list[SequenceWork]) -> SampleOutput:
     """One token per row: argmax for temperature 0, else a draw from the filtered distribution."""
+    tokens, logprobs = draw(logits, rows)
+    return SampleOutput(tokens.tolist(), logprobs if logprobs is not None else [None] * len(rows))
+
+
+def draw(logits: torch.Tensor, rows: list[SequenceWork]) -> tuple[torch.Tensor, list | None]:
+    """The sampled ids, left on the device, and the rows' logprobs (read now) when any row asks."""
     st = SamplingTensors.build(rows, logits.shape[1], logits.device)
     raw_logprobs = logits.float().log_softmax(dim=-1) if st.num_logprobs >= 0 else None
     if any(w.params.uses_penalties or w.params.logit_bias or w.banned_token_ids for w in rows):
@@ -130,8 +136,8 @@ def sample(logits: torch.Tensor, rows: list[SequenceWork]) -> SampleOutput:
         drawn = (probs / noise).argmax(dim=-1)
         tokens = torch.where(st.greedy, logits.argmax(dim=-1), drawn)
     if raw_logprobs is None:
-        return SampleOutput(tokens.tolist(), [None] * len(rows))
-    return _with_logprobs(tokens, raw_logprobs, st)
+        return tokens, None
+    return tokens, _with_logprobs(tokens, raw_logprobs, st)
 
 
 def _fused_draw(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -145,13 +151,13 @@ def _fused_draw(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return gumbel_argmax(logits, temperature, seeds.to(logits.device, non_blocking=True))
 
 
-def _with_logprobs(tokens: torch.Tensor, logprobs: torch.Tensor, st: SamplingTensors) -> SampleOutput:
+def _with_logprobs(tokens: torch.Tensor, logprobs: torch.Tensor, st: SamplingTensors) -> list:
     chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1).clamp(min=MIN_LOGPROB)
     top_vals, top_ids = logprobs.topk(max(st.num_logprobs, 1), dim=-1)
     top_vals = top_vals.clamp(min=MIN_LOGPROB)
-    token_list, chosen_list = tokens.tolist(), chosen.tolist()
+    chosen_list = chosen.tolist()
     ids_list, vals_list = top_ids.tolist(), top_vals.tolist()
     out: list = []
     for i, n in enumerate(st.top_logprobs):
         out.append(None if n is None else (chosen_list[i], list(zip(ids_list[i][:n], vals_list[i][:n]))))
-    return SampleOutput(token_list, out)
+    return out

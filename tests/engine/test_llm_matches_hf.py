@@ -66,3 +66,30 @@ def test_bundled_model_matches_hf():
     outputs = llm.generate(texts, params, use_tqdm=False)
     assert [o.token_ids for o in outputs] == hf_greedy(DEFAULT_MODEL, prompts, 32, stop_at_eos=True)
     assert all(o.text for o in outputs)
+
+
+def test_async_scheduling_matches_hf_through_chunking_and_preemption(random_model):
+    """Launching step N+1 before step N's ids are read changes nothing in the tokens."""
+    prompts = random_prompts(10, 384, 20, 90, seed=5)
+    llm = LLM(random_model, dtype="float32", device="cpu", block_size=8, num_kvcache_blocks=40, max_model_len=256,
+              max_num_batched_tokens=48, max_num_seqs=8, async_scheduling=True)
+    assert generate(llm, prompts) == hf_greedy(random_model, prompts, GREEDY.max_tokens)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.num_free_blocks == 40
+
+
+def test_async_scheduling_stops_like_sync_on_the_bundled_model():
+    texts = ["The function returns", "A list is", "If the", "Raise", "Return the number of", "import os\n"]
+    cases = [SamplingParams(temperature=0.0, max_tokens=40),                      # eos stops
+             SamplingParams(temperature=0.0, max_tokens=40, stop=["."]),          # stop strings abort
+             SamplingParams(temperature=0.8, seed=3, max_tokens=20, presence_penalty=0.5),  # history: sync steps
+             SamplingParams(temperature=0.0, max_tokens=30, n=2)]                 # forks
+    sync = LLM(dtype="float32", device="cpu")
+    pipelined = LLM(dtype="float32", device="cpu", async_scheduling=True)
+    for params in cases:
+        want = sync.generate(texts, params, use_tqdm=False)
+        got = pipelined.generate(texts, params, use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+        assert [o.text for o in got] == [o.text for o in want]
+    assert pipelined.engine.block_manager.num_free_blocks == pipelined.engine.block_manager.num_blocks
+    assert not pipelined.engine.has_unfinished_requests()

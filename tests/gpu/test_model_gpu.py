@@ -40,11 +40,12 @@ def hf_model(path: str, dtype: torch.dtype):
     return model
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
-def test_float32_greedy_matches_transformers(qwen3_06b, enforce_eager):
+@pytest.mark.parametrize("enforce_eager, async_scheduling", [(False, False), (True, False), (False, True)],
+                         ids=["cuda-graphs", "eager", "cuda-graphs-async"])
+def test_float32_greedy_matches_transformers(qwen3_06b, enforce_eager, async_scheduling):
     prompts = random_prompts(16, 10000, 10, 200, seed=7)
     llm = LLM(qwen3_06b, dtype="float32", device="cuda", max_model_len=1024, max_num_seqs=16,
-              num_kvcache_blocks=64, enforce_eager=enforce_eager)
+              num_kvcache_blocks=64, enforce_eager=enforce_eager, async_scheduling=async_scheduling)
     ours = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64,
                                                                       ignore_eos=True), use_tqdm=False)]
     model = hf_model(qwen3_06b, torch.float32)
