@@ -8,14 +8,14 @@ import jinja2
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from nanoserve.engine.async_engine import EngineDeadError, RequestStream
+from nanoserve.engine.async_engine import RequestStream, RequestUpdate
 from nanoserve.server.errors import APIError
 from nanoserve.server.logprobs import chat_logprobs
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage
 from nanoserve.server.response import OpenAIResponse
-from nanoserve.server.state import ServerState, sampling_error, timed, usage
-from nanoserve.server.wire import DONE, cancel_on_disconnect, json_response, parse_body, sse_event, sse_response
+from nanoserve.server.state import ServerState, sampling_error
+from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_body, sse_response
 
 router = APIRouter()
 
@@ -44,13 +44,11 @@ class ChatCompletion(OpenAIResponse):
     def __init__(self, state: ServerState, req: ChatCompletionRequest, model: str) -> None:
         super().__init__(state, req, model)
         self.prompt = render_chat(state, req.messages)
+        self.prompt_lens = [len(self.prompt)]
         self.top_n = req.top_logprobs or 0
 
     def logprobs(self, token_ids: list[int], logprobs: list | None) -> dict | None:
         return chat_logprobs(self.state.texts, token_ids, logprobs or [], self.top_n) if self.req.logprobs else None
-
-    def usage(self, stream: RequestStream) -> dict:
-        return usage(stream, self.req.n, [len(self.prompt)], self.cached)
 
     async def collect(self, stream: RequestStream, timer: RequestTimer) -> dict:
         await self.drain(stream, timer)
@@ -59,30 +57,15 @@ class ChatCompletion(OpenAIResponse):
                    for c, out in enumerate(stream.outputs)]
         return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
 
-    async def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
-        pending: dict[int, tuple[list, list]] = {}  # tokens whose logprobs wait for a chunk with text
-        try:
-            yield sse_event(self.chunk([{"index": c, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}
-                                        for c in range(len(stream.outputs))]))
-            async for u in timed(stream, timer):
-                self.cached[u.index] = u.num_cached_tokens
-                ids, lps = pending.setdefault(u.index, ([], []))
-                ids.extend(u.token_ids)
-                lps.extend(u.logprobs or [])
-                if not u.text and u.finish_reason is None:
-                    continue  # held back (half a character or a possible stop string): nothing to show yet
-                ids, lps = pending.pop(u.index)
-                delta = {"content": u.text} if u.text else {}
-                yield sse_event(self.chunk([{"index": u.index, "delta": delta, "logprobs": self.logprobs(ids, lps),
-                                             "finish_reason": u.finish_reason}]))
-            if self.req.include_usage:
-                yield sse_event(self.chunk([], self.usage(stream)))
-        except EngineDeadError as exc:
-            yield sse_event(APIError(str(exc), 500, code="engine_dead").body())
-        finally:
-            stream.close()
-        yield DONE
+    def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
+        def render(u: RequestUpdate, ids: list[int], lps: list) -> dict:
+            return {"index": u.index, "delta": {"content": u.text} if u.text else {},
+                    "logprobs": self.logprobs(ids, lps), "finish_reason": u.finish_reason}
+
+        # the role comes first, in a delta of its own for every choice
+        opening = [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for c in range(len(stream.outputs))]
+        return self.sse(stream, timer, opening, render)
 
 
 def max_tokens(req: ChatCompletionRequest) -> int | None:

@@ -7,14 +7,14 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from nanoserve.engine.async_engine import EngineDeadError, RequestStream
+from nanoserve.engine.async_engine import RequestStream, RequestUpdate
 from nanoserve.server.errors import APIError
 from nanoserve.server.logprobs import completion_logprobs
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.protocol import CompletionRequest
 from nanoserve.server.response import OpenAIResponse
-from nanoserve.server.state import ServerState, sampling_error, timed, usage
-from nanoserve.server.wire import DONE, cancel_on_disconnect, json_response, parse_body, sse_event, sse_response
+from nanoserve.server.state import ServerState, sampling_error
+from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_body, sse_response
 
 router = APIRouter()
 
@@ -27,6 +27,7 @@ class Completion(OpenAIResponse):
     def __init__(self, state: ServerState, req: CompletionRequest, model: str) -> None:
         super().__init__(state, req, model)
         self.prompt_texts, self.prompts = self._prompts(req.prompt)
+        self.prompt_lens = [len(p) for p in self.prompts]
 
     def _prompts(self, prompt: str | list) -> tuple[list[str], list[list[int]]]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -56,38 +57,18 @@ class Completion(OpenAIResponse):
                             "finish_reason": out.finish_reason})
         return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
 
-    def usage(self, stream: RequestStream) -> dict:
-        return usage(stream, self.req.n, [len(p) for p in self.prompts], self.cached)
+    def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
+        offsets = [len(self.echo(c)) for c in range(len(stream.outputs))]  # text_offset of each choice
 
-    async def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
-        want_logprobs = self.req.logprobs is not None
-        offsets = [len(self.echo(c)) for c in range(len(stream.outputs))]
-        pending: dict[int, tuple[list, list]] = {}  # tokens whose logprobs wait for a chunk with text
-        try:
-            if self.req.echo:
-                yield sse_event(self.chunk([{"index": c, "text": self.echo(c), "logprobs": None,
-                                             "finish_reason": None} for c in range(len(stream.outputs))]))
-            async for u in timed(stream, timer):
-                self.cached[u.index] = u.num_cached_tokens
-                if want_logprobs:
-                    ids, lps = pending.setdefault(u.index, ([], []))
-                    ids.extend(u.token_ids)
-                    lps.extend(u.logprobs or [])
-                if not u.text and u.finish_reason is None:
-                    continue  # held back (half a character or a possible stop string): nothing to show yet
-                logprobs = None
-                if want_logprobs:
-                    ids, lps = pending.pop(u.index)
-                    logprobs, offsets[u.index] = completion_logprobs(self.state.texts, ids, lps, offsets[u.index])
-                yield sse_event(self.chunk([{"index": u.index, "text": u.text, "logprobs": logprobs,
-                                             "finish_reason": u.finish_reason}]))
-            if self.req.include_usage:
-                yield sse_event(self.chunk([], self.usage(stream)))
-        except EngineDeadError as exc:
-            yield sse_event(APIError(str(exc), 500, code="engine_dead").body())
-        finally:
-            stream.close()
-        yield DONE
+        def render(u: RequestUpdate, ids: list[int], lps: list) -> dict:
+            logprobs = None
+            if self.req.logprobs is not None:
+                logprobs, offsets[u.index] = completion_logprobs(self.state.texts, ids, lps, offsets[u.index])
+            return {"index": u.index, "text": u.text, "logprobs": logprobs, "finish_reason": u.finish_reason}
+
+        opening = [{"index": c, "text": self.echo(c), "logprobs": None, "finish_reason": None}
+                   for c in range(len(stream.outputs))] if self.req.echo else []
+        return self.sse(stream, timer, opening, render)
 
 
 def refuse_unsupported(req: CompletionRequest) -> None:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Callable
 
-from nanoserve.engine.async_engine import EngineDeadError, RequestStream
+from nanoserve.engine.async_engine import EngineDeadError, RequestStream, RequestUpdate
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import RequestTimer
-from nanoserve.server.state import ServerState, new_id, timed
+from nanoserve.server.state import ServerState, new_id, timed, usage
+from nanoserve.server.wire import DONE, sse_event
+
+# (update, its token ids and logprobs since the choice's last chunk) -> the chunk's choice
+RenderChoice = Callable[[RequestUpdate, list[int], list], dict]
 
 
 class OpenAIResponse:
@@ -21,6 +26,7 @@ class OpenAIResponse:
         self.state, self.req, self.model = state, req, model
         self.id, self.created = new_id(self.id_prefix), int(time.time())
         self.cached: dict[int, int] = {}  # choice index -> its prompt tokens found in the prefix cache
+        self.prompt_lens: list[int] = []  # token counts of the request's prompts, set by the endpoint
 
     def envelope(self, object_: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model, "choices": choices}
@@ -40,3 +46,33 @@ class OpenAIResponse:
             raise APIError(str(exc), 500, code="engine_dead") from None
         finally:
             stream.close()
+
+    def usage(self, stream: RequestStream) -> dict:
+        return usage(stream, self.req.n, self.prompt_lens, self.cached)
+
+    async def sse(self, stream: RequestStream, timer: RequestTimer, opening: list[dict],
+                  render: RenderChoice) -> AsyncIterator[bytes]:
+        """The SSE body: an opening chunk, a chunk per update that shows something, usage, [DONE].
+
+        An update with no text yet (half a character, a possible stop string) shows nothing: its
+        tokens and logprobs wait for the next chunk of their choice."""
+        pending: dict[int, tuple[list, list]] = {}
+        try:
+            if opening:
+                yield sse_event(self.chunk(opening))
+            async for u in timed(stream, timer):
+                self.cached[u.index] = u.num_cached_tokens
+                ids, lps = pending.setdefault(u.index, ([], []))
+                ids.extend(u.token_ids)
+                lps.extend(u.logprobs or [])
+                if not u.text and u.finish_reason is None:
+                    continue
+                del pending[u.index]
+                yield sse_event(self.chunk([render(u, ids, lps)]))
+            if self.req.include_usage:
+                yield sse_event(self.chunk([], self.usage(stream)))
+        except EngineDeadError as exc:
+            yield sse_event(APIError(str(exc), 500, code="engine_dead").body())
+        finally:
+            stream.close()
+        yield DONE
