@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step
+
 MIN_TOKENS_PER_SPLIT = 256   # below this a split costs more in merging than it saves
 MAX_SPLITS = 64
 WAVES = 4                    # programs per SM to aim for before splitting stops paying
@@ -63,20 +65,12 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        block = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-        tok = offs_n % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + tok[:, None] * stride_kt
-                    + kv_head * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + tok[:, None] * stride_vt
-                    + kv_head * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
+                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))   # finite: every tile holds at least one key
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        # every tile holds at least one key of this split
+        m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
 
     has_keys = l > 0
     l = tl.where(has_keys, l, 1.0)

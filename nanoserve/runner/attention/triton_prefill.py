@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.runner.attention.triton_decode import check_shapes, dot_precision
+from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step
 
 
 @triton.jit
@@ -60,20 +61,11 @@ def _prefill_kernel(
     for n0 in range(0, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        block = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-        tok_n = offs_n % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + tok_n[:, None] * stride_kt
-                    + kv_head * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + tok_n[:, None] * stride_vt
-                    + kv_head * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
+                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
 
     o = acc / l[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
