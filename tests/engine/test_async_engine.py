@@ -39,14 +39,15 @@ def offline(qwen3_model) -> LLM:
     return LLM(qwen3_model, device="cpu", dtype="float32")
 
 
-def test_concurrent_requests_equal_offline_generate(qwen3_model, offline):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "pipelined"])
+def test_concurrent_requests_equal_offline_generate(qwen3_model, offline, async_scheduling):
     prompts = random_prompts(6, 384, 3, 40, seed=11)
     lengths = [3, 12, 7, 1, 9, 5]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     expected = [o.token_ids for o in offline.generate(prompts, params, use_tqdm=False)]
 
     async def main():
-        engine = make_engine(qwen3_model)
+        engine = make_engine(qwen3_model, async_scheduling=async_scheduling)
         engine.start()
         try:
             streams = [engine.add_request(f"r{i}", [p], sp) for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -86,9 +87,10 @@ def test_prompts_and_choices_are_indexed_prompt_major_and_siblings_share_the_pro
     assert stats.prefix_hit_tokens >= 2 * 2 * 32
 
 
-def test_closing_a_stream_aborts_at_once_and_frees_every_block(qwen3_model):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "pipelined"])
+def test_closing_a_stream_aborts_at_once_and_frees_every_block(qwen3_model, async_scheduling):
     async def main():
-        engine = make_engine(qwen3_model)
+        engine = make_engine(qwen3_model, async_scheduling=async_scheduling)
         engine.start()
         try:
             long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True, n=2)
