@@ -69,8 +69,3 @@ class IncrementalDetokenizer:
         delta = self.text[self.emitted:end]
         self.emitted = end
         return delta
-
-    @property
-    def output_text(self) -> str:
-        """Everything returned so far."""
-        return self.text[:self.emitted]
