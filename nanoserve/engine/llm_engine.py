@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -106,8 +107,13 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def _start_forks(self, parent: Sequence) -> None:
-        for rid in reversed(self.pending_forks.pop(parent.request_id, [])):
-            self._enqueue(rid, parent.prompt_token_ids, parent.params, front=True)
+        forks = self.pending_forks.pop(parent.request_id, [])
+        for index in reversed(range(len(forks))):
+            params = parent.params
+            if params.seed is not None:
+                # one seed for all n choices would draw n equal completions (vLLM offsets it too)
+                params = dataclasses.replace(params, seed=params.seed + index + 1)
+            self._enqueue(forks[index], parent.prompt_token_ids, params, front=True)
 
     def abort_request(self, request_id: str) -> bool:
         """Forget a request and free its blocks at once; False if it is unknown or done."""

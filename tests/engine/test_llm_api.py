@@ -144,6 +144,14 @@ def test_n_2_gives_two_outputs_and_the_second_shares_the_prompt_blocks(llm):
     assert len(sampled.outputs) == 3 and all(len(o.token_ids) == 8 for o in sampled.outputs)
 
 
+def test_seeded_n_draws_different_choices_and_repeats_them(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=12, n=3, seed=7, ignore_eos=True)
+    first = [c.token_ids for c in llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs]
+    again = [c.token_ids for c in llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs]
+    assert first == again
+    assert len({tuple(t) for t in first}) > 1  # 12 tokens drawn at temperature 1 from 384: equal only if seeds were
+
+
 def test_prompt_longer_than_max_model_len_is_rejected(llm):
     with pytest.raises(ValueError, match="128"):
         llm.generate([[5] * 200], greedy(4), use_tqdm=False)
