@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
-
-import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
-from nanoserve.runner.inputs import fill_pending_tokens
+from nanoserve.runner.inputs import decode_columns, fill_pending_tokens, write_block_tables
 
 MAX_GRAPH_BATCH = 512
 
@@ -23,42 +20,34 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
-class DecodeGraphs:
-    """Replays a captured decode step for any batch of single-token sequences that fits a bucket.
+class DecodeBuffers:
+    """The static inputs a captured decode graph reads, and the pinned host staging behind them.
 
-    Inputs are written into a pinned host staging area and copied to the static device buffers
-    in one transfer. Rows past the real batch are padding: slot -1 writes no K/V and seq_len 0
-    reads none, so their outputs are garbage that nobody looks at.
+    Rows past the real batch are padding: slot -1 writes no K/V and seq_len 0 reads none.
     """
 
-    def __init__(self, model: nn.Module, config: EngineConfig, show_progress: bool = False) -> None:
-        self.model = model
-        self.block_size = config.block_size
-        self.sizes = graph_batch_sizes(config.max_num_seqs)
-        self.max_batch = self.sizes[-1]
-        self.max_blocks = -(-config.max_model_len // config.block_size)
-        self.max_model_len = config.max_model_len
-        device = torch.device(config.device)
-        n = self.max_batch
-        # one int64 staging row each for token ids, positions, slots; int32 for lens and tables
-        self.host_i64 = torch.zeros((3, n), dtype=torch.int64, pin_memory=True)
-        self.host_i32 = torch.zeros((n, 1 + self.max_blocks), dtype=torch.int32, pin_memory=True)
-        self.np_i64 = self.host_i64.numpy()
-        self.np_i32 = self.host_i32.numpy()
+    def __init__(self, max_batch: int, max_blocks: int, max_model_len: int, block_size: int,
+                 device: torch.device) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        pin = device.type == "cuda"
+        n = max_batch
+        # int64 rows: token ids, positions, slots
+        self.host_i64 = torch.zeros((3, n), dtype=torch.int64, pin_memory=pin)
         self.dev_i64 = torch.zeros((3, n), dtype=torch.int64, device=device)
-        self.dev_i32 = torch.zeros((n, 1 + self.max_blocks), dtype=torch.int32, device=device)
+        # int32: n seq lens, then n block-table rows; both contiguous (flash-attn wants that)
+        host_i32 = torch.zeros(n * (1 + max_blocks), dtype=torch.int32, pin_memory=pin)
+        dev_i32 = torch.zeros(n * (1 + max_blocks), dtype=torch.int32, device=device)
+        self.host_lens, self.host_tables = host_i32[:n], host_i32[n:].view(n, max_blocks)
+        self.dev_lens, self.dev_tables = dev_i32[:n], dev_i32[n:].view(n, max_blocks)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self._capture(show_progress)
 
-    def _meta(self, batch: int) -> AttentionMetadata:
-        seq_lens = self.dev_i32[:batch, 0]
+    def meta(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.dev_i64[2, :batch],
             query_start_loc=self.query_start[:batch + 1],
-            seq_lens=seq_lens,
-            block_tables=self.dev_i32[:batch, 1:],
+            seq_lens=self.dev_lens[:batch],
+            block_tables=self.dev_tables[:batch],
             max_query_len=1,
             # sizes the decode kernel's split count for any context the graph may later see
             max_seq_len=self.max_model_len,
@@ -66,15 +55,47 @@ class DecodeGraphs:
             seq_lens_host=[self.max_model_len] * batch,
         )
 
+    def stage(self, work: list[SequenceWork], batch: int, prev_tokens: torch.Tensor | None) -> None:
+        """Write one decode step of len(work) <= batch sequences into the first `batch` rows."""
+        n = len(work)
+        i64, lens = self.host_i64.numpy(), self.host_lens.numpy()
+        i64[0, :n], i64[1, :n], i64[2, :n] = decode_columns(work, self.block_size)
+        i64[2, n:batch] = -1
+        lens[:n] = i64[1, :n] + 1
+        lens[n:batch] = 0
+        write_block_tables(self.host_tables.numpy(), work)
+        self.dev_i64[:, :batch].copy_(self.host_i64[:, :batch], non_blocking=True)
+        self.dev_lens[:batch].copy_(self.host_lens[:batch], non_blocking=True)
+        self.dev_tables[:batch].copy_(self.host_tables[:batch], non_blocking=True)
+        fill_pending_tokens(self.dev_i64[0], work, None, prev_tokens)
+
+    def reset_for_capture(self) -> None:
+        # capture runs read real cache memory: make every row a 1-token sequence in block 0
+        self.dev_i64.zero_()
+        self.dev_tables.zero_()
+        self.dev_lens.fill_(1)
+
+
+class DecodeGraphs:
+    """Replays a captured decode step for any batch of single-token sequences that fits a bucket."""
+
+    def __init__(self, model: nn.Module, config: EngineConfig, show_progress: bool = False) -> None:
+        self.model = model
+        self.sizes = graph_batch_sizes(config.max_num_seqs)
+        self.max_batch = self.sizes[-1]
+        self.buffers = DecodeBuffers(self.max_batch, -(-config.max_model_len // config.block_size),
+                                     config.max_model_len, config.block_size, torch.device(config.device))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._capture(show_progress)
+
     def _forward(self, batch: int) -> torch.Tensor:
-        return self.model(self.dev_i64[0, :batch], self.dev_i64[1, :batch], self._meta(batch))
+        b = self.buffers
+        return self.model(b.dev_i64[0, :batch], b.dev_i64[1, :batch], b.meta(batch))
 
     @torch.inference_mode()
     def _capture(self, show_progress: bool) -> None:
-        # capture runs read real cache memory: make every row a 1-token sequence in block 0
-        self.dev_i64.zero_()
-        self.dev_i32.zero_()
-        self.dev_i32[:, 0] = 1
+        self.buffers.reset_for_capture()
         pool = None
         for batch in tqdm(reversed(self.sizes), total=len(self.sizes), desc="Capturing CUDA graphs",
                           disable=not show_progress):
@@ -91,24 +112,7 @@ class DecodeGraphs:
 
     def run(self, work: list[SequenceWork], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [len(work), hidden] of one decode step; `prev_tokens` fill pending ids."""
-        n = len(work)
-        batch = next(s for s in self.sizes if s >= n)
-        bs, i64, i32 = self.block_size, self.np_i64, self.np_i32
-        i64[0, :n] = [w.token_ids[w.start] for w in work]
-        i64[1, :n] = [w.start for w in work]
-        i64[2, :n] = [w.block_table[w.start // bs] * bs + w.start % bs for w in work]
-        i64[2, n:batch] = -1
-        i32[:n, 0] = [w.start + 1 for w in work]
-        i32[n:batch, 0] = 0
-        tables = [w.block_table for w in work]
-        lengths = np.fromiter(map(len, tables), dtype=np.int64, count=n)
-        # one vectorized scatter of all tables: row-major mask order is the chain order
-        width = int(lengths.max())
-        i32[:n, 1:1 + width][np.arange(width)[None, :] < lengths[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
-        self.dev_i64[:, :batch].copy_(self.host_i64[:, :batch], non_blocking=True)
-        self.dev_i32[:batch].copy_(self.host_i32[:batch], non_blocking=True)
-        pending = [i for i, w in enumerate(work) if w.prev_row >= 0]
-        fill_pending_tokens(self.dev_i64[0], pending, [work[i].prev_row for i in pending], prev_tokens)
+        batch = next(s for s in self.sizes if s >= len(work))
+        self.buffers.stage(work, batch, prev_tokens)
         self.graphs[batch].replay()
-        return self.outputs[batch][:n]
+        return self.outputs[batch][:len(work)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,21 +30,45 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor
 
 
+def write_block_tables(out: np.ndarray, work: list[SequenceWork]) -> None:
+    """Each sequence's block table into its row of `out`; entries past a table's end are left alone."""
+    tables = [w.block_table for w in work]
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    width = int(lengths.max())
+    # one vectorized scatter: a row-major boolean mask visits the entries in chain order
+    out[:len(tables), :width][np.arange(width)[None, :] < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(tables), dtype=out.dtype, count=int(lengths.sum()))
+
+
 def block_table_array(work: list[SequenceWork], width: int) -> np.ndarray:
     table = np.full((len(work), width), -1, dtype=np.int32)
-    for i, w in enumerate(work):
-        table[i, :len(w.block_table)] = w.block_table
+    write_block_tables(table, work)
     return table
 
 
-def fill_pending_tokens(input_ids: torch.Tensor, rows: list[int], prev_rows: list[int],
+def decode_columns(work: list[SequenceWork], block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token id, position and cache slot of each sequence's single new token."""
+    n = len(work)
+    ids = np.fromiter((w.token_ids[w.start] for w in work), dtype=np.int64, count=n)
+    positions = np.fromiter((w.start for w in work), dtype=np.int64, count=n)
+    slots = np.fromiter((w.block_table[w.start // block_size] * block_size + w.start % block_size
+                         for w in work), dtype=np.int64, count=n)
+    return ids, positions, slots
+
+
+def fill_pending_tokens(input_ids: torch.Tensor, work: list[SequenceWork], first_rows: np.ndarray | None,
                         prev_tokens: torch.Tensor | None) -> None:
-    """Put the previous launch's sampled ids (still on the device) where the host had placeholders."""
-    if not rows:
+    """Put the previous launch's sampled ids (still on the device) where the host had placeholders.
+
+    A pending token is always a sequence's first new token: its row is first_rows[i] (row i
+    when None, as in a decode step)."""
+    pending = [i for i, w in enumerate(work) if w.prev_row >= 0]
+    if not pending:
         return
+    rows = pending if first_rows is None else [int(first_rows[i]) for i in pending]
     index = torch.tensor(rows, dtype=torch.int64).to(input_ids.device, non_blocking=True)
-    source = torch.tensor(prev_rows, dtype=torch.int64).to(input_ids.device, non_blocking=True)
-    input_ids[index] = prev_tokens[source]
+    source = torch.tensor([work[i].prev_row for i in pending], dtype=torch.int64)
+    input_ids[index] = prev_tokens[source.to(input_ids.device, non_blocking=True)]
 
 
 def build_inputs(work: list[SequenceWork], block_size: int, device: torch.device,
@@ -51,10 +76,7 @@ def build_inputs(work: list[SequenceWork], block_size: int, device: torch.device
     query_lens = [w.num_new for w in work]
     seq_lens = [w.start + w.num_new for w in work]
     if max(query_lens) == 1:
-        ids = np.fromiter((w.token_ids[w.start] for w in work), dtype=np.int64, count=len(work))
-        positions = np.fromiter((w.start for w in work), dtype=np.int64, count=len(work))
-        slots = np.fromiter((w.block_table[w.start // block_size] * block_size + w.start % block_size
-                             for w in work), dtype=np.int64, count=len(work))
+        ids, positions, slots = decode_columns(work, block_size)
     else:
         ids = np.concatenate([np.asarray(w.token_ids[w.start:w.start + w.num_new], dtype=np.int64) for w in work])
         positions = np.concatenate([np.arange(w.start, w.start + w.num_new, dtype=np.int64) for w in work])
@@ -78,8 +100,6 @@ def build_inputs(work: list[SequenceWork], block_size: int, device: torch.device
         seq_lens_host=seq_lens,
     )
     input_ids = _to_device(ids, device)
-    pending = [i for i, w in enumerate(work) if w.prev_row >= 0]
-    fill_pending_tokens(input_ids, [int(query_start[i]) for i in pending], [work[i].prev_row for i in pending],
-                        prev_tokens)
+    fill_pending_tokens(input_ids, work, query_start, prev_tokens)
     return StepInputs(input_ids, _to_device(positions, device), meta, _to_device(logits_indices, device),
                       sample_rows)

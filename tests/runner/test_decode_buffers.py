@@ -1,0 +1,62 @@
+"""The CUDA-graph staging buffers hold the same decode inputs as the eager path, plus padding rows
+that write and read nothing. Staging is plain tensor work, so it is checked on the CPU."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from nanoserve.runner.batch import PENDING_TOKEN, SequenceWork
+from nanoserve.runner.cuda_graph import DecodeBuffers
+from nanoserve.runner.inputs import build_inputs
+from nanoserve.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+def decode_work(rng: random.Random, n: int, num_blocks: int = 200) -> list[SequenceWork]:
+    free = rng.sample(range(num_blocks), num_blocks)  # shuffled: no row reads a neighbour's block
+    work = []
+    for row in range(n):
+        length = rng.randint(1, 30)
+        blocks = [free.pop() for _ in range(-(-length // BLOCK))]
+        tokens = [rng.randint(0, 99) for _ in range(length)]
+        work.append(SequenceWork(tokens, 1, length - 1, 1, blocks, SamplingParams(temperature=0)))
+    return work
+
+
+def staged(buffers: DecodeBuffers, work: list[SequenceWork], batch: int, prev=None):
+    buffers.stage(work, batch, prev)
+    meta = buffers.meta(batch)
+    return buffers.dev_i64[0, :batch], buffers.dev_i64[1, :batch], meta
+
+
+def test_staged_rows_equal_the_eager_inputs_and_padding_reads_nothing():
+    rng = random.Random(0)
+    buffers = DecodeBuffers(16, max_blocks=8, max_model_len=32, block_size=BLOCK, device=torch.device("cpu"))
+    for n, batch in ((11, 16), (3, 4), (16, 16)):  # shrinking batches leave stale rows behind
+        work = decode_work(rng, n)
+        ids, positions, meta = staged(buffers, work, batch)
+        eager = build_inputs(work, BLOCK, torch.device("cpu"))
+        assert torch.equal(ids[:n], eager.input_ids) and torch.equal(positions[:n], eager.positions)
+        assert torch.equal(meta.slot_mapping[:n], eager.meta.slot_mapping)
+        assert torch.equal(meta.seq_lens[:n], eager.meta.seq_lens)
+        width = eager.meta.block_tables.shape[1]
+        real = eager.meta.block_tables >= 0
+        assert torch.equal(meta.block_tables[:n, :width][real], eager.meta.block_tables[real])
+        assert (meta.slot_mapping[n:] == -1).all() and (meta.seq_lens[n:] == 0).all()
+        assert meta.seq_lens.is_contiguous() and meta.block_tables.stride(-1) == 1
+
+
+def test_pending_tokens_come_from_the_previous_launch():
+    rng = random.Random(1)
+    buffers = DecodeBuffers(8, max_blocks=8, max_model_len=32, block_size=BLOCK, device=torch.device("cpu"))
+    work = decode_work(rng, 5)
+    prev = torch.tensor([70, 71, 72])
+    for row, prev_row in ((1, 2), (4, 0)):
+        work[row].token_ids[-1] = PENDING_TOKEN
+        work[row].prev_row = prev_row
+    ids, _, _ = staged(buffers, work, 8, prev)
+    assert ids[1] == 72 and ids[4] == 70
+    assert ids[0] == work[0].token_ids[-1] and ids[2] == work[2].token_ids[-1]
