@@ -62,11 +62,10 @@ def profile_work(config: EngineConfig) -> list[SequenceWork]:
 
 
 class KVCache:
+    """K and V of every layer in one tensor [2, layers, blocks, block_size, kv_heads, head_dim]."""
+
     def __init__(self, config: EngineConfig, num_blocks: int, device: torch.device) -> None:
         hf = config.hf_config
         self.num_blocks = num_blocks
         shape = (2, hf.num_hidden_layers, num_blocks, config.block_size, hf.num_key_value_heads, head_dim_of(hf))
         self.tensor = torch.empty(shape, dtype=config.dtype, device=device)
-
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(self.tensor[0, i], self.tensor[1, i]) for i in range(self.tensor.shape[1])]

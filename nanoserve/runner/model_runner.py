@@ -72,15 +72,13 @@ class ModelRunner:
         self.graphs = None
         self.prev_tokens: torch.Tensor | None = None  # the last launch's sampled ids, on the device
         self.backend = select_backend(config.attention_backend, config.device, config.block_size)
-        attention_layers = [layer.self_attn for layer in self.model.model.layers]
         if self.device.type == "cuda":
             peak = self.profile_peak_bytes()
             num_blocks = config.num_kvcache_blocks or blocks_for_gpu(config, peak)
         else:
             num_blocks = config.num_kvcache_blocks or blocks_for_cpu(config)
         self.kv_cache = KVCache(config, num_blocks, self.device)
-        for layer, (k, v) in zip(attention_layers, self.kv_cache.layers()):
-            layer.backend, layer.k_cache, layer.v_cache = self.backend, k, v
+        self._bind(self.kv_cache)
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             from nanoserve.runner.cuda_graph import DecodeGraphs
             start = time.perf_counter()
@@ -120,16 +118,20 @@ class ModelRunner:
         cfg = self.config
         work = profile_work(cfg)
         cache = KVCache(cfg, sum(len(w.block_table) for w in work), self.device)
-        for layer, (k, v) in zip((l.self_attn for l in self.model.model.layers), cache.layers()):
-            layer.backend, layer.k_cache, layer.v_cache = self.backend, k, v
+        self._bind(cache)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         self.run(work)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
+        self._bind(None)
         del cache
-        for layer in (l.self_attn for l in self.model.model.layers):
-            layer.k_cache = layer.v_cache = torch.empty(0)
         torch.cuda.empty_cache()
         return peak
+
+    def _bind(self, cache: KVCache | None) -> None:
+        """Point every attention layer at its slice of `cache` (None: at nothing)."""
+        for i, layer in enumerate(layer.self_attn for layer in self.model.model.layers):
+            k, v = (cache.tensor[0, i], cache.tensor[1, i]) if cache is not None else (torch.empty(0),) * 2
+            layer.backend, layer.k_cache, layer.v_cache = self.backend, k, v

@@ -49,7 +49,7 @@ def make_step(specs: list[tuple[int, int]], *, block_size: int, kv_heads: int, g
     q = torch.randn(num_tokens, kv_heads * group, head_dim, device=dev, dtype=dtype)
     kv = torch.randn(num_tokens, 2, kv_heads, head_dim, device=dev, dtype=dtype)
     q_lens, seq_lens = [q for q, _ in specs], [s for _, s in specs]
-    # seq_lens and block tables are views of one buffer, as in the runner's CUDA-graph inputs
+    # seq_lens and block tables are strided views of one buffer: the kernels must not assume more
     lens_and_tables = torch.cat([torch.tensor(seq_lens, dtype=torch.int32)[:, None],
                                  block_tables], dim=1).to(dev)
     meta = AttentionMetadata(

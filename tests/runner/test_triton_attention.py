@@ -47,7 +47,7 @@ def make_step(specs: list[tuple[int, int]], *, block_size: int, kv_heads: int, g
     v = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
     q_lens = [q for q, _ in specs]
     seq_lens = [s for _, s in specs]
-    # seq_lens and block tables are views of one buffer, as in the runner's CUDA-graph inputs
+    # seq_lens and block tables are strided views of one buffer: the kernels must not assume more
     lens_and_tables = torch.cat([torch.tensor(seq_lens, dtype=torch.int32)[:, None],
                                  block_tables], dim=1)
     meta = AttentionMetadata(

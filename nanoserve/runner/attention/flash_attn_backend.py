@@ -40,8 +40,7 @@ class FlashAttnBackend:
             raise ValueError(f"cache block size {k_cache.shape[1]} != backend's {self.block_size}")
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_only:
-            # flash wants contiguous seq lens; the runner's graph buffers hold them strided
-            # (a view of [seq_len | block table] rows), and a copy is graph-safe
+            # flash needs contiguous seq lens: the runner's are (no copy then); views get one
             out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache,
                                      cache_seqlens=meta.seq_lens.contiguous(),
                                      block_table=meta.block_tables,
