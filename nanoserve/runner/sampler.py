@@ -116,14 +116,16 @@ def sample(logits: torch.Tensor, rows: list[SequenceWork]) -> SampleOutput:
 def draw(logits: torch.Tensor, rows: list[SequenceWork]) -> tuple[torch.Tensor, list | None]:
     """The sampled ids, left on the device, and the rows' logprobs (read now) when any row asks."""
     st = SamplingTensors.build(rows, logits.shape[1], logits.device)
-    raw_logprobs = logits.float().log_softmax(dim=-1) if st.num_logprobs >= 0 else None
-    if any(w.params.uses_penalties or w.params.logit_bias or w.banned_token_ids for w in rows):
-        logits = logits.float()
+    adjusted = any(w.params.uses_penalties or w.params.logit_bias or w.banned_token_ids for w in rows)
+    if adjusted or st.num_logprobs >= 0:
+        logits = logits.float()  # once, for both
+    raw_logprobs = logits.log_softmax(dim=-1) if st.num_logprobs >= 0 else None
+    if adjusted:
         apply_penalties(logits, rows)
     if logits.is_cuda and st.top_k is None and st.top_p is None and st.min_p is None:
         tokens = _fused_draw(logits, st)
     elif st.all_greedy:
-        tokens = logits.float().argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)  # any float dtype gives the same index
     else:
         logits = logits.float()
         scaled = filter_logits(logits / st.temperature[:, None], st)
