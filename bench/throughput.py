@@ -46,7 +46,7 @@ def main() -> None:
                               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
                               async_scheduling=args.async_scheduling, attention_backend=args.attention_backend, block_size=args.block_size,
                               gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
-    llm = LLM.from_config(config)
+    llm = LLM(config=config)
     rng = Random(args.seed)
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
                for _ in range(args.num_seqs)]

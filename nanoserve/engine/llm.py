@@ -46,18 +46,9 @@ class LLM:
     max_num_batched_tokens, block_size, num_kvcache_blocks, enable_prefix_caching, load_format...
     """
 
-    def __init__(self, model: str | None = None, **kwargs) -> None:
-        config = EngineConfig(model=model, **kwargs) if model else EngineConfig(**kwargs)
-        self._start(config)
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLM":
-        llm = cls.__new__(cls)
-        llm._start(config)
-        return llm
-
-    def _start(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config, show_progress=True)
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **kwargs) -> None:
+        """`config` replaces `model` and the keyword arguments when given (benchmarks build one)."""
+        self.engine = LLMEngine(config or EngineConfig(model=model, **kwargs), show_progress=True)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -46,13 +46,11 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         budget = self.max_num_batched_tokens
-        block_size = self.block_manager.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            # most decode steps land in a block the sequence already holds
-            if seq.num_computed_tokens + n <= len(seq.block_table) * block_size or self._reserve(seq, n, step):
+            if self._reserve(seq, n, step):
                 step.seqs.append(seq)
                 step.num_new_tokens.append(n)
                 budget -= n
