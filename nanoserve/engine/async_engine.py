@@ -182,6 +182,10 @@ class AsyncEngine:
         # reads only the config and vocabulary size, which never change: safe off the engine thread
         self.engine.check_prompt(prompt_token_ids, max_tokens)
 
+    def check_token_ids(self, token_ids: list[int], what: str) -> None:
+        """Raise ValueError for an id outside the vocabulary; like check_prompt, safe on any thread."""
+        self.engine.check_token_ids(token_ids, what)
+
     def add_request(self, request_id: str, prompts: Sequence[list[int]], params: SamplingParams) -> RequestStream:
         """Validate and queue one request of one or more prompts; iterate the stream for outputs.
 

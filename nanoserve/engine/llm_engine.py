@@ -74,9 +74,14 @@ class LLMEngine:
         if max_tokens is not None and n + max_tokens > limit:
             raise ValueError(f"This model's maximum context length is {limit} tokens, but {n + max_tokens} "
                              f"were requested ({n} in the prompt and {max_tokens} for the completion)")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"Token id {bad[0]} is out of range: the vocabulary has {self.vocab_size} tokens")
+        self.check_token_ids(prompt_token_ids, "the prompt")
+
+    def check_token_ids(self, token_ids: list[int], what: str) -> None:
+        """Raise ValueError naming the first id outside the vocabulary."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"Token id {bad} in {what} is out of range: the vocabulary has "
+                             f"{self.vocab_size} tokens")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     fork_ids: list[str] | tuple[str, ...] = ()) -> None:

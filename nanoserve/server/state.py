@@ -44,11 +44,10 @@ class ServerState:
         return requested
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
-        vocab = self.engine.config.hf_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise APIError(f"Token id {bad[0]} in '{param}' is out of range: the vocabulary has {vocab} tokens",
-                           param=param)
+        try:
+            self.engine.check_token_ids(token_ids, f"'{param}'")
+        except ValueError as exc:
+            raise APIError(str(exc), param=param) from None
 
     def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
         """Queue the request, turning engine refusals into OpenAI errors."""
