@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [t1024] [eager] [async] [8b] [decode] [profile]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [t1024] [eager] [async] [8b] [decode] [trace] [trace-async] [profile]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/nanoserve-gpu}; mkdir -p "$out"
@@ -18,6 +18,8 @@ for part in $parts; do
     eager) python3 bench/throughput.py --num-seqs 256 --enforce-eager 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     8b) python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     decode) python3 bench/decode_step.py 2>&1 | tee "$out/decode_step.log" | grep -vE "it/s|Capturing" ;;
+    trace) python3 bench/throughput.py --num-seqs 256 --trace "$out/trace" 2>&1 | tee "$out/trace.log" | grep -vE "it/s|Capturing" ;;
+    trace-async) python3 bench/throughput.py --num-seqs 256 --async-scheduling --trace "$out/trace-async" 2>&1 | tee "$out/trace-async.log" | grep -vE "it/s|Capturing" ;;
     profile) python3 -m cProfile -s tottime bench/throughput.py --num-seqs 256 2>&1 | head -60 | tee "$out/profile.log" ;;
   esac
 done

@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--trace", metavar="DIR", default=None,
+                        help="after the timed run, run again recording step times and a torch.profiler window")
     args = parser.parse_args()
 
     config = config_from_file(args.config, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -66,6 +68,10 @@ def main() -> None:
     print(f"throughput: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:.0f} tok/s "
           f"({args.num_seqs} seqs, {os.path.basename(args.config)}, {backend}, {graphs}, "
           f"block {config.block_size}, preemptions {llm.engine.scheduler.num_preemptions})")
+    if args.trace:
+        from bench.step_trace import StepTrace
+        with StepTrace(llm.engine, args.trace):
+            llm.generate(prompts, params, use_tqdm=False)
 
 
 if __name__ == "__main__":

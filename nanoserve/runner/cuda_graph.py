@@ -20,6 +20,23 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+class HostStaging:
+    """One pinned copy of the step inputs on the host, and the event after its last upload.
+
+    A launch may be queued behind the step in flight, so its upload can still be pending when the
+    host stages the next step: each set is rewritten only after its previous upload has run."""
+
+    def __init__(self, n: int, max_blocks: int, pin: bool) -> None:
+        self.i64 = torch.zeros((3, n), dtype=torch.int64, pin_memory=pin)
+        i32 = torch.zeros(n * (1 + max_blocks), dtype=torch.int32, pin_memory=pin)
+        self.lens, self.tables = i32[:n], i32[n:].view(n, max_blocks)
+        self.uploaded = torch.cuda.Event() if pin else None
+
+    def wait_until_free(self) -> None:
+        if self.uploaded is not None:
+            self.uploaded.synchronize()  # a never-recorded event returns at once
+
+
 class DecodeBuffers:
     """The static inputs a captured decode graph reads, and the pinned host staging behind them.
 
@@ -30,15 +47,14 @@ class DecodeBuffers:
                  device: torch.device) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
-        pin = device.type == "cuda"
         n = max_batch
+        # two host sets, used in turn, so staging a step never waits for the one in flight
+        self.staging = [HostStaging(n, max_blocks, device.type == "cuda") for _ in range(2)]
+        self.turn = 0
         # int64 rows: token ids, positions, slots
-        self.host_i64 = torch.zeros((3, n), dtype=torch.int64, pin_memory=pin)
         self.dev_i64 = torch.zeros((3, n), dtype=torch.int64, device=device)
         # int32: n seq lens, then n block-table rows; both contiguous (flash-attn wants that)
-        host_i32 = torch.zeros(n * (1 + max_blocks), dtype=torch.int32, pin_memory=pin)
         dev_i32 = torch.zeros(n * (1 + max_blocks), dtype=torch.int32, device=device)
-        self.host_lens, self.host_tables = host_i32[:n], host_i32[n:].view(n, max_blocks)
         self.dev_lens, self.dev_tables = dev_i32[:n], dev_i32[n:].view(n, max_blocks)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
 
@@ -57,16 +73,24 @@ class DecodeBuffers:
 
     def stage(self, work: list[SequenceWork], batch: int, prev_tokens: torch.Tensor | None) -> None:
         """Write one decode step of len(work) <= batch sequences into the first `batch` rows."""
+        host = self.staging[self.turn]
+        self.turn ^= 1
+        host.wait_until_free()
         n = len(work)
-        i64, lens = self.host_i64.numpy(), self.host_lens.numpy()
+        i64, lens = host.i64.numpy(), host.lens.numpy()
         i64[0, :n], i64[1, :n], i64[2, :n] = decode_columns(work, self.block_size)
+        # padding rows: token 0 at position 0 (a stale placeholder id would index out of the
+        # embedding), slot -1 writes nothing
+        i64[:2, n:batch] = 0
         i64[2, n:batch] = -1
         lens[:n] = i64[1, :n] + 1
         lens[n:batch] = 0
-        write_block_tables(self.host_tables.numpy(), work)
-        self.dev_i64[:, :batch].copy_(self.host_i64[:, :batch], non_blocking=True)
-        self.dev_lens[:batch].copy_(self.host_lens[:batch], non_blocking=True)
-        self.dev_tables[:batch].copy_(self.host_tables[:batch], non_blocking=True)
+        write_block_tables(host.tables.numpy(), work)
+        self.dev_i64[:, :batch].copy_(host.i64[:, :batch], non_blocking=True)
+        self.dev_lens[:batch].copy_(host.lens[:batch], non_blocking=True)
+        self.dev_tables[:batch].copy_(host.tables[:batch], non_blocking=True)
+        if host.uploaded is not None:
+            host.uploaded.record()
         fill_pending_tokens(self.dev_i64[0], work, None, prev_tokens)
 
     def reset_for_capture(self) -> None:

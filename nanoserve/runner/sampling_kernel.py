@@ -12,22 +12,25 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048
+BLOCK = 1024
+CHUNK = 4096  # vocabulary columns per program: rows x chunks programs keep every SM busy
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, inv_temp_ptr, seeds_ptr, out_ptr, vocab,
-                          BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _chunk_kernel(logits_ptr, stride, inv_temp_ptr, seeds_ptr, best_ptr, best_idx_ptr, vocab, num_chunks,
+                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """The best score and its first index within one chunk of one row."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
     inv_temp = tl.load(inv_temp_ptr + row)
     seed = tl.load(seeds_ptr + row)
     greedy = inv_temp == 0.0
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
+    for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, vocab), BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < vocab
         x = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        # the noise depends on (seed, column) alone, so it does not matter how the row is split
         u = tl.rand(seed, cols)
         # u in [0, 1): u = 0 gives -inf noise, a token that can never win, which is harmless
         score = tl.where(greedy, x, x * inv_temp - tl.log(-tl.log(u)))
@@ -37,8 +40,8 @@ def _gumbel_argmax_kernel(logits_ptr, stride, inv_temp_ptr, seeds_ptr, out_ptr, 
         best_idx = tl.where(better, cols, best_idx)
     top = tl.max(best, axis=0)
     # the first index among lanes holding the maximum, as torch.argmax returns
-    index = tl.min(tl.where(best == top, best_idx, vocab), axis=0)
-    tl.store(out_ptr + row, index)
+    tl.store(best_ptr + row * num_chunks + chunk, top)
+    tl.store(best_idx_ptr + row * num_chunks + chunk, tl.min(tl.where(best == top, best_idx, vocab), axis=0))
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
@@ -46,6 +49,10 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     rows, vocab = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     inv_temp = torch.where(temperature > 0, 1.0 / temperature.clamp(min=1e-6), torch.zeros_like(temperature))
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    _gumbel_argmax_kernel[(rows,)](logits, logits.stride(0), inv_temp.float(), seeds, out, vocab, BLOCK=BLOCK)
-    return out
+    num_chunks = triton.cdiv(vocab, CHUNK)
+    best = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
+    _chunk_kernel[(rows, num_chunks)](logits, logits.stride(0), inv_temp.float(), seeds, best, best_idx, vocab,
+                                      num_chunks, CHUNK=CHUNK, BLOCK=BLOCK)
+    # across chunks: torch.argmax takes the first maximum, so ties go to the lowest column
+    return best_idx.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()

@@ -60,3 +60,18 @@ def test_pending_tokens_come_from_the_previous_launch():
     ids, _, _ = staged(buffers, work, 8, prev)
     assert ids[1] == 72 and ids[4] == 70
     assert ids[0] == work[0].token_ids[-1] and ids[2] == work[2].token_ids[-1]
+
+
+def test_padding_rows_never_carry_a_placeholder_from_an_earlier_step():
+    """A row that held a pending token and then becomes padding must still embed a real id."""
+    rng = random.Random(2)
+    buffers = DecodeBuffers(8, max_blocks=8, max_model_len=32, block_size=BLOCK, device=torch.device("cpu"))
+    work = decode_work(rng, 8)
+    for row, w in enumerate(work):
+        w.token_ids[-1] = PENDING_TOKEN
+        w.prev_row = row
+    staged(buffers, work, 8, torch.arange(8) + 50)
+    for _ in range(2):  # both host staging sets
+        ids, positions, meta = staged(buffers, decode_work(rng, 5), 8)
+        assert (ids >= 0).all() and (positions >= 0).all()
+        assert (ids[5:] == 0).all() and (meta.slot_mapping[5:] == -1).all()

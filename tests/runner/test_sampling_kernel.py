@@ -16,6 +16,17 @@ def test_zero_temperature_is_argmax():
     assert torch.equal(tokens, logits.argmax(dim=-1))
 
 
+def test_ties_across_chunks_take_the_first_index():
+    from nanoserve.runner.sampling_kernel import CHUNK
+
+    logits = torch.zeros(3, 3 * CHUNK + 5)
+    logits[0, [CHUNK + 7, 2 * CHUNK + 1]] = 4.0   # equal maxima in two later chunks
+    logits[1, [3, 3 * CHUNK + 2]] = 4.0            # the first and the last, partial chunk
+    logits[2, -1] = 4.0
+    tokens = gumbel_argmax(logits, torch.zeros(3), torch.arange(3))
+    assert tokens.tolist() == [CHUNK + 7, 3, 3 * CHUNK + 4]
+
+
 def test_draws_follow_the_softmax_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).repeat(1500, 1)
     temperature = torch.full((1500,), 0.8)
