@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [t1024] [eager] [async] [8b] [decode] [trace] [trace-async] [profile]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [t1024] [eager] [sync] [8b] [decode] [trace] [trace-sync] [profile]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/nanoserve-gpu}; mkdir -p "$out"
@@ -11,15 +11,15 @@ git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
 for part in $parts; do
   case $part in
     tests) python3 -m pytest -q -m gpu tests/gpu 2>&1 | tee "$out/tests.log" | tail -25 ;;
-    throughput) "$0" t256 eager t1024 ;;
+    throughput) "$0" t256 sync eager t1024 ;;
     t256) python3 bench/throughput.py --num-seqs 256 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
-    async) python3 bench/throughput.py --num-seqs 256 --async-scheduling 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
+    sync) python3 bench/throughput.py --num-seqs 256 --no-async-scheduling 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     t1024) python3 bench/throughput.py --num-seqs 1024 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     eager) python3 bench/throughput.py --num-seqs 256 --enforce-eager 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     8b) python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     decode) python3 bench/decode_step.py 2>&1 | tee "$out/decode_step.log" | grep -vE "it/s|Capturing" ;;
     trace) python3 bench/throughput.py --num-seqs 256 --trace "$out/trace" 2>&1 | tee "$out/trace.log" | grep -vE "it/s|Capturing" ;;
-    trace-async) python3 bench/throughput.py --num-seqs 256 --async-scheduling --trace "$out/trace-async" 2>&1 | tee "$out/trace-async.log" | grep -vE "it/s|Capturing" ;;
+    trace-sync) python3 bench/throughput.py --num-seqs 256 --no-async-scheduling --trace "$out/trace-sync" 2>&1 | tee "$out/trace-sync.log" | grep -vE "it/s|Capturing" ;;
     profile) python3 -m cProfile -s tottime bench/throughput.py --num-seqs 256 2>&1 | head -60 | tee "$out/profile.log" ;;
   esac
 done

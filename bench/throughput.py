@@ -35,8 +35,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="launch step N+1 before reading step N's sampled ids")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="launch step N+1 before reading step N's sampled ids (default: on for CUDA)")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -64,7 +64,7 @@ def main() -> None:
     assert tokens == sum(p.max_tokens for p in params)
     backend = llm.engine.runner.backend.name
     graphs = "eager" if llm.engine.runner.graphs is None else "cuda-graphs"
-    graphs += ", async scheduling" if args.async_scheduling else ""
+    graphs += ", async scheduling" if config.async_scheduling else ", sync scheduling"
     print(f"throughput: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:.0f} tok/s "
           f"({args.num_seqs} seqs, {os.path.basename(args.config)}, {backend}, {graphs}, "
           f"block {config.block_size}, preemptions {llm.engine.scheduler.num_preemptions})")

@@ -22,8 +22,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of equal prefixes")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="launch the next step before reading this one's sampled ids (overlaps host and GPU)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch the next step before reading this one's sampled ids, overlapping host and "
+                        "GPU (default: on for CUDA, off on the CPU)")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: random weights, for benchmarks")
     p.add_argument("--seed", type=int, default=0)

@@ -50,7 +50,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     load_format: str = "auto"
     enforce_eager: bool = False
-    async_scheduling: bool = False  # launch step N+1 before reading step N's sampled ids
+    # launch step N+1 before reading step N's sampled ids; None: on for CUDA, where the host's
+    # bookkeeping then overlaps the device's work, off on the CPU, where nothing runs beside it
+    async_scheduling: bool | None = None
     attention_backend: str = "auto"
     seed: int = 0
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
@@ -72,6 +74,8 @@ class EngineConfig:
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
         set_("device", device)
         set_("dtype", resolve_dtype(self.dtype, self.hf_config, device))
+        if self.async_scheduling is None:
+            set_("async_scheduling", device != "cpu")
 
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         if self.max_model_len is None:

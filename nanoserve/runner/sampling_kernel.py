@@ -11,33 +11,48 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.random import uint_to_uniform_float
 
 BLOCK = 1024
 CHUNK = 4096  # vocabulary columns per program: rows x chunks programs keep every SM busy
 
 
 @triton.jit
+def _consider(row_ptr, cols, vocab, bits, inv_temp, greedy, best, best_idx):
+    """Fold one tile of columns into each lane's running best score and its index."""
+    mask = cols < vocab
+    x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    # u in [0, 1): u = 0 gives -inf noise, a token that can never win, which is harmless
+    u = uint_to_uniform_float(bits)
+    score = tl.where(greedy, x, x * inv_temp - tl.log(-tl.log(u)))
+    score = tl.where(mask, score, float("-inf"))
+    better = score > best  # strict: a lane sees its columns in increasing order and keeps the first
+    return tl.where(better, score, best), tl.where(better, cols, best_idx)
+
+
+@triton.jit
 def _chunk_kernel(logits_ptr, stride, inv_temp_ptr, seeds_ptr, best_ptr, best_idx_ptr, vocab, num_chunks,
                   CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """The best score and its first index within one chunk of one row."""
+    QUARTER: tl.constexpr = BLOCK // 4
     row, chunk = tl.program_id(0), tl.program_id(1)
+    row_ptr = logits_ptr + row * stride
     inv_temp = tl.load(inv_temp_ptr + row)
     seed = tl.load(seeds_ptr + row)
     greedy = inv_temp == 0.0
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK], tl.int32)
+    best = tl.full([QUARTER], float("-inf"), tl.float32)
+    best_idx = tl.zeros([QUARTER], tl.int32)
+    lanes = tl.arange(0, QUARTER)
     for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, vocab), BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < vocab
-        x = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        # the noise depends on (seed, column) alone, so it does not matter how the row is split
-        u = tl.rand(seed, cols)
-        # u in [0, 1): u = 0 gives -inf noise, a token that can never win, which is harmless
-        score = tl.where(greedy, x, x * inv_temp - tl.log(-tl.log(u)))
-        score = tl.where(mask, score, float("-inf"))
-        better = score > best  # strict: each lane keeps its first maximum
-        best = tl.where(better, score, best)
-        best_idx = tl.where(better, cols, best_idx)
+        # one Philox call makes four draws, one for each quarter of the tile; the noise depends on
+        # (seed, column) alone, so it does not matter how the row is split into chunks
+        r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + lanes)
+        best, best_idx = _consider(row_ptr, start + lanes, vocab, r0, inv_temp, greedy, best, best_idx)
+        best, best_idx = _consider(row_ptr, start + QUARTER + lanes, vocab, r1, inv_temp, greedy, best, best_idx)
+        best, best_idx = _consider(row_ptr, start + 2 * QUARTER + lanes, vocab, r2, inv_temp, greedy, best,
+                                   best_idx)
+        best, best_idx = _consider(row_ptr, start + 3 * QUARTER + lanes, vocab, r3, inv_temp, greedy, best,
+                                   best_idx)
     top = tl.max(best, axis=0)
     # the first index among lanes holding the maximum, as torch.argmax returns
     tl.store(best_ptr + row * num_chunks + chunk, top)

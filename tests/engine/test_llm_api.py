@@ -165,3 +165,11 @@ def test_a_rejected_batch_leaves_nothing_queued(qwen3_model):
         llm.generate([[5, 6, 7], [5] * 100], greedy(4), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert len(tokens(llm, [[8, 9]], greedy(3))[0]) == 3
+
+
+def test_device_defaults_resolve_in_the_config():
+    from nanoserve import EngineConfig
+
+    cpu = EngineConfig(device="cpu")
+    assert (cpu.async_scheduling, cpu.block_size, cpu.max_num_batched_tokens) == (False, 16, 2048)
+    assert EngineConfig(device="cpu", async_scheduling=True).async_scheduling is True
