@@ -28,7 +28,10 @@ MAX_SPLITS = 64
 WAVES = 4                    # programs per SM to aim for before splitting stops paying
 
 
-@triton.jit
+# Ints that change from step to step are not specialized: Triton would otherwise compile a new
+# variant when one equals 1 or turns a multiple of 16 (a block-table width of 1 in a short warm-up,
+# 16 in a long batch), and that compile would land in the middle of serving.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_lse_ptr,
@@ -86,7 +89,7 @@ def _decode_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_acc_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr,

@@ -20,7 +20,8 @@ from nanoserve.runner.attention.triton_decode import check_shapes, dot_precision
 from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step
 
 
-@triton.jit
+# the block-table width changes with the batch: see _decode_kernel on specialization
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale_log2,
