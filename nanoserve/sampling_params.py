@@ -30,6 +30,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    # logprob of every prompt token after the first, with this many top alternatives; such a
+    # prompt is computed in full (prefix-cache hits would skip the positions that score it)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, no text (saves host time in benchmarks)
 
@@ -62,6 +65,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
 
     @property
     def greedy(self) -> bool:

@@ -64,6 +64,7 @@ class RequestUpdate:
     finish_reason: str | None               # "stop" or "length" on the choice's last update
     num_prompt_tokens: int
     num_cached_tokens: int                  # prompt tokens found in the prefix cache
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first update, when asked for
 
 
 class RequestStream:
@@ -111,7 +112,7 @@ class RequestStream:
         if out.finished:
             self._unfinished.discard(step.request_id)
         return RequestUpdate(out.index, out.text_delta, step.new_token_ids, step.logprobs, out.finish_reason,
-                             step.num_prompt_tokens, step.num_cached_tokens)
+                             step.num_prompt_tokens, step.num_cached_tokens, step.prompt_logprobs)
 
     def push(self, item: StepOutput | BaseException) -> None:
         """Called on the event loop with an engine output for one of its choices, or an error for all."""

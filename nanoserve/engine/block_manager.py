@@ -59,8 +59,8 @@ class BlockManager:
         """Give a sequence with no blocks every cached block of its prefix."""
         assert not seq.block_table, "admit() is for sequences that hold no blocks"
         seq.num_computed_tokens = seq.num_cached_tokens = seq.num_hashed_blocks = 0
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
+            return  # (prompt logprobs need every prompt position computed)
         # the last token is always computed: its logits are what the step samples from
         hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
         for h in hashes:

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.outputs import CompletionOutput, RequestState
+from nanoserve.engine.outputs import CompletionOutput, RequestState, TokenLogprob
 from nanoserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -25,6 +25,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob and top-N
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:
@@ -82,6 +84,7 @@ class LLM:
                 result, state = states[step.request_id]
                 result.num_cached_tokens = max(result.num_cached_tokens, step.num_cached_tokens)
                 out = state.update(step)
+                result.prompt_logprobs = result.prompt_logprobs or out.prompt_logprobs
                 if state.stopped and not step.finished:
                     self.engine.abort_request(step.request_id)
                 if out.finished:

@@ -44,6 +44,7 @@ class InFlightStep:
     pending: PendingSample
     sequences: list[Sequence] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # index of the placeholder in token_ids
+    scored: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk start) with prompt logprobs
 
 
 class LLMEngine:
@@ -166,16 +167,25 @@ class LLMEngine:
         # penalties read every past token on the host: the last step's ids must be back first
         return any(seq.params.uses_penalties for seq in self.scheduler.running)
 
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence) -> int | None:
+        """Top-N of prompt logprobs when this chunk still scores prompt tokens, else None."""
+        if seq.prompt_logprobs is None or seq.num_computed_tokens >= seq.num_prompt_tokens - 1:
+            return None
+        return seq.params.prompt_logprobs
+
     def _launch(self) -> InFlightStep | None:
         step = self.scheduler.schedule()
         if not step:
             return None
         work = [SequenceWork(seq.token_ids, seq.num_prompt_tokens, seq.num_computed_tokens, n, seq.block_table,
                              seq.params if seq.num_computed_tokens + n == seq.num_tokens else None,
-                             self._banned(seq), seq.pending_row)
+                             self._banned(seq), seq.pending_row, self._prompt_logprobs(seq))
                 for seq, n in zip(step.seqs, step.num_new_tokens)]
         launched = InFlightStep(self.runner.launch(work))
         for seq, n, w in zip(step.seqs, step.num_new_tokens, work):
+            if w.prompt_logprobs is not None:
+                launched.scored.append((seq, seq.num_computed_tokens))
             seq.num_computed_tokens += n
             if w.params is None:
                 continue
@@ -194,6 +204,8 @@ class LLMEngine:
     def _complete(self, launched: InFlightStep) -> list[StepOutput]:
         """Read a launched step's sampled ids back; update, stop and report its sequences."""
         sampled = launched.pending.result()
+        for (seq, start), entries in zip(launched.scored, sampled.prompt_logprobs):
+            seq.prompt_logprobs[start + 1:start + 1 + len(entries)] = entries
         outputs = []
         for row, (seq, position) in enumerate(zip(launched.sequences, launched.positions)):
             token = sampled.token_ids[row]
@@ -211,8 +223,10 @@ class LLMEngine:
                     self.scheduler.finish(seq, reason)
                 del self.sequences[seq.request_id]
             logprob = sampled.logprobs[row]
+            first = position == seq.num_prompt_tokens
             outputs.append(StepOutput(seq.request_id, [token], [logprob] if logprob is not None else None,
-                                      reason is not None, reason, seq.num_prompt_tokens, seq.num_cached_tokens))
+                                      reason is not None, reason, seq.num_prompt_tokens, seq.num_cached_tokens,
+                                      seq.prompt_logprobs if first else None))
         return outputs
 
     @staticmethod

@@ -24,6 +24,8 @@ class StepOutput:
     finish_reason: str | None       # "stop", "length", "abort" once finished
     num_prompt_tokens: int
     num_cached_tokens: int
+    # with the first token of a request that asked for them: one entry per prompt token, None first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -35,6 +37,7 @@ class CompletionOutput:
     text_delta: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # see StepOutput
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
 
@@ -72,6 +75,8 @@ class RequestState:
         out.token_ids.extend(tokens)
         if out.logprobs is not None and step.logprobs:
             out.logprobs.extend(step.logprobs)
+        if step.prompt_logprobs is not None:
+            out.prompt_logprobs = step.prompt_logprobs
         if self.params.detokenize and (self.incremental or step.finished):
             pending = tokens if self.incremental else out.token_ids
             out.text_delta = self.detokenizer.add(pending, finished=step.finished)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,9 @@ class SequenceWork:
     # >= 0: token_ids[start] is not known on the host yet; it is the token the previous launch
     # sampled for its row `prev_row`, still on the device (pipelined scheduling)
     prev_row: int = -1
+    # set: also return, for every prompt position of this chunk that has a next prompt token, the
+    # logprob of that token and this many top alternatives (prompt logprobs)
+    prompt_logprobs: int | None = None
 
 
 PENDING_TOKEN = -1  # stands in the engine's token lists for a sampled id not yet read back
@@ -59,3 +62,6 @@ class SampleOutput:
     token_ids: list[int]
     # per row: (logprob of the sampled token, [(token id, logprob), ...] top-N) or None
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+    # per sequence that asked for prompt logprobs, in work order: one entry per prompt token it
+    # predicted this step (positions start + 1 ...), in the same form
+    prompt_logprobs: list[list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=list)

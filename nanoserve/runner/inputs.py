@@ -12,6 +12,16 @@ from nanoserve.runner.batch import AttentionMetadata, SequenceWork
 
 
 @dataclass
+class PromptLogprobRows:
+    """The rows whose logits score the next prompt token, for sequences that asked (prompt logprobs)."""
+
+    rows: torch.Tensor      # [R] int64 indices into the packed hidden states
+    targets: torch.Tensor   # [R] int64, the prompt token each row predicts
+    counts: list[int]       # rows of each asking sequence, in work order
+    top_n: list[int]        # top alternatives each asking sequence wants
+
+
+@dataclass
 class StepInputs:
     """Packed (no padding) inputs of one step; sequence i owns rows query_start_loc[i]:[i+1]."""
 
@@ -20,6 +30,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [sampling rows] int64, the last query row of each sampling sequence
     sample_rows: list[SequenceWork]
+    prompt_logprob_rows: PromptLogprobRows | None = None
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -102,4 +113,20 @@ def build_inputs(work: list[SequenceWork], block_size: int, device: torch.device
     input_ids = _to_device(ids, device)
     fill_pending_tokens(input_ids, work, query_start, prev_tokens)
     return StepInputs(input_ids, _to_device(positions, device), meta, _to_device(logits_indices, device),
-                      sample_rows)
+                      sample_rows, prompt_logprob_rows(work, query_start, device))
+
+
+def prompt_logprob_rows(work: list[SequenceWork], query_start: np.ndarray,
+                        device: torch.device) -> PromptLogprobRows | None:
+    """Row p - start of a chunk scores token p + 1, for every p before the prompt's last token."""
+    asks = [(i, w) for i, w in enumerate(work) if w.prompt_logprobs is not None]
+    if not asks:
+        return None
+    rows, targets, counts = [], [], []
+    for i, w in asks:
+        end = max(min(w.start + w.num_new, w.num_prompt_tokens - 1), w.start)
+        rows.append(np.arange(query_start[i], query_start[i] + end - w.start, dtype=np.int64))
+        targets.append(np.asarray(w.token_ids[w.start + 1:end + 1], dtype=np.int64))
+        counts.append(end - w.start)
+    return PromptLogprobRows(_to_device(np.concatenate(rows), device), _to_device(np.concatenate(targets), device),
+                             counts, [w.prompt_logprobs for _, w in asks])

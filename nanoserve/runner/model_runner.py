@@ -15,7 +15,7 @@ from nanoserve.runner.layers.ops import EAGER_OPS, compiled_ops
 from nanoserve.runner.kv_cache import KVCache, blocks_for_cpu, blocks_for_gpu, profile_work
 from nanoserve.runner.loader import fill_dummy_weights, load_weights
 from nanoserve.runner.models.registry import model_class
-from nanoserve.runner.sampler import draw
+from nanoserve.runner.sampler import draw, score_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +23,10 @@ logger = logging.getLogger(__name__)
 class PendingSample:
     """The sampled ids of a launched step. `result()` is the step's one device-to-host sync."""
 
-    def __init__(self, tokens: torch.Tensor | None, logprobs: list | None, num_rows: int) -> None:
+    def __init__(self, tokens: torch.Tensor | None, logprobs: list | None, num_rows: int,
+                 prompt_logprobs: list | None = None) -> None:
         self.tokens, self.logprobs, self.num_rows = tokens, logprobs, num_rows
+        self.prompt_logprobs = prompt_logprobs or []
         self.event = None
         if tokens is not None and tokens.is_cuda:
             # start the copy now; whoever waits later finds the ids already on the host
@@ -35,13 +37,14 @@ class PendingSample:
 
     def result(self) -> SampleOutput:
         if self.tokens is None:
-            return SampleOutput([], [])
+            return SampleOutput([], [], self.prompt_logprobs)
         if self.event is not None:
             self.event.synchronize()
             ids = self.host.tolist()
         else:
             ids = self.tokens.tolist()
-        return SampleOutput(ids, self.logprobs if self.logprobs is not None else [None] * self.num_rows)
+        return SampleOutput(ids, self.logprobs if self.logprobs is not None else [None] * self.num_rows,
+                            self.prompt_logprobs)
 
 
 class ModelRunner:
@@ -98,19 +101,23 @@ class ModelRunner:
         """Queue a step on the device and return without waiting for it.
 
         Rows with `prev_row` set read their input token from what the previous launch sampled."""
+        prompt = None
         if self.graphs is not None and self.graphs.fits(work):
             # a decode step: every row has one new token and samples from it
             hidden, rows = self.graphs.run(work, self.prev_tokens), work
         else:
             inputs = build_inputs(work, self.block_size, self.device, self.prev_tokens)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            if inputs.prompt_logprob_rows is not None:
+                # read back now: only steps that carry such prompts pay this sync
+                prompt = score_prompt(self.model.compute_logits, hidden, inputs.prompt_logprob_rows)
             hidden, rows = hidden[inputs.logits_indices], inputs.sample_rows
         if not rows:
             self.prev_tokens = None
-            return PendingSample(None, None, 0)
+            return PendingSample(None, None, 0, prompt)
         tokens, logprobs = draw(self.model.compute_logits(hidden), rows)
         self.prev_tokens = tokens
-        return PendingSample(tokens, logprobs, len(rows))
+        return PendingSample(tokens, logprobs, len(rows), prompt)
 
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanoserve.runner.batch import SampleOutput, SequenceWork
+from nanoserve.runner.inputs import PromptLogprobRows
 
 # JSON has no -inf; OpenAI clients expect a large negative number instead
 MIN_LOGPROB = -9999.0
@@ -139,7 +142,7 @@ def draw(logits: torch.Tensor, rows: list[SequenceWork]) -> tuple[torch.Tensor, 
         tokens = torch.where(st.greedy, logits.argmax(dim=-1), drawn)
     if raw_logprobs is None:
         return tokens, None
-    return tokens, _with_logprobs(tokens, raw_logprobs, st)
+    return tokens, token_logprobs(tokens, raw_logprobs, st.top_logprobs)
 
 
 def _fused_draw(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -153,13 +156,31 @@ def _fused_draw(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return gumbel_argmax(logits, temperature, seeds.to(logits.device, non_blocking=True))
 
 
-def _with_logprobs(tokens: torch.Tensor, logprobs: torch.Tensor, st: SamplingTensors) -> list:
-    chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1).clamp(min=MIN_LOGPROB)
-    top_vals, top_ids = logprobs.topk(max(st.num_logprobs, 1), dim=-1)
+def token_logprobs(chosen_ids: torch.Tensor, logprobs: torch.Tensor, top_n: list[int | None]) -> list:
+    """Per row: (logprob of chosen_ids[row], [(id, logprob), ...] of its top_n[row] best), or None
+    where top_n[row] is None. Reads the values back to the host."""
+    chosen = logprobs.gather(-1, chosen_ids[:, None]).squeeze(-1).clamp(min=MIN_LOGPROB)
+    top_vals, top_ids = logprobs.topk(max(max((n for n in top_n if n is not None), default=0), 1), dim=-1)
     top_vals = top_vals.clamp(min=MIN_LOGPROB)
     chosen_list = chosen.tolist()
     ids_list, vals_list = top_ids.tolist(), top_vals.tolist()
-    out: list = []
-    for i, n in enumerate(st.top_logprobs):
-        out.append(None if n is None else (chosen_list[i], list(zip(ids_list[i][:n], vals_list[i][:n]))))
-    return out
+    return [None if n is None else (chosen_list[i], list(zip(ids_list[i][:n], vals_list[i][:n])))
+            for i, n in enumerate(top_n)]
+
+
+# rows of float32 logits scored at once: as many as a sampling step of 256 rows holds, so scoring
+# a long prompt needs no memory beyond what the KV-cache sizing already left free
+PROMPT_SCORING_ROWS = 256
+
+
+def score_prompt(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                 asks: PromptLogprobRows) -> list[list]:
+    """Prompt logprobs: for each asking sequence, one entry per prompt token its rows predict."""
+    top_n = [n for n, count in zip(asks.top_n, asks.counts) for _ in range(count)]
+    entries: list = []
+    for s in range(0, len(top_n), PROMPT_SCORING_ROWS):
+        rows = asks.rows[s:s + PROMPT_SCORING_ROWS]
+        logprobs = compute_logits(hidden[rows]).float().log_softmax(dim=-1)
+        entries += token_logprobs(asks.targets[s:s + PROMPT_SCORING_ROWS], logprobs, top_n[s:s + len(rows)])
+    bounds = np.cumsum([0, *asks.counts])
+    return [entries[a:b] for a, b in zip(bounds[:-1], bounds[1:])]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from nanoserve.engine.async_engine import RequestStream, RequestUpdate
+from nanoserve.engine.outputs import CompletionOutput
 from nanoserve.server.errors import APIError
 from nanoserve.server.logprobs import completion_logprobs
 from nanoserve.server.metrics import RequestTimer
@@ -45,6 +47,17 @@ class Completion(OpenAIResponse):
     def echo(self, choice: int) -> str:
         return self.prompt_texts[choice // self.req.n] if self.req.echo else ""
 
+    @property
+    def scores_prompt(self) -> bool:
+        """echo with logprobs: the echoed prompt carries its own tokens' logprobs."""
+        return self.req.echo and self.req.logprobs is not None
+
+    def echoed_tokens(self, choice: int, out: CompletionOutput) -> tuple[list[int], list]:
+        """Prompt token ids and logprobs that lead a choice's logprobs when the prompt is scored."""
+        if not self.scores_prompt:
+            return [], []
+        return self.prompts[choice // self.req.n], out.prompt_logprobs or []
+
     async def collect(self, stream: RequestStream, timer: RequestTimer) -> dict:
         await self.drain(stream, timer)
         choices = []
@@ -52,22 +65,33 @@ class Completion(OpenAIResponse):
             prefix = self.echo(c)
             logprobs = None
             if self.req.logprobs is not None:
-                logprobs, _ = completion_logprobs(self.state.texts, out.token_ids, out.logprobs or [], len(prefix))
+                ids, lps = self.echoed_tokens(c, out)
+                offset = 0 if self.scores_prompt else len(prefix)
+                logprobs, _ = completion_logprobs(self.state.texts, ids + out.token_ids, lps + (out.logprobs or []),
+                                                  offset)
             choices.append({"index": c, "text": prefix + out.text, "logprobs": logprobs,
                             "finish_reason": out.finish_reason})
         return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
 
     def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
-        offsets = [len(self.echo(c)) for c in range(len(stream.outputs))]  # text_offset of each choice
+        # text_offset of each choice; a scored prompt's offsets count from its own start
+        offsets = [0 if self.scores_prompt else len(self.echo(c)) for c in range(len(stream.outputs))]
+        echoed: set[int] = set()
 
         def render(u: RequestUpdate, ids: list[int], lps: list) -> dict:
+            text = u.text
+            if self.scores_prompt and u.index not in echoed:
+                # a prompt's logprobs exist once it is computed, so it is echoed with the first tokens
+                echoed.add(u.index)
+                prompt_ids, prompt_lps = self.echoed_tokens(u.index, stream.outputs[u.index])
+                text, ids, lps = self.echo(u.index) + text, prompt_ids + ids, prompt_lps + lps
             logprobs = None
             if self.req.logprobs is not None:
                 logprobs, offsets[u.index] = completion_logprobs(self.state.texts, ids, lps, offsets[u.index])
-            return {"index": u.index, "text": u.text, "logprobs": logprobs, "finish_reason": u.finish_reason}
+            return {"index": u.index, "text": text, "logprobs": logprobs, "finish_reason": u.finish_reason}
 
         opening = [{"index": c, "text": self.echo(c), "logprobs": None, "finish_reason": None}
-                   for c in range(len(stream.outputs))] if self.req.echo else []
+                   for c in range(len(stream.outputs))] if self.req.echo and not self.scores_prompt else []
         return self.sse(stream, timer, opening, render)
 
 
@@ -78,9 +102,6 @@ def refuse_unsupported(req: CompletionRequest) -> None:
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(f"best_of ({req.best_of}) must equal n ({req.n}): this server returns every completion it "
                        "generates and does not rank extra ones", param="best_of", code="unsupported_parameter")
-    if req.echo and req.logprobs is not None:
-        raise APIError("echo together with logprobs needs the prompt's logprobs, which this server does not "
-                       "compute; drop one of the two", param="echo", code="unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -94,6 +115,8 @@ async def create_completion(request: Request) -> Response:
     completion = Completion(state, req, model)
     try:
         params = req.sampling_params(req.max_tokens, req.logprobs)
+        if completion.scores_prompt:
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     except ValueError as exc:
         raise sampling_error(exc) from None
     stream = state.start(completion.id, completion.prompts, params)

@@ -72,22 +72,28 @@ class TokenTexts:
         return piece.replace("\u2581", " ").encode()  # sentencepiece writes spaces as U+2581
 
 
-def completion_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprob],
+def completion_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprob | None],
                         offset: int) -> tuple[dict, int]:
     """The /v1/completions `logprobs` object for these tokens, and the text offset after them.
 
-    top_logprobs holds the top-N alternatives plus the chosen token, as vLLM returns them.
+    top_logprobs holds the top-N alternatives plus the chosen token, as vLLM returns them. A None
+    entry (an echoed prompt's first token, which nothing predicts) gives null logprobs.
     """
     tokens, token_logprobs, top, offsets = [], [], [], []
-    for token_id, (chosen, alternatives) in zip(token_ids, logprobs):
+    for token_id, scored in zip(token_ids, logprobs):
         text = texts.text(token_id)
         tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if scored is None:
+            token_logprobs.append(None)
+            top.append(None)
+            continue
+        chosen, alternatives = scored
         token_logprobs.append(chosen)
         entry = {texts.text(tid): lp for tid, lp in alternatives}
         entry.setdefault(text, chosen)
         top.append(entry)
-        offsets.append(offset)
-        offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, offset
 
 

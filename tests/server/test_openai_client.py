@@ -152,6 +152,30 @@ def test_logprobs_through_the_client(client):
     assert b"".join(bytes(c.bytes) for c in content).decode() == chat.choices[0].message.content
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_echo_with_logprobs_scores_the_prompt_streamed_and_whole(client, offline, n):
+    """The scoring call of evaluation harnesses: the prompt comes back with its tokens' logprobs."""
+    prompt = PROMPTS[1]
+    ids = offline.tokenizer.encode(prompt)
+    ref = reference(offline, prompt, temperature=0.0, max_tokens=3, logprobs=2, prompt_logprobs=2)
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                                      echo=True, n=n)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                                            echo=True, n=n, stream=True))
+    for choice in range(n):
+        lp = whole.choices[choice].logprobs
+        assert whole.choices[choice].text == prompt + ref.text
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(ids) + 3
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        expected = [chosen for chosen, _ in ref.prompt_logprobs[1:]] + [c for c, _ in ref.outputs[0].logprobs]
+        assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-5)
+        assert lp.text_offset[0] == 0 and "".join(lp.tokens).endswith(ref.text)
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice]
+        assert "".join(c.text for c in mine) == whole.choices[choice].text
+        assert sum((c.logprobs.token_logprobs for c in mine if c.logprobs), []) == lp.token_logprobs
+        assert sum((c.logprobs.text_offset for c in mine if c.logprobs), []) == lp.text_offset
+
+
 def test_models_list_and_errors_reach_the_client(client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     with pytest.raises(openai.NotFoundError):

@@ -1,0 +1,61 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs) equal transformers' log-softmax at every prompt
+position, through chunked prefill, preemption, pipelined scheduling and a warm prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nanoserve import LLM, SamplingParams
+from tests.conftest import random_prompts
+
+TOP = 3
+
+
+def hf_prompt_logprobs(model_path: str, prompt: list[int]) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].log_softmax(dim=-1)
+
+
+def assert_matches_hf(model_path: str, prompt: list[int], got: list) -> None:
+    expected = hf_prompt_logprobs(model_path, prompt)
+    assert len(got) == len(prompt) and got[0] is None
+    for position, (chosen, top) in enumerate(got[1:]):
+        row = expected[position]  # the logits at position p score the token at p + 1
+        assert chosen == pytest.approx(row[prompt[position + 1]].item(), abs=1e-4)
+        values, ids = row.topk(TOP)
+        assert [t for t, _ in top] == ids.tolist()
+        assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "pipelined"])
+def test_prompt_logprobs_match_hf_through_chunks_and_preemption(random_model, async_scheduling):
+    prompts = random_prompts(6, 384, 20, 90, seed=11)
+    llm = LLM(random_model, dtype="float32", device="cpu", block_size=8, num_kvcache_blocks=30, max_model_len=128,
+              max_num_batched_tokens=32, max_num_seqs=6, async_scheduling=async_scheduling)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=TOP)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert max(map(len, prompts)) > 32  # every long prompt is scored over several chunks
+    for prompt, out in zip(prompts, outputs):
+        assert_matches_hf(random_model, prompt, out.prompt_logprobs)
+    assert llm.engine.block_manager.num_free_blocks == 30
+
+
+def test_a_cached_prefix_is_scored_all_the_same(qwen3_model):
+    prompt = random_prompts(1, 384, 70, 70, seed=12)[0]
+    llm = LLM(qwen3_model, dtype="float32", device="cpu", block_size=16)
+    plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None
+    scored = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=TOP),
+                          use_tqdm=False)[0]
+    assert scored.num_cached_tokens == 0  # the prompt's blocks were in the cache, and were not used
+    assert scored.token_ids == plain.token_ids
+    assert_matches_hf(qwen3_model, prompt, scored.prompt_logprobs)
+
+
+def test_prompt_logprobs_range_is_checked():
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
