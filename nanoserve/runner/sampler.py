@@ -168,8 +168,8 @@ def token_logprobs(chosen_ids: torch.Tensor, logprobs: torch.Tensor, top_n: list
             for i, n in enumerate(top_n)]
 
 
-# rows of float32 logits scored at once: as many as a sampling step of 256 rows holds, so scoring
-# a long prompt needs no memory beyond what the KV-cache sizing already left free
+# rows of float32 logits scored at once: a long prompt is scored in slices no larger than the
+# sampling step of the default max_num_seqs (256), not in one [prompt, vocab] tensor
 PROMPT_SCORING_ROWS = 256
 
 
