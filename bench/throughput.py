@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--trace", metavar="DIR", default=None,
                         help="after the timed run, run again recording step times and a torch.profiler window")
     args = parser.parse_args()
@@ -47,7 +48,8 @@ def main() -> None:
     config = config_from_file(args.config, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
                               async_scheduling=args.async_scheduling, attention_backend=args.attention_backend, block_size=args.block_size,
-                              gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
+                              gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                              tensor_parallel_size=args.tensor_parallel_size)
     llm = LLM(config=config)
     rng = Random(args.seed)
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
@@ -67,11 +69,13 @@ def main() -> None:
     graphs += ", async scheduling" if config.async_scheduling else ", sync scheduling"
     print(f"throughput: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:.0f} tok/s "
           f"({args.num_seqs} seqs, {os.path.basename(args.config)}, {backend}, {graphs}, "
-          f"block {config.block_size}, preemptions {llm.engine.scheduler.num_preemptions})")
+          f"block {config.block_size}, tp {config.tensor_parallel_size}, "
+          f"preemptions {llm.engine.scheduler.num_preemptions})")
     if args.trace:
         from bench.step_trace import StepTrace
         with StepTrace(llm.engine, args.trace):
             llm.generate(prompts, params, use_tqdm=False)
+    llm.close()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next step before reading this one's sampled ids, overlapping host and "
                         "GPU (default: on for CUDA, off on the CPU)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many GPUs (or CPU processes), one worker process each")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: random weights, for benchmarks")
     p.add_argument("--seed", type=int, default=0)
@@ -38,7 +40,8 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
         num_kvcache_blocks=args.num_kvcache_blocks, enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling, load_format=args.load_format, seed=args.seed)
+        async_scheduling=args.async_scheduling, load_format=args.load_format, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -54,6 +54,7 @@ class EngineConfig:
     # bookkeeping then overlaps the device's work, off on the CPU, where nothing runs beside it
     async_scheduling: bool | None = None
     attention_backend: str = "auto"
+    tensor_parallel_size: int = 1
     seed: int = 0
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
 
@@ -74,8 +75,9 @@ class EngineConfig:
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
         set_("device", device)
         set_("dtype", resolve_dtype(self.dtype, self.hf_config, device))
+        self._check_tensor_parallel(device)
         if self.async_scheduling is None:
-            set_("async_scheduling", device != "cpu")
+            set_("async_scheduling", device != "cpu" and self.tensor_parallel_size == 1)
 
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         if self.max_model_len is None:
@@ -112,3 +114,23 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+
+    def _check_tensor_parallel(self, device: str) -> None:
+        size, hf = self.tensor_parallel_size, self.hf_config
+        if size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+        if size == 1:
+            return
+        if device.startswith("cuda") and size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; {torch.cuda.device_count()} are visible")
+        heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
+        if heads % size or hf.intermediate_size % size:
+            raise ValueError(f"tensor_parallel_size {size} must divide the model's {heads} attention heads and "
+                             f"its intermediate_size {hf.intermediate_size}")
+        if kv_heads % size and size % kv_heads:
+            raise ValueError(f"tensor_parallel_size {size} and the model's {kv_heads} KV heads must divide "
+                             "one another")
+        if self.async_scheduling:
+            # workers would need each step's sampled ids, which only rank 0 draws
+            raise ValueError("async_scheduling is not available with tensor_parallel_size > 1")
+

@@ -177,6 +177,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
         self._fail_all(EngineDeadError("The server is shutting down"))
+        await asyncio.to_thread(self.engine.close)
 
     def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
         """Raise ValueError (naming the numbers) if the prompt cannot be served as asked."""

@@ -129,6 +129,10 @@ class LLMEngine:
         self._start_forks(seq)  # siblings are requests of their own and live on
         return self.scheduler.abort(request_id) is not None
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any; the engine serves nothing afterwards."""
+        self.runner.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work or self.in_flight is not None
 

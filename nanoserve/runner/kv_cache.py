@@ -16,9 +16,14 @@ logger = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 512 << 20
 
 
+def local_kv_heads(config: EngineConfig) -> int:
+    """KV heads on one rank: a share of them, or one copy when there are fewer heads than ranks."""
+    return max(1, config.hf_config.num_key_value_heads // config.tensor_parallel_size)
+
+
 def block_bytes(config: EngineConfig) -> int:
     hf = config.hf_config
-    per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim_of(hf) * config.dtype.itemsize
+    per_token = 2 * hf.num_hidden_layers * local_kv_heads(config) * head_dim_of(hf) * config.dtype.itemsize
     return per_token * config.block_size
 
 
@@ -67,5 +72,5 @@ class KVCache:
     def __init__(self, config: EngineConfig, num_blocks: int, device: torch.device) -> None:
         hf = config.hf_config
         self.num_blocks = num_blocks
-        shape = (2, hf.num_hidden_layers, num_blocks, config.block_size, hf.num_key_value_heads, head_dim_of(hf))
+        shape = (2, hf.num_hidden_layers, num_blocks, config.block_size, local_kv_heads(config), head_dim_of(hf))
         self.tensor = torch.empty(shape, dtype=config.dtype, device=device)

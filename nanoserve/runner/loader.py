@@ -39,10 +39,13 @@ def load_weights(model: nn.Module, folder: str, packed_modules: dict[str, tuple[
                 if target not in params:
                     raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(model).__name__}")
                 param = params[target]
-                if shard is None:
-                    _plain_copy(param, f.get_tensor(name))
+                loader = getattr(param, "weight_loader", None)
+                if shard is not None:
+                    loader(param, f.get_tensor(name), shard)
+                elif loader is not None:  # a tensor-parallel slice
+                    loader(param, f.get_tensor(name))
                 else:
-                    param.weight_loader(param, f.get_tensor(name), shard)
+                    _plain_copy(param, f.get_tensor(name))
                 loaded_names.add(target)
     missing = [n for n in params if n not in loaded_names and not (tied and n == "lm_head.weight")]
     if missing:

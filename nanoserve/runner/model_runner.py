@@ -15,6 +15,7 @@ from nanoserve.runner.layers.ops import EAGER_OPS, compiled_ops
 from nanoserve.runner.kv_cache import KVCache, blocks_for_cpu, blocks_for_gpu, profile_work
 from nanoserve.runner.loader import fill_dummy_weights, load_weights
 from nanoserve.runner.models.registry import model_class
+from nanoserve.runner.parallel import SINGLE, TensorParallel
 from nanoserve.runner.sampler import draw, score_prompt
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,15 @@ class PendingSample:
 class ModelRunner:
     """Runs steps of the engine's batches: build inputs, forward, logits on sampling rows, sample."""
 
-    def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
+    def __init__(self, config: EngineConfig, show_progress: bool = False, tp: TensorParallel | None = None) -> None:
+        """Rank 0 (tp None) starts the tensor-parallel workers when the config asks for them."""
         self.config = config
+        self.workers = []
+        if tp is None and config.tensor_parallel_size > 1:
+            from nanoserve.runner.workers import start_workers
+            tp, self.workers = start_workers(config)
+        self.tp = tp or SINGLE
+        show_progress = show_progress and self.tp.rank == 0
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         hf = config.hf_config
@@ -63,7 +71,7 @@ class ModelRunner:
             # fused elementwise kernels pay on the GPU; compiling would only slow the CPU path
             ops = compiled_ops() if self.device.type == "cuda" and not config.enforce_eager else EAGER_OPS
             with torch.device(self.device):
-                self.model = cls(hf, ops)
+                self.model = cls(hf, ops, self.tp)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
@@ -80,6 +88,8 @@ class ModelRunner:
             num_blocks = config.num_kvcache_blocks or blocks_for_gpu(config, peak)
         else:
             num_blocks = config.num_kvcache_blocks or blocks_for_cpu(config)
+        if self.tp.size > 1:
+            num_blocks = self.tp.min(num_blocks)  # every rank holds the same block ids
         self.kv_cache = KVCache(config, num_blocks, self.device)
         self._bind(self.kv_cache)
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
@@ -96,18 +106,43 @@ class ModelRunner:
         """Compute every sequence's new tokens; sample one token for each row that asks."""
         return self.launch(work).result()
 
-    @torch.inference_mode()
     def launch(self, work: list[SequenceWork]) -> PendingSample:
         """Queue a step on the device and return without waiting for it.
 
         Rows with `prev_row` set read their input token from what the previous launch sampled."""
+        if self.tp.size > 1:
+            work = self.tp.broadcast(work)  # rank 0's step; the workers run the same one
+        return self._step(work)
+
+    def serve_steps(self) -> None:
+        """A worker's loop: run each step rank 0 broadcasts, until it broadcasts None."""
+        while (work := self.tp.broadcast()) is not None:
+            self._step(work)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group (rank 0 and workers alike)."""
+        if self.tp.size == 1:
+            return
+        if self.tp.rank == 0:
+            self.tp.broadcast(None)
+            for worker in self.workers:
+                worker.join(timeout=60)
+        torch.distributed.destroy_process_group()
+        self.tp = SINGLE
+
+    @torch.inference_mode()
+    def _step(self, work: list[SequenceWork]) -> PendingSample:
         prompt = None
         if self.graphs is not None and self.graphs.fits(work):
             # a decode step: every row has one new token and samples from it
             hidden, rows = self.graphs.run(work, self.prev_tokens), work
+            if self.tp.rank != 0:
+                return PendingSample(None, None, 0)
         else:
             inputs = build_inputs(work, self.block_size, self.device, self.prev_tokens)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            if self.tp.rank != 0:
+                return PendingSample(None, None, 0)  # logits and sampling happen on rank 0 alone
             if inputs.prompt_logprob_rows is not None:
                 # read back now: only steps that carry such prompts pay this sync
                 prompt = score_prompt(self.model.compute_logits, hidden, inputs.prompt_logprob_rows)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -69,3 +71,40 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_exits(server_model, tmp_p
         assert text == ref  # all 400 tokens arrived
     finally:
         proc.stop()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_tensor_parallel_server_answers_like_offline_and_stops_its_worker(server_model, tmp_path, offline):
+    proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "512", "--block-size", "16",
+                         "--max-num-seqs", "64", "--tensor-parallel-size", "2")
+    try:
+        workers = [pid for pid in _children(proc.proc.pid) if "nanoserve" in Path(f"/proc/{pid}/cmdline").read_text()
+                   or "multiprocessing" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert workers, "no tensor-parallel worker process under the server"
+        ref = offline.generate("A list is", SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]
+        body = httpx.post(f"{proc.url}/v1/completions", json={"prompt": "A list is", "max_tokens": 16,
+                                                              "temperature": 0}, timeout=60).json()
+        assert body["choices"][0]["text"] == ref.text
+    finally:
+        code = proc.stop()
+    assert code == 0
+    assert not any(_alive(pid) for pid in workers)

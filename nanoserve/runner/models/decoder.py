@@ -11,10 +11,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoserve.runner.batch import AttentionMetadata
-from nanoserve.runner.layers.linear import PackedLinear
+from nanoserve.runner.layers.linear import PackedLinear, RowParallelLinear
 from nanoserve.runner.layers.norm import RMSNorm
 from nanoserve.runner.layers.ops import EAGER_OPS, LayerOps
 from nanoserve.runner.layers.rotary import RotaryTables
+from nanoserve.runner.parallel import SINGLE, TensorParallel
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -22,20 +23,23 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 class Attention(nn.Module):
+    """Self-attention over this rank's heads (all of them without tensor parallelism)."""
+
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool,
-                 rotary: RotaryTables, ops: LayerOps) -> None:
+                 rotary: RotaryTables, ops: LayerOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.ops = ops
         self.eps = config.rms_norm_eps
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
-        self.qkv_proj = PackedLinear(config.hidden_size, {"q": self.q_size, "k": self.kv_size,
-                                                          "v": self.kv_size}, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.head_dim = d = head_dim_of(config)
+        first_head, self.num_heads = tp.split_heads(config.num_attention_heads)
+        first_kv, self.num_kv_heads = tp.split_heads(config.num_key_value_heads)
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        self.scale = d ** -0.5
+        q = (config.num_attention_heads * d, first_head * d, self.q_size)
+        kv = (config.num_key_value_heads * d, first_kv * d, self.kv_size)
+        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q, "k": kv, "v": kv}, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -53,11 +57,13 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, ops: LayerOps) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: LayerOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = PackedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        first, local = tp.split(intermediate_size)
+        part = (intermediate_size, first, local)
+        self.gate_up_proj = PackedLinear(hidden_size, {"gate": part, "up": part})
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
@@ -65,10 +71,10 @@ class GatedMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool,
-                 rotary: RotaryTables, ops: LayerOps) -> None:
+                 rotary: RotaryTables, ops: LayerOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(config, qkv_bias, qk_norm, rotary, ops)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops)
+        self.self_attn = Attention(config, qkv_bias, qk_norm, rotary, ops, tp)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -84,11 +90,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, ops: LayerOps) -> None:
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, ops: LayerOps,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         rotary = RotaryTables(config, head_dim_of(config), config.max_position_embeddings)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm, rotary, ops)
+        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm, rotary, ops, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -108,10 +115,10 @@ class DecoderForCausalLM(nn.Module):
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
-    def __init__(self, config: PretrainedConfig, ops: LayerOps = EAGER_OPS) -> None:
+    def __init__(self, config: PretrainedConfig, ops: LayerOps = EAGER_OPS, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.uses_qkv_bias(config), self.qk_norm, ops)
+        self.model = DecoderModel(config, self.uses_qkv_bias(config), self.qk_norm, ops, tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight

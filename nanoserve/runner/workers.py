@@ -1,0 +1,45 @@
+"""The worker processes of tensor parallelism: ranks 1..N-1, each running its shard of every step.
+
+Rank 0 (the engine's process) starts them, then all ranks join one process group. A worker builds
+the same ModelRunner as rank 0, so profiling and graph capture run in lockstep, and then runs each
+step that rank 0 broadcasts until it receives None.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import socket
+
+from nanoserve.config import EngineConfig
+from nanoserve.runner.parallel import TensorParallel, init_process_group
+
+logger = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_workers(config: EngineConfig) -> tuple[TensorParallel, list[multiprocessing.Process]]:
+    """Start ranks 1..N-1 and join them as rank 0."""
+    size = config.tensor_parallel_size
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be forked into a child
+    workers = [context.Process(target=_worker_main, args=(config, rank, init_method), daemon=True,
+                               name=f"nanoserve-tp{rank}") for rank in range(1, size)]
+    for worker in workers:
+        worker.start()
+    logger.info("started %d tensor-parallel workers", len(workers))
+    return init_process_group(0, size, init_method, config.device), workers
+
+
+def _worker_main(config: EngineConfig, rank: int, init_method: str) -> None:
+    from nanoserve.runner.model_runner import ModelRunner
+
+    tp = init_process_group(rank, config.tensor_parallel_size, init_method, config.device)
+    runner = ModelRunner(config, tp=tp)
+    runner.serve_steps()
+    runner.close()

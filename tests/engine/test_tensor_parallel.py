@@ -1,0 +1,44 @@
+"""Tensor parallelism on the CPU (gloo, one worker process per extra rank): the same greedy tokens
+as transformers, with KV heads split, and replicated when there are fewer of them than ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoserve import LLM, EngineConfig, SamplingParams
+from tests.conftest import hf_greedy, random_prompts
+
+
+def test_two_ranks_match_hf_through_chunks_and_preemption(random_model):
+    prompts = random_prompts(8, 384, 10, 70, seed=21)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    with LLM(random_model, dtype="float32", device="cpu", tensor_parallel_size=2, block_size=8,
+             num_kvcache_blocks=32, max_model_len=128, max_num_batched_tokens=40, max_num_seqs=8) as llm:
+        assert llm.engine.runner.kv_cache.tensor.shape[4] == max(1, llm.engine.config.hf_config.num_key_value_heads // 2)
+        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.block_manager.num_free_blocks == 32
+        workers = llm.engine.runner.workers
+    assert got == hf_greedy(random_model, prompts, params.max_tokens)
+    assert len(workers) == 1 and not workers[0].is_alive()  # close() ended the worker
+
+
+def test_prompt_logprobs_with_two_ranks_equal_one_rank(qwen3_model):
+    prompts = random_prompts(3, 384, 20, 50, seed=22)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    one = LLM(qwen3_model, dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
+    with LLM(qwen3_model, dtype="float32", device="cpu", tensor_parallel_size=2) as llm:
+        two = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(one, two):
+        assert a.token_ids == b.token_ids
+        assert [e[0] for e in b.prompt_logprobs[1:]] == pytest.approx([e[0] for e in a.prompt_logprobs[1:]], abs=1e-4)
+
+
+@pytest.mark.parametrize("size, extra, message", [
+    (3, {}, "must divide"),
+    (0, {}, "at least 1"),
+    (2, {"async_scheduling": True}, "async_scheduling"),
+])
+def test_unsupported_splits_are_refused_at_start(qwen3_model, size, extra, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=qwen3_model, device="cpu", tensor_parallel_size=size, **extra)
