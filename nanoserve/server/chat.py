@@ -43,7 +43,7 @@ class ChatCompletion(OpenAIResponse):
 
     def __init__(self, state: ServerState, req: ChatCompletionRequest, model: str) -> None:
         super().__init__(state, req, model)
-        self.prompt = render_chat(state, req.messages)
+        self.prompt = req.truncate(render_chat(state, req.messages))
         self.prompt_lens = [len(self.prompt)]
         self.top_n = req.top_logprobs or 0
 

@@ -37,11 +37,13 @@ class Completion(OpenAIResponse):
         if not prompt:
             raise APIError("'prompt' is an empty list; give at least one prompt", param="prompt")
         tok = self.state.tokenizer
-        ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        ids = [self.req.truncate(tok.encode(p) if isinstance(p, str) else list(p)) for p in prompt]
         for p in ids:
             self.state.check_token_ids(p, "prompt")
-        # the text of token-id prompts is only needed for echo
-        texts = [p if isinstance(p, str) else (tok.decode(i) if self.req.echo else "") for p, i in zip(prompt, ids)]
+        # echo repeats a text prompt as given; token ids and truncated prompts are decoded (only for echo)
+        whole = self.req.truncate_prompt_tokens is None
+        texts = [p if isinstance(p, str) and whole else (tok.decode(i) if self.req.echo else "")
+                 for p, i in zip(prompt, ids)]
         return texts, ids
 
     def echo(self, choice: int) -> str:

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI API (and vLLM's extensions), validated strictly.
 
 Strict mode refuses "5" for an integer and true for a number; unknown fields are refused as
-the OpenAI API refuses them. Ranges follow the OpenAI API; vLLM's extra sampling fields
-(top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids) are accepted.
+the OpenAI API refuses them. Ranges follow the OpenAI API; vLLM's extra fields (top_k, min_p,
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, truncate_prompt_tokens,
+stream_options.continuous_usage_stats) are accepted.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk, not only the last
 
 
 class SamplingFields(Strict):
@@ -49,6 +51,7 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep only the last k prompt tokens
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -80,6 +83,14 @@ class SamplingFields(Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    def truncate(self, prompt: list[int]) -> list[int]:
+        k = self.truncate_prompt_tokens
+        return prompt[-k:] if k is not None else prompt
 
 
 class CompletionRequest(SamplingFields):

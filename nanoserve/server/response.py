@@ -68,7 +68,8 @@ class OpenAIResponse:
                 if not u.text and u.finish_reason is None:
                     continue
                 del pending[u.index]
-                yield sse_event(self.chunk([render(u, ids, lps)]))
+                yield sse_event(self.chunk([render(u, ids, lps)],
+                                           self.usage(stream) if self.req.continuous_usage else None))
             if self.req.include_usage:
                 yield sse_event(self.chunk([], self.usage(stream)))
         except EngineDeadError as exc:

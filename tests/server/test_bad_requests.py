@@ -69,6 +69,8 @@ CASES = [
     ("logprobs negative", "/v1/completions", completion(logprobs=-1), {}, 400, "logprobs", ""),
     ("best_of over n", "/v1/completions", completion(best_of=3), {}, 400, "best_of", "best_of"),
     ("suffix", "/v1/completions", completion(suffix="end"), {}, 400, "suffix", "not supported"),
+    ("truncate_prompt_tokens 0", "/v1/completions", completion(truncate_prompt_tokens=0), {}, 400,
+     "truncate_prompt_tokens", ""),
     ("logit_bias key not a token id", "/v1/completions", completion(logit_bias={"abc": 1}), {}, 400, "logit_bias",
      "token id"),
     ("logit_bias value out of range", "/v1/completions", completion(logit_bias={"5": 500}), {}, 400, "logit_bias",

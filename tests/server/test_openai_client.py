@@ -176,6 +176,28 @@ def test_echo_with_logprobs_scores_the_prompt_streamed_and_whole(client, offline
         assert sum((c.logprobs.text_offset for c in mine if c.logprobs), []) == lp.text_offset
 
 
+def test_truncate_prompt_tokens_keeps_the_prompt_end(client, offline):
+    ids = offline.tokenizer.encode(PROMPTS[2])
+    ref = reference(offline, ids[-3:], temperature=0.0, max_tokens=8)
+    out = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=8, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 3})
+    assert out.usage.prompt_tokens == 3
+    assert out.choices[0].text == offline.tokenizer.decode(ids[-3:]) + ref.text
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+
+
+def test_continuous_usage_stats_count_up_in_every_chunk(client):
+    chunks = list(client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert all(c.usage is not None for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens == 12
+    assert len(set(c.usage.prompt_tokens for c in chunks)) == 1
+
+
 def test_models_list_and_errors_reach_the_client(client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     with pytest.raises(openai.NotFoundError):
