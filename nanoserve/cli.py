@@ -25,6 +25,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next step before reading this one's sampled ids, overlapping host and "
                         "GPU (default: on for CUDA, off on the CPU)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many GPUs (or CPU processes), one worker process each")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
@@ -41,7 +42,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         num_kvcache_blocks=args.num_kvcache_blocks, enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling, load_format=args.load_format, seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size)
+        tensor_parallel_size=args.tensor_parallel_size, tokenizer=args.tokenizer)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="enable CORS for these origins ('*' for any); off by default")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds that requests in flight get to finish after SIGTERM")
+    serve.add_argument("--chat-template", default=None,
+                       help="Jinja chat template (a file, or the template itself) instead of the tokenizer's")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _engine_args(serve)
 
@@ -84,9 +87,17 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
     names = args.served_model_name or [args.model or os.path.basename(DEFAULT_MODEL)]
     settings = ServerSettings(served_model_names=names, api_key=args.api_key or None,
-                              allowed_origins=args.allowed_origins)
+                              allowed_origins=args.allowed_origins, chat_template=_chat_template(args.chat_template))
     serve(EngineConfig(**_engine_kwargs(args, args.model)), settings, args.host, args.port, args.max_queue_len,
           args.shutdown_timeout, args.log_level)
+
+
+def _chat_template(value: str | None) -> str | None:
+    """The template text: read from a file when `value` names one (as vLLM's flag does)."""
+    if value is not None and os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    return value
 
 
 def _generate(args: argparse.Namespace) -> None:

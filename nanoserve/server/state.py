@@ -22,6 +22,7 @@ class ServerSettings:
     api_key: str | None = None
     allowed_origins: list[str] = field(default_factory=list)  # CORS: empty = off
     retry_after_s: int = 1  # told to clients refused with 503
+    chat_template: str | None = None  # Jinja text that replaces the tokenizer's own
 
 
 class ServerState:
@@ -29,6 +30,8 @@ class ServerState:
         self.engine = engine
         self.settings = settings
         self.tokenizer = engine.tokenizer
+        if settings.chat_template is not None:
+            self.tokenizer.chat_template = settings.chat_template
         self.texts = TokenTexts(engine.tokenizer)
         self.metrics = ServerMetrics(lambda: engine.stats)
         self.created = int(time.time())

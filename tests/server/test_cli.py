@@ -64,3 +64,19 @@ def test_import_nanoserve_does_not_load_the_web_stack():
 def test_the_server_never_imports_the_runner():
     for path in (REPO / "nanoserve" / "server").glob("*.py"):
         assert "nanoserve.runner" not in path.read_text(), f"{path.name} reaches into the runner"
+
+
+def test_chat_template_flag_replaces_the_tokenizers_template(server_model, tmp_path, offline):
+    import httpx
+
+    from tests.server.conftest import ServerProcess
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "256", "--chat-template", str(template))
+    try:
+        body = httpx.post(f"{proc.url}/tokenize", json={"messages": [{"role": "user", "content": "A list is"}]},
+                          timeout=30).json()
+    finally:
+        proc.stop()
+    assert body["tokens"] == offline.tokenizer.encode("[user] A list is\n", add_special_tokens=False)
