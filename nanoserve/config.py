@@ -77,7 +77,7 @@ class EngineConfig:
         set_("dtype", resolve_dtype(self.dtype, self.hf_config, device))
         self._check_tensor_parallel(device)
         if self.async_scheduling is None:
-            set_("async_scheduling", device != "cpu" and self.tensor_parallel_size == 1)
+            set_("async_scheduling", device != "cpu")
 
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         if self.max_model_len is None:
@@ -130,7 +130,4 @@ class EngineConfig:
         if kv_heads % size and size % kv_heads:
             raise ValueError(f"tensor_parallel_size {size} and the model's {kv_heads} KV heads must divide "
                              "one another")
-        if self.async_scheduling:
-            # workers would need each step's sampled ids, which only rank 0 draws
-            raise ValueError("async_scheduling is not available with tensor_parallel_size > 1")
 

@@ -82,6 +82,7 @@ class ModelRunner:
         self.vocab_size = hf.vocab_size
         self.graphs = None
         self.prev_tokens: torch.Tensor | None = None  # the last launch's sampled ids, on the device
+        self.prev_rows = 0  # how many ids the last launch sampled (what a worker receives)
         self.backend = select_backend(config.attention_backend, config.device, config.block_size)
         if self.device.type == "cuda":
             peak = self.profile_peak_bytes()
@@ -130,8 +131,18 @@ class ModelRunner:
         torch.distributed.destroy_process_group()
         self.tp = SINGLE
 
+    def _share_prev_tokens(self, work: list[SequenceWork]) -> None:
+        """Give the workers the ids rank 0 sampled last step, where this step reads them on the device."""
+        if any(w.prev_row >= 0 for w in work):
+            if self.tp.rank != 0:
+                self.prev_tokens = torch.empty(self.prev_rows, dtype=torch.int64, device=self.device)
+            torch.distributed.broadcast(self.prev_tokens, src=0)
+        self.prev_rows = sum(w.params is not None for w in work)
+
     @torch.inference_mode()
     def _step(self, work: list[SequenceWork]) -> PendingSample:
+        if self.tp.size > 1:
+            self._share_prev_tokens(work)
         prompt = None
         if self.graphs is not None and self.graphs.fits(work):
             # a decode step: every row has one new token and samples from it

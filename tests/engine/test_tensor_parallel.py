@@ -9,11 +9,13 @@ from nanoserve import LLM, EngineConfig, SamplingParams
 from tests.conftest import hf_greedy, random_prompts
 
 
-def test_two_ranks_match_hf_through_chunks_and_preemption(random_model):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "pipelined"])
+def test_two_ranks_match_hf_through_chunks_and_preemption(random_model, async_scheduling):
     prompts = random_prompts(8, 384, 10, 70, seed=21)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     with LLM(random_model, dtype="float32", device="cpu", tensor_parallel_size=2, block_size=8,
-             num_kvcache_blocks=32, max_model_len=128, max_num_batched_tokens=40, max_num_seqs=8) as llm:
+             num_kvcache_blocks=32, max_model_len=128, max_num_batched_tokens=40, max_num_seqs=8,
+             async_scheduling=async_scheduling) as llm:
         assert llm.engine.runner.kv_cache.tensor.shape[4] == max(1, llm.engine.config.hf_config.num_key_value_heads // 2)
         got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.scheduler.num_preemptions > 0
@@ -37,7 +39,6 @@ def test_prompt_logprobs_with_two_ranks_equal_one_rank(qwen3_model):
 @pytest.mark.parametrize("size, extra, message", [
     (3, {}, "must divide"),
     (0, {}, "at least 1"),
-    (2, {"async_scheduling": True}, "async_scheduling"),
 ])
 def test_unsupported_splits_are_refused_at_start(qwen3_model, size, extra, message):
     with pytest.raises(ValueError, match=message):
