@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import config_from_file  # noqa: E402
+from nanoserve.benchmarks.config_file import config_from_file  # noqa: E402
 from nanoserve import SamplingParams  # noqa: E402
 from nanoserve.runner.batch import SequenceWork  # noqa: E402
 from nanoserve.runner.kv_cache import block_bytes  # noqa: E402

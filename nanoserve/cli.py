@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     _engine_args(gen)
+
+    bench = sub.add_parser("bench", help="run a benchmark: throughput (offline) or serving (HTTP load)",
+                           add_help=False)
+    bench.add_argument("kind", choices=["throughput", "serving"])
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help)")
     return parser
 
 
@@ -100,6 +105,12 @@ def _chat_template(value: str | None) -> str | None:
     return value
 
 
+def _bench(args: argparse.Namespace) -> None:
+    from importlib import import_module
+
+    import_module(f"nanoserve.benchmarks.{args.kind}").main(args.args)
+
+
 def _generate(args: argparse.Namespace) -> None:
     from nanoserve.engine.llm import LLM
     from nanoserve.sampling_params import SamplingParams
@@ -117,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "serve":
             _serve(args, parser)
+        elif args.command == "bench":
+            _bench(args)
         else:
             _generate(args)
     except ValueError as exc:  # a bad flag value, caught by EngineConfig or SamplingParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from bench.serving import parse_args, report, run_benchmark
+from nanoserve.benchmarks.serving import parse_args, report, run_benchmark
 
 
 def test_serving_benchmark_counts_every_token(server):

@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: build an engine config from a bare model config file."""
+"""An engine config for random weights of the architecture a bare config.json describes."""
 
 from __future__ import annotations
 

@@ -1,0 +1,90 @@
+"""Offline throughput on nano-vllm's workload: random prompts, random output lengths, ignore_eos.
+
+    nanoserve bench throughput --config bench/configs/qwen3-0.6b.json --num-seqs 256
+    python bench/throughput.py ...   (the same)
+
+The model is a config.json with random weights (`--config`), or a model folder (`--model`).
+Prints one line: output tokens, seconds, tokens/s. Weight init, KV sizing, graph capture and a
+warm-up generation are excluded from the timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from random import Random
+
+from nanoserve import EngineConfig, SamplingParams
+from nanoserve.benchmarks.config_file import config_from_file
+from nanoserve.engine.llm import LLM
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanoserve bench throughput", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="bench/configs/qwen3-0.6b.json",
+                        help="a model's config.json, run with random weights")
+    parser.add_argument("--model", default=None, help="a model folder with weights (instead of --config)")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--min-input-len", type=int, default=100)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--min-output-len", type=int, default=100)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="launch step N+1 before reading step N's sampled ids (default: on for CUDA)")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--max-token-id", type=int, default=10000, help="prompt ids are drawn from 0..this")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--trace", metavar="DIR", default=None,
+                        help="after the timed run, run again recording step times and a torch.profiler window")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    settings = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+                    async_scheduling=args.async_scheduling, attention_backend=args.attention_backend,
+                    block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                    tensor_parallel_size=args.tensor_parallel_size, device=args.device)
+    config = (EngineConfig(model=args.model, **settings) if args.model
+              else config_from_file(args.config, **settings))
+    llm = LLM(config=config)
+    rng = Random(args.seed)
+    prompts = [[rng.randint(0, args.max_token_id) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
+               for _ in range(args.num_seqs)]
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, detokenize=False,
+                             max_tokens=rng.randint(args.min_output_len, args.max_output_len))
+              for _ in range(args.num_seqs)]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16, detokenize=False), use_tqdm=False)  # warm-up
+
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    assert tokens == sum(p.max_tokens for p in params)
+    backend = llm.engine.runner.backend.name
+    graphs = "eager" if llm.engine.runner.graphs is None else "cuda-graphs"
+    graphs += ", async scheduling" if config.async_scheduling else ", sync scheduling"
+    print(f"throughput: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:.0f} tok/s "
+          f"({args.num_seqs} seqs, {os.path.basename(args.model or args.config)}, {backend}, {graphs}, "
+          f"block {config.block_size}, tp {config.tensor_parallel_size}, "
+          f"preemptions {llm.engine.scheduler.num_preemptions})")
+    if args.trace:
+        from nanoserve.benchmarks.step_trace import StepTrace
+        with StepTrace(llm.engine, args.trace):
+            llm.generate(prompts, params, use_tqdm=False)
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
