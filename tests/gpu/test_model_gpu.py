@@ -60,3 +60,20 @@ def test_cpu_and_gpu_paths_agree_on_bundled_model():
     cpu = LLM(device="cpu", dtype="float32").generate(prompts, params, use_tqdm=False)
     gpu = LLM(device="cuda", dtype="float32", num_kvcache_blocks=64).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in cpu] == [o.token_ids for o in gpu]
+
+
+def test_float32_prompt_logprobs_match_transformers(qwen3_06b):
+    """Prompt scoring on the GPU, in slices and across chunked prefill, against transformers."""
+    prompts = random_prompts(3, 10000, 300, 700, seed=10)
+    llm = LLM(qwen3_06b, dtype="float32", device="cuda", max_model_len=1024, num_kvcache_blocks=64,
+              max_num_batched_tokens=512)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3), use_tqdm=False)
+    model = hf_model(qwen3_06b, torch.float32)
+    with torch.no_grad():
+        for ids, out in zip(prompts, outputs):
+            ref = model(torch.tensor([ids], device="cuda")).logits[0].float().log_softmax(-1)
+            chosen = torch.tensor([entry[0] for entry in out.prompt_logprobs[1:]])
+            expected = ref[:-1].gather(-1, torch.tensor(ids[1:], device="cuda")[:, None]).squeeze(-1).cpu()
+            assert out.prompt_logprobs[0] is None
+            assert torch.allclose(chosen, expected, atol=2e-3), (chosen - expected).abs().max()
+            assert [t for t, _ in out.prompt_logprobs[1][1]] == ref[0].topk(3).indices.tolist()
