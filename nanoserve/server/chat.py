@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import jinja2
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from nanoserve.engine.async_engine import RequestStream, RequestUpdate
@@ -89,7 +90,7 @@ async def create_chat_completion(request: Request) -> Response:
         params = req.sampling_params(max_tokens(req), (req.top_logprobs or 0) if req.logprobs else None)
     except ValueError as exc:
         raise sampling_error(exc) from None
-    chat = ChatCompletion(state, req, model)
+    chat = await run_in_threadpool(ChatCompletion, state, req, model)  # (see create_completion)
     stream = state.start(chat.id, [chat.prompt], params)
     timer = state.metrics.timer()
     timer.prompt(len(chat.prompt))

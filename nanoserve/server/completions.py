@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from nanoserve.engine.async_engine import RequestStream, RequestUpdate
@@ -114,7 +115,8 @@ async def create_completion(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
     model = state.model_name(req.model)
     refuse_unsupported(req)
-    completion = Completion(state, req, model)
+    # tokenizing a long prompt takes a while: off the event loop, other streams keep flowing
+    completion = await run_in_threadpool(Completion, state, req, model)
     try:
         params = req.sampling_params(req.max_tokens, req.logprobs)
         if completion.scores_prompt:

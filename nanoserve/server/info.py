@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from nanoserve import __version__
@@ -65,9 +66,9 @@ async def tokenize(request: Request) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise APIError("Give exactly one of 'prompt' and 'messages'", param="prompt")
     if req.prompt is not None:
-        tokens = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        tokens = await run_in_threadpool(state.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
     else:
-        tokens = render_chat(state, req.messages, req.add_generation_prompt)
+        tokens = await run_in_threadpool(render_chat, state, req.messages, req.add_generation_prompt)
     return json_response({"count": len(tokens), "max_model_len": state.engine.config.max_model_len,
                           "tokens": tokens})
 
