@@ -147,13 +147,9 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(work):
             # a decode step: every row has one new token and samples from it
             hidden, rows = self.graphs.run(work, self.prev_tokens), work
-            if self.tp.rank != 0:
-                return PendingSample(None, None, 0)
         else:
             inputs = build_inputs(work, self.block_size, self.device, self.prev_tokens)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-            if self.tp.rank != 0:
-                return PendingSample(None, None, 0)  # logits and sampling happen on rank 0 alone
             if inputs.prompt_logprob_rows is not None:
                 # read back now: only steps that carry such prompts pay this sync
                 prompt = score_prompt(self.model.compute_logits, hidden, inputs.prompt_logprob_rows)
@@ -161,7 +157,10 @@ class ModelRunner:
         if not rows:
             self.prev_tokens = None
             return PendingSample(None, None, 0, prompt)
-        tokens, logprobs = draw(self.model.compute_logits(hidden), rows)
+        logits = self.model.compute_logits(hidden)  # every rank: the LM head gathers across ranks
+        if self.tp.rank != 0:
+            return PendingSample(None, None, 0)  # rank 0 alone samples
+        tokens, logprobs = draw(logits, rows)
         self.prev_tokens = tokens
         return PendingSample(tokens, logprobs, len(rows), prompt)
 

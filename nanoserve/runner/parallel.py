@@ -1,9 +1,9 @@
 """Tensor parallelism: which shard of each layer a rank holds, and the collectives between ranks.
 
 Rank 0 runs the engine and its runner; ranks 1..N-1 are worker processes that run the same model
-forward on their shards. Attention heads and MLP columns are split across ranks; the output
-projections sum their partial results with one all-reduce each. Embedding and LM head stay whole
-on every rank (only rank 0 computes logits), so nothing but the layer bodies communicates.
+forward on their shards. Attention heads and MLP columns are split across ranks, and the output
+projections sum their partial results with one all-reduce each. The embedding and LM head are
+split by vocabulary rows (layers/vocab.py); every rank gathers the logits, and rank 0 samples.
 """
 
 from __future__ import annotations

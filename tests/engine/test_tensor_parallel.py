@@ -1,5 +1,6 @@
 """Tensor parallelism on the CPU (gloo, one worker process per extra rank): the same greedy tokens
-as transformers, with KV heads split, and replicated when there are fewer of them than ranks."""
+as transformers, with heads, MLP columns and vocabulary split, and KV heads copied when there are
+fewer of them than ranks."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ def test_two_ranks_match_hf_through_chunks_and_preemption(random_model, async_sc
     with LLM(random_model, dtype="float32", device="cpu", tensor_parallel_size=2, block_size=8,
              num_kvcache_blocks=32, max_model_len=128, max_num_batched_tokens=40, max_num_seqs=8,
              async_scheduling=async_scheduling) as llm:
-        assert llm.engine.runner.kv_cache.tensor.shape[4] == max(1, llm.engine.config.hf_config.num_key_value_heads // 2)
+        runner, hf = llm.engine.runner, llm.engine.config.hf_config
+        assert runner.kv_cache.tensor.shape[4] == max(1, hf.num_key_value_heads // 2)
+        assert runner.model.model.embed_tokens.weight.shape[0] == hf.vocab_size // 2  # vocabulary split too
         got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.block_manager.num_free_blocks == 32

@@ -15,6 +15,7 @@ from nanoserve.runner.layers.linear import PackedLinear, RowParallelLinear
 from nanoserve.runner.layers.norm import RMSNorm
 from nanoserve.runner.layers.ops import EAGER_OPS, LayerOps
 from nanoserve.runner.layers.rotary import RotaryTables
+from nanoserve.runner.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.runner.parallel import SINGLE, TensorParallel
 
 
@@ -94,7 +95,7 @@ class DecoderModel(nn.Module):
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         rotary = RotaryTables(config, head_dim_of(config), config.max_position_embeddings)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm, rotary, ops, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -119,7 +120,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, self.uses_qkv_bias(config), self.qk_norm, ops, tp)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
