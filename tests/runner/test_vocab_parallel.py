@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import multiprocessing
 
+import pytest
 import torch
 
 VOCAB, DIM = 11, 6
+pytestmark = pytest.mark.timeout(300)
 
 
 def _rank(rank: int, init_method: str, results) -> None:
