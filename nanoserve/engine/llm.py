@@ -25,8 +25,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
-    # with SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob and top-N
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """With SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob and top-N."""
+        return self.outputs[0].prompt_logprobs
 
     @property
     def text(self) -> str:
@@ -94,7 +97,6 @@ class LLM:
                 result, state = states[step.request_id]
                 result.num_cached_tokens = max(result.num_cached_tokens, step.num_cached_tokens)
                 out = state.update(step)
-                result.prompt_logprobs = result.prompt_logprobs or out.prompt_logprobs
                 if state.stopped and not step.finished:
                     self.engine.abort_request(step.request_id)
                 if out.finished:

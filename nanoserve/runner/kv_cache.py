@@ -9,6 +9,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.runner.batch import SequenceWork
 from nanoserve.runner.models.decoder import head_dim_of
+from nanoserve.runner.parallel import TensorParallel
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -17,8 +18,8 @@ CPU_KV_CACHE_BYTES = 512 << 20
 
 
 def local_kv_heads(config: EngineConfig) -> int:
-    """KV heads on one rank: a share of them, or one copy when there are fewer heads than ranks."""
-    return max(1, config.hf_config.num_key_value_heads // config.tensor_parallel_size)
+    """KV heads on one rank (the same count on every rank)."""
+    return TensorParallel(size=config.tensor_parallel_size).split_heads(config.hf_config.num_key_value_heads)[1]
 
 
 def block_bytes(config: EngineConfig) -> int:

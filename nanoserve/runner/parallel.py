@@ -21,8 +21,9 @@ class TensorParallel:
     control: object = field(default=None, compare=False)  # gloo group for the step broadcasts
 
     def split(self, total: int) -> tuple[int, int]:
-        """(start, size) of this rank's even share of `total` rows."""
-        local = total // self.size
+        """(start, size) of this rank's share of `total` rows; when `size` does not divide `total`
+        (a vocabulary), every share is rounded up and the last rank's runs past the end."""
+        local = -(-total // self.size)
         return self.rank * local, local
 
     def split_heads(self, heads: int) -> tuple[int, int]:

@@ -22,8 +22,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.vocab_size, self.tp = vocab_size, tp
-        self.rows = -(-vocab_size // tp.size)  # per rank; the last rank's tail is padding
-        self.first = tp.rank * self.rows
+        self.first, self.rows = tp.split(vocab_size)  # the last rank's tail is padding
         self.weight = nn.Parameter(torch.empty(self.rows, dim))
         self.weight.weight_loader = self.load
 
