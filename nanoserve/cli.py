@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds that requests in flight get to finish after SIGTERM")
     serve.add_argument("--chat-template", default=None,
                        help="Jinja chat template (a file, or the template itself) instead of the tokenizer's")
+    serve.add_argument("--engine-death-grace-period", type=float, default=30.0,
+                       help="seconds that /health answers 503 after the engine died, before the server exits "
+                            "non-zero (so that a supervisor restarts it)")
+    serve.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _engine_args(serve)
 
@@ -92,7 +96,9 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
     names = args.served_model_name or [args.model or os.path.basename(DEFAULT_MODEL)]
     settings = ServerSettings(served_model_names=names, api_key=args.api_key or None,
-                              allowed_origins=args.allowed_origins, chat_template=_chat_template(args.chat_template))
+                              allowed_origins=args.allowed_origins, chat_template=_chat_template(args.chat_template),
+                              log_requests=not args.disable_log_requests,
+                              engine_death_grace_s=args.engine_death_grace_period)
     serve(EngineConfig(**_engine_kwargs(args, args.model)), settings, args.host, args.port, args.max_queue_len,
           args.shutdown_timeout, args.log_level)
 

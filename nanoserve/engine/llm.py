@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.validation import check_prompt
 from nanoserve.engine.outputs import CompletionOutput, RequestState, TokenLogprob
 from nanoserve.sampling_params import SamplingParams
 
@@ -79,7 +80,7 @@ class LLM:
             raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         for ids in token_ids:  # all checked before any is queued: a bad prompt leaves nothing behind
-            self.engine.check_prompt(ids, None)
+            check_prompt(ids, None, self.engine.config.max_model_len, self.engine.vocab_size)
         results: list[RequestOutput] = []
         states: dict[str, tuple[RequestOutput, RequestState]] = {}
         for prompt, ids, params in zip(prompts, token_ids, params_list):

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.outputs import StepOutput
+from nanoserve.engine.messages import EngineStats, StepOutput
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.runner.batch import PENDING_TOKEN, SequenceWork
@@ -63,35 +63,16 @@ class LLMEngine:
         self.pending_forks: dict[str, list[str]] = {}  # request id -> siblings waiting for its prompt
         self.in_flight: InFlightStep | None = None  # launched, sampled ids not read yet
         self._arrivals = itertools.count()
-
-    def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
-        """Raise ValueError naming the numbers when a prompt cannot be served as asked."""
-        n, limit = len(prompt_token_ids), self.config.max_model_len
-        if n == 0:
-            raise ValueError("The prompt is empty; it needs at least one token")
-        if n >= limit:
-            raise ValueError(f"The prompt has {n} tokens, but this model's maximum context length is "
-                             f"{limit} tokens (max_model_len), which leaves no room for output")
-        if max_tokens is not None and n + max_tokens > limit:
-            raise ValueError(f"This model's maximum context length is {limit} tokens, but {n + max_tokens} "
-                             f"were requested ({n} in the prompt and {max_tokens} for the completion)")
-        self.check_token_ids(prompt_token_ids, "the prompt")
-
-    def check_token_ids(self, token_ids: list[int], what: str) -> None:
-        """Raise ValueError naming the first id outside the vocabulary."""
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"Token id {bad} in {what} is out of range: the vocabulary has "
-                             f"{self.vocab_size} tokens")
+        self.num_generated_tokens = 0  # ever, for the stats
+        self.num_computed_tokens = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     fork_ids: list[str] | tuple[str, ...] = ()) -> None:
-        """Queue a request. Only the prompt must fit; output stops at max_model_len if it must.
+        """Queue a request checked by `validation.check_prompt`; output stops at max_model_len if it must.
 
         `fork_ids` name sibling requests (n > 1) with the same prompt and params. They start once
         this request's prompt is in the KV cache, so they share its blocks instead of n prefills.
         """
-        self.check_prompt(prompt_token_ids, None)
         for rid in (request_id, *fork_ids):
             if rid in self.sequences or rid in self.pending_forks:
                 raise ValueError(f"Request id {rid!r} is already in use")
@@ -142,7 +123,14 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Sequences queued, siblings (n > 1) that wait for their first's prompt included."""
+        return len(self.scheduler.waiting) + sum(map(len, self.pending_forks.values()))
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(self.num_running, self.num_waiting, bm.num_blocks, bm.num_free_blocks,
+                           bm.prefix_queried_tokens, bm.prefix_hit_tokens, self.scheduler.num_preemptions,
+                           self.num_generated_tokens, self.num_computed_tokens)
 
     @staticmethod
     def _banned(seq: Sequence) -> tuple[int, ...]:
@@ -187,6 +175,7 @@ class LLMEngine:
                              self._banned(seq), seq.pending_row, self._prompt_logprobs(seq))
                 for seq, n in zip(step.seqs, step.num_new_tokens)]
         launched = InFlightStep(self.runner.launch(work))
+        self.num_computed_tokens += sum(step.num_new_tokens)
         for seq, n, w in zip(step.seqs, step.num_new_tokens, work):
             if w.prompt_logprobs is not None:
                 launched.scored.append((seq, seq.num_computed_tokens))
@@ -208,6 +197,7 @@ class LLMEngine:
     def _complete(self, launched: InFlightStep) -> list[StepOutput]:
         """Read a launched step's sampled ids back; update, stop and report its sequences."""
         sampled = launched.pending.result()
+        self.num_generated_tokens += len(launched.sequences)
         for (seq, start), entries in zip(launched.scored, sampled.prompt_logprobs):
             seq.prompt_logprobs[start + 1:start + 1 + len(entries)] = entries
         outputs = []

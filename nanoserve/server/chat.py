@@ -80,6 +80,7 @@ def max_tokens(req: ChatCompletionRequest) -> int | None:
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
+    timer = state.metrics.timer()  # latencies count from arrival, rendering and tokenizing included
     req = await parse_body(request, ChatCompletionRequest)
     model = state.model_name(req.model)
     if req.top_logprobs is not None and not req.logprobs:
@@ -92,7 +93,7 @@ async def create_chat_completion(request: Request) -> Response:
         raise sampling_error(exc) from None
     chat = await run_in_threadpool(ChatCompletion, state, req, model)  # (see create_completion)
     stream = state.start(chat.id, [chat.prompt], params)
-    timer = state.metrics.timer()
+    timer.request_id = chat.id
     timer.prompt(len(chat.prompt))
     if req.stream:
         return sse_response(chat.events(stream, timer), stream.close)

@@ -29,26 +29,28 @@ class Completion(OpenAIResponse):
 
     def __init__(self, state: ServerState, req: CompletionRequest, model: str) -> None:
         super().__init__(state, req, model)
-        self.prompt_texts, self.prompts = self._prompts(req.prompt)
-        self.prompt_lens = [len(p) for p in self.prompts]
-
-    def _prompts(self, prompt: str | list) -> tuple[list[str], list[list[int]]]:
+        prompt = req.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
             raise APIError("'prompt' is an empty list; give at least one prompt", param="prompt")
+        self.given = prompt
         tok = self.state.tokenizer
-        ids = [self.req.truncate(tok.encode(p) if isinstance(p, str) else list(p)) for p in prompt]
-        for p in ids:
-            self.state.check_token_ids(p, "prompt")
-        # echo repeats a text prompt as given; token ids and truncated prompts are decoded (only for echo)
-        whole = self.req.truncate_prompt_tokens is None
-        texts = [p if isinstance(p, str) and whole else (tok.decode(i) if self.req.echo else "")
-                 for p, i in zip(prompt, ids)]
-        return texts, ids
+        self.prompts = [req.truncate(tok.encode(p) if isinstance(p, str) else list(p)) for p in prompt]
+        self.prompt_lens = [len(p) for p in self.prompts]
+        self._echoed: dict[int, str] = {}
 
     def echo(self, choice: int) -> str:
-        return self.prompt_texts[choice // self.req.n] if self.req.echo else ""
+        """The prompt of a choice as echo repeats it: a text prompt as given, token ids (checked by
+        then, when the request was queued) and truncated prompts decoded."""
+        if not self.req.echo:
+            return ""
+        p = choice // self.req.n
+        if p not in self._echoed:
+            given = self.given[p]
+            whole = isinstance(given, str) and self.req.truncate_prompt_tokens is None
+            self._echoed[p] = given if whole else self.state.tokenizer.decode(self.prompts[p])
+        return self._echoed[p]
 
     @property
     def scores_prompt(self) -> bool:
@@ -112,6 +114,7 @@ def refuse_unsupported(req: CompletionRequest) -> None:
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
+    timer = state.metrics.timer()  # latencies count from arrival, tokenizing included
     req = await parse_body(request, CompletionRequest)
     model = state.model_name(req.model)
     refuse_unsupported(req)
@@ -124,7 +127,7 @@ async def create_completion(request: Request) -> Response:
     except ValueError as exc:
         raise sampling_error(exc) from None
     stream = state.start(completion.id, completion.prompts, params)
-    timer = state.metrics.timer()
+    timer.request_id = completion.id
     timer.prompt(sum(map(len, completion.prompts)))
     if req.stream:
         return sse_response(completion.events(stream, timer), stream.close)

@@ -43,8 +43,8 @@ async def get_model(request: Request, name: str) -> Response:
 async def health(request: Request) -> Response:
     engine = _state(request).engine
     if not engine.healthy:
-        reason = repr(engine.error) if engine.error else "the engine is not running"
-        raise APIError(f"Unhealthy: {reason}; restart the server", 503, code="engine_dead")
+        reason = str(engine.error) if engine.error else "the engine is not running"
+        raise APIError(f"Unhealthy: {reason}", 503, code="engine_dead")
     return json_response({"status": "ok"})
 
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from nanoserve import SamplingParams
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, alive, children, engine_process
 
 
 @pytest.fixture
@@ -73,32 +73,14 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_exits(server_model, tmp_p
         proc.stop()
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (ProcessLookupError, FileNotFoundError):
-        return False
-
-
 def test_tensor_parallel_server_answers_like_offline_and_stops_its_worker(server_model, tmp_path, offline):
     proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "512", "--block-size", "16",
                          "--max-num-seqs", "64", "--tensor-parallel-size", "2")
     try:
-        # the worker is a multiprocessing spawn child (its resource tracker, another child, is not counted)
-        workers = [pid for pid in _children(proc.proc.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        # the worker is a multiprocessing spawn child of the engine process (its resource tracker, another
+        # child, is not counted)
+        engine = engine_process(proc.proc.pid)
+        workers = [pid for pid in children(engine) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
         assert len(workers) == 1, "no tensor-parallel worker process under the server"
         ref = offline.generate("A list is", SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]
         body = httpx.post(f"{proc.url}/v1/completions", json={"prompt": "A list is", "max_tokens": 16,
@@ -108,6 +90,6 @@ def test_tensor_parallel_server_answers_like_offline_and_stops_its_worker(server
         code = proc.stop()
     assert code == 0
     deadline = time.monotonic() + 10  # an orphan that has exited may wait a moment to be reaped
-    while _alive(workers[0]) and time.monotonic() < deadline:
+    while (alive(workers[0]) or alive(engine)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(workers[0])
+    assert not alive(workers[0]) and not alive(engine)
