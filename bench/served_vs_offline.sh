@@ -15,6 +15,9 @@ parts=${*:-offline inf rates single}
 [ -f "$MODEL/model.safetensors" ] || python3 .peers/make_model.py "$MODEL" | tail -n 1
 settings="--max-model-len 4096 --max-num-seqs 512 --max-num-batched-tokens 16384"
 bench() { python3 -m nanoserve.cli bench serving --url "http://127.0.0.1:$PORT" --max-token-id 10000 "$@"; }
+# CPU seconds (user + system) of the front end and of its engine process, to see which one is busy
+cpu() { for pid in $server $(pgrep -P "$server" -f spawn_main); do
+          awk -v p="$pid" '{printf "pid %s: %.1f s CPU  ", p, ($14 + $15) / 100}' "/proc/$pid/stat"; done; echo; }
 
 start_server() {
   python3 -m nanoserve.cli serve "$MODEL" --port "$PORT" $settings --disable-log-requests ${SERVE_ARGS:-} \
@@ -31,8 +34,8 @@ for part in $parts; do
     inf|rates|single)
       [ -n "${server:-}" ] || start_server || exit 1
       case $part in
-        inf) for c in $CLIENTS 1; do echo "== rate inf, 256 requests, $c client processes"
-               bench --num-requests 256 --num-clients "$c" 2>&1 | tee -a "$out/serving.log"; done ;;
+        inf) for c in $CLIENTS 1; do echo "== rate inf, 256 requests, $c client processes"; cpu
+               bench --num-requests 256 --num-clients "$c" 2>&1 | tee -a "$out/serving.log"; cpu; done ;;
         rates) for r in 4 8 16; do echo "== rate $r, 256 requests"
                  bench --num-requests 256 --request-rate "$r" --num-clients 2 2>&1 | tee -a "$out/serving.log"; done ;;
         single) echo "== one stream at a time: prompt 1024, output 256"

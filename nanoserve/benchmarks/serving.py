@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import multiprocessing
 import statistics
 import sys
@@ -35,6 +36,8 @@ CLIENT_BOUND = 0.8  # a client process busy this fraction of the run may have sl
 @dataclass
 class RequestResult:
     max_tokens: int = 0     # what it asked for: with ignore_eos, what it must get
+    sent: float = 0.0       # wall-clock times (time.time()), comparable across client processes
+    ended: float = 0.0
     output_tokens: int = 0
     ttft: float = 0.0
     latency: float = 0.0
@@ -137,8 +140,9 @@ async def _client_run(args: argparse.Namespace, model: str, share: list[tuple[fl
     async def one(at: float, prompt: list[int], max_tokens: int) -> RequestResult:
         await asyncio.sleep(max(0.0, start_at + at - time.time()))
         async with limit:
+            sent = time.time()
             result = await send(client, _body(model, prompt, max_tokens, args.temperature))
-        result.max_tokens = max_tokens
+        result.max_tokens, result.sent, result.ended = max_tokens, sent, time.time()
         return result
 
     try:
@@ -147,9 +151,10 @@ async def _client_run(args: argparse.Namespace, model: str, share: list[tuple[fl
         await (client.close() if args.client == "openai" else client.aclose())
 
 
-def _client_process(args: argparse.Namespace, model: str, share: list, start_at: float, queue) -> None:
+def _client_process(args: argparse.Namespace, model: str, share: list, start, ready, queue) -> None:
+    ready.wait()  # every client is up (imports done) before the first arrival
     cpu = time.process_time()
-    results = asyncio.run(_client_run(args, model, share, start_at))
+    results = asyncio.run(_client_run(args, model, share, start.value))
     queue.put((results, time.process_time() - cpu))
 
 
@@ -167,25 +172,25 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     workload = build_workload(args)
     model = args.model or await first_model(args)
     shares = [workload[k::args.num_clients] for k in range(args.num_clients)]
-    start = time.perf_counter()
     if args.num_clients == 1:
         cpu = time.process_time()
         results = await _client_run(args, model, shares[0], time.time())
         per_client = [(results, time.process_time() - cpu)]
     else:
         context = multiprocessing.get_context("spawn")
-        queue = context.Queue()
-        start_at = time.time() + 2.0  # every client up and waiting before the first arrival
-        procs = [context.Process(target=_client_process, args=(args, model, share, start_at, queue))
+        queue, start, ready = context.Queue(), context.Value("d", 0.0), context.Barrier(args.num_clients + 1)
+        procs = [context.Process(target=_client_process, args=(args, model, share, start, ready, queue))
                  for share in shares]
         for p in procs:
             p.start()
-        per_client = [queue.get() for _ in procs]
+        start.value = time.time() + 0.1
+        await asyncio.to_thread(ready.wait)
+        per_client = [await asyncio.to_thread(queue.get) for _ in procs]
         for p in procs:
             p.join()
-        start += 2.0
-    seconds = time.perf_counter() - start
     results = [r for rs, _ in per_client for r in rs]
+    # from the first request sent to the last one done, whichever process sent them
+    seconds = max(r.ended for r in results) - min(r.sent for r in results)
     done = [r for r in results if r.error is None]
     cpu = [c for _, c in per_client]
     return {"seconds": seconds, "requests": len(results), "failed": len(results) - len(done),
@@ -246,6 +251,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     stats = asyncio.run(run_benchmark(args))
     print(report(stats, args.request_rate))
     if stats["failed"]:

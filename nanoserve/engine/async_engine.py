@@ -79,6 +79,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._reader: asyncio.Task | None = None
         self._ready = None  # the future `start()` awaits
+        self._stopping = False
 
     @property
     def healthy(self) -> bool:
@@ -128,6 +129,7 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         """Stop the core; requests still in flight fail with EngineDeadError."""
+        self._stopping = True
         if self._process is not None or self._thread is not None:
             if self.error is None:
                 self._inputs.send(input_encoder.encode(Shutdown()))
@@ -270,9 +272,10 @@ class AsyncEngine:
 
     def _process_exited(self) -> None:
         asyncio.get_running_loop().remove_reader(self._process.sentinel)
-        code = self._process.exitcode
+        if self._stopping:
+            return  # shutdown() is waiting for this
         if self.error is None:
-            logger.error("The engine process exited with code %s", code)
+            logger.error("The engine process exited with code %s", self._process.exitcode)
         self._mark_dead(EngineDeadError("The engine stopped unexpectedly; the server must be restarted"))
 
     def _mark_dead(self, error: EngineDeadError) -> None:

@@ -114,7 +114,7 @@ class ModelRunner:
 
         Rows with `prev_row` set read their input token from what the previous launch sampled."""
         if self.tp.size > 1:
-            work = self.tp.broadcast(work)  # rank 0's step; the workers run the same one
+            self.tp.broadcast([w.for_workers() for w in work])  # rank 0's step; the workers run the same one
         return self._step(work)
 
     def serve_steps(self) -> None:

@@ -39,9 +39,12 @@ def test_a_burst_past_the_queue_limit_gets_503s_and_the_admitted_all_complete(li
     refused = [r for r in responses if r.status_code == 503]
     admitted = [(i, r) for i, r in enumerate(responses) if r.status_code == 200]
     assert len(refused) + len(admitted) == 12
-    assert refused and len(admitted) >= 2  # at least the two that fit in the queue
+    # one running (max_num_seqs 1) and two waiting (max_queue_len 2) fit: running and waiting are
+    # counted apart, so the burst is not cut to the queue's length
+    assert refused and len(admitted) >= 3
     for r in refused:
-        assert r.headers["retry-after"] == "1"
+        # how long the queue takes to drain at the recent rate, jittered: refused clients spread out
+        assert 1 <= int(r.headers["retry-after"]) <= 60
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
         assert "max_queue_len 2" in r.json()["error"]["message"]
     for i, r in admitted:
