@@ -53,7 +53,9 @@ def test_a_burst_past_the_queue_limit_gets_503s_and_the_admitted_all_complete(li
 
 
 def test_sigterm_lets_the_stream_in_flight_finish_then_exits(server_model, tmp_path, offline):
-    proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "128", "--block-size", "16")
+    # a deadline far beyond what 400 tokens take, even on a busy CI machine
+    proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "128", "--block-size", "16",
+                         "--shutdown-timeout", "120")
     try:
         body = {"prompt": "A list", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{proc.url}/v1/completions", json=body, timeout=120) as response:
@@ -96,3 +98,31 @@ def test_tensor_parallel_server_answers_like_offline_and_stops_its_worker(server
     while (alive(workers[0]) or alive(engine)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(workers[0]) and not alive(engine)
+
+
+def test_requests_cut_by_the_shutdown_deadline_get_an_error_and_the_exit_code_says_so(server_model, tmp_path):
+    proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "256", "--block-size", "16",
+                         "--shutdown-timeout", "3")
+    try:
+        body = {"prompt": "A list", "max_tokens": 1900, "temperature": 0, "ignore_eos": True}
+        whole: list[httpx.Response] = []
+        import threading
+
+        waiter = threading.Thread(target=lambda: whole.append(httpx.post(f"{proc.url}/v1/completions", json=body,
+                                                                         timeout=60)))
+        waiter.start()
+        with httpx.stream("POST", f"{proc.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            data = (line[len("data: "):] for line in r.iter_lines() if line.startswith("data: "))
+            next(data)
+            proc.proc.send_signal(signal.SIGTERM)
+            rest = list(data)
+        waiter.join(60)
+        # the stream ends with an error event and [DONE], not a cut connection
+        assert rest[-1] == "[DONE]"
+        error = json.loads(rest[-2])["error"]
+        assert error["code"] == "engine_dead" and "shut down" in error["message"]
+        (response,) = whole
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
+        assert proc.proc.wait(30) != 0  # the drain did not complete
+    finally:
+        proc.stop()
