@@ -69,7 +69,7 @@ class ServerState:
 
 
 def sampling_error(exc: ValueError) -> APIError:
-    return APIError(f"Invalid sampling parameters: {exc}")
+    return APIError(f"Invalid sampling parameters: {exc}", param=getattr(exc, "param", None))
 
 
 async def timed(stream: RequestStream, timer: RequestTimer) -> AsyncIterator[RequestUpdate]:
