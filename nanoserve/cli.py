@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from nanoserve.config import ATTENTION_BACKENDS, DEFAULT_MODEL, EngineConfig
+from nanoserve.defaults import ATTENTION_BACKENDS, DEFAULT_MODEL
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -31,6 +31,35 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: random weights, for benchmarks")
     p.add_argument("--seed", type=int, default=0)
+
+
+def _limit_args(p: argparse.ArgumentParser) -> None:
+    from nanoserve.server.limits import ServerLimits  # torch-free, like the rest of the parser
+
+    d = ServerLimits()
+    p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help="413 for a larger request body, before it is read")
+    p.add_argument("--max-seqs-per-request", type=int, default=d.max_seqs_per_request,
+                   help="400 for a request of more prompts x n than this")
+    p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="most strings in 'stop'")
+    p.add_argument("--max-stop-string-chars", type=int, default=d.max_stop_string_chars,
+                   help="longest string in 'stop'")
+    p.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
+                   help="most ids in 'stop_token_ids'")
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections past this get 503 on every route but /health")
+    p.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive,
+                   help="seconds an idle connection stays open after a response")
+    p.add_argument("--timeout-headers", type=float, default=d.timeout_headers,
+                   help="seconds a connection has to send complete request headers, from its first byte")
+
+
+def _limits(args: argparse.Namespace):
+    from nanoserve.server.limits import ServerLimits
+
+    return ServerLimits(args.max_request_body_bytes, args.max_seqs_per_request, args.max_stop_strings,
+                        args.max_stop_string_chars, args.max_stop_token_ids, args.max_connections,
+                        args.timeout_keep_alive, args.timeout_headers)
 
 
 def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
@@ -67,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds that requests in flight get to finish after SIGTERM")
     serve.add_argument("--chat-template", default=None,
                        help="Jinja chat template (a file, or the template itself) instead of the tokenizer's")
+    _limit_args(serve)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _engine_args(serve)
 
@@ -92,7 +122,10 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
     names = args.served_model_name or [args.model or os.path.basename(DEFAULT_MODEL)]
     settings = ServerSettings(served_model_names=names, api_key=args.api_key or None,
-                              allowed_origins=args.allowed_origins, chat_template=_chat_template(args.chat_template))
+                              allowed_origins=args.allowed_origins, chat_template=_chat_template(args.chat_template),
+                              limits=_limits(args))
+    from nanoserve.config import EngineConfig
+
     serve(EngineConfig(**_engine_kwargs(args, args.model)), settings, args.host, args.port, args.max_queue_len,
           args.shutdown_timeout, args.log_level)
 

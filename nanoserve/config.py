@@ -9,12 +9,11 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "assets", "tiny-qwen3")
+from nanoserve.defaults import ATTENTION_BACKENDS, DEFAULT_MODEL  # noqa: F401 - re-exported
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
            "half": torch.float16, "float": torch.float32}
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 
 def resolve_dtype(name: str | torch.dtype | None, hf_config: PretrainedConfig, device: str) -> torch.dtype:

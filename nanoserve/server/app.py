@@ -21,7 +21,9 @@ from nanoserve import __version__
 from nanoserve.config import EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.server import chat, completions, info
+from nanoserve.server.connections import uvicorn_options
 from nanoserve.server.errors import APIError, install_handlers
+from nanoserve.server.limits import BodyLimitMiddleware
 from nanoserve.server.state import ServerSettings, ServerState
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     install_handlers(app)
     for module in (completions, chat, info):
         app.include_router(module.router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_request_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     if settings.allowed_origins:  # added last, so it is outermost and answers preflights without a key
@@ -87,4 +90,5 @@ def serve(config: EngineConfig, settings: ServerSettings, host: str = "0.0.0.0",
     if threading.current_thread() is threading.main_thread():
         # uvicorn drains, then re-raises SIGTERM to the handler it found: make that a clean exit (0)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
+                **uvicorn_options(settings.limits))

@@ -66,6 +66,7 @@ async def tokenize(request: Request) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise APIError("Give exactly one of 'prompt' and 'messages'", param="prompt")
     if req.prompt is not None:
+        state.prompt_size.check(len(req.prompt), "prompt")
         tokens = await run_in_threadpool(state.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
     else:
         tokens = await run_in_threadpool(render_chat, state, req.messages, req.add_generation_prompt)

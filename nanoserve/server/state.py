@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream, RequestUpdate
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.errors import APIError
+from nanoserve.server.limits import PromptSize, ServerLimits
 from nanoserve.server.logprobs import TokenTexts
 from nanoserve.server.metrics import RequestTimer, ServerMetrics
 
@@ -23,6 +24,7 @@ class ServerSettings:
     allowed_origins: list[str] = field(default_factory=list)  # CORS: empty = off
     retry_after_s: int = 1  # told to clients refused with 503
     chat_template: str | None = None  # Jinja text that replaces the tokenizer's own
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
 
 class ServerState:
@@ -33,6 +35,8 @@ class ServerState:
         if settings.chat_template is not None:
             self.tokenizer.chat_template = settings.chat_template
         self.texts = TokenTexts(engine.tokenizer)
+        self.limits = settings.limits
+        self.prompt_size = PromptSize(list(engine.tokenizer.get_vocab()), engine.config.max_model_len)
         self.metrics = ServerMetrics(lambda: engine.stats)
         self.created = int(time.time())
 
