@@ -71,7 +71,10 @@ class EngineConfig:
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or None (auto), got {self.device!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+            # never fall back to the CPU silently: a GPU server that serves from the CPU looks up but crawls
+            raise ValueError(f"device={device!r} was asked for but torch sees no CUDA device "
+                             f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); in Docker, run with "
+                             "--gpus all, or pass --device cpu to serve from the CPU")
         set_("device", device)
         set_("dtype", resolve_dtype(self.dtype, self.hf_config, device))
         self._check_tensor_parallel(device)

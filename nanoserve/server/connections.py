@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -23,6 +24,22 @@ from nanoserve.server.limits import ServerLimits
 logger = logging.getLogger(__name__)
 
 ALWAYS_SERVED = {"/health"}
+# descriptors kept free beyond --max-connections: model files, the tensor-parallel sockets, and
+# the connections past the cap, which are accepted to be answered 503 (or /health) and closed
+RESERVED_FDS = 512
+
+
+def raise_open_file_limit(max_connections: int) -> None:
+    """Raise this process's soft limit of open files toward the hard one, as vLLM does, so that
+    --max-connections, not the descriptors, is what stops new connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max_connections + RESERVED_FDS
+    if soft < wanted:
+        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft < wanted:
+        logger.warning("Only %d open files are allowed (ulimit -n), fewer than --max-connections %d + %d spare: "
+                       "raise the limit or lower --max-connections", soft, max_connections, RESERVED_FDS)
 
 
 def over_capacity(app: ASGIApp, max_connections: int) -> ASGIApp:
