@@ -22,8 +22,10 @@ def _state(request: Request) -> ServerState:
 
 
 def _model_card(state: ServerState, name: str) -> dict:
+    # "root" is the served name, not the folder: a path tells a client nothing it can use and an
+    # attacker how the machine is laid out
     return {"id": name, "object": "model", "created": state.created, "owned_by": "nanoserve",
-            "root": state.engine.config.model, "max_model_len": state.engine.config.max_model_len}
+            "root": name, "max_model_len": state.engine.config.max_model_len}
 
 
 @router.get("/v1/models")
