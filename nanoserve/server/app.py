@@ -24,6 +24,7 @@ from nanoserve.server import chat, completions, info
 from nanoserve.server.connections import uvicorn_options
 from nanoserve.server.errors import APIError, install_handlers
 from nanoserve.server.limits import BodyLimitMiddleware
+from nanoserve.server.openapi import install_openapi
 from nanoserve.server.state import ServerSettings, ServerState
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan)
     app.state.server = ServerState(engine, settings)
     install_handlers(app)
+    install_openapi(app, has_api_key=bool(settings.api_key))
     for module in (completions, chat, info):
         app.include_router(module.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_request_body_bytes)
