@@ -35,8 +35,12 @@ def raise_open_file_limit(max_connections: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = max_connections + RESERVED_FDS
     if soft < wanted:
-        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        try:
+            target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError):  # some sandboxes forbid setrlimit: serve within the limit given
+            pass
     if soft < wanted:
         logger.warning("Only %d open files are allowed (ulimit -n), fewer than --max-connections %d + %d spare: "
                        "raise the limit or lower --max-connections", soft, max_connections, RESERVED_FDS)
