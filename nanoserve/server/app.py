@@ -22,7 +22,10 @@ from nanoserve import __version__
 from nanoserve.config import EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError
 from nanoserve.server import chat, completions, info
+from nanoserve.server.connections import uvicorn_options
 from nanoserve.server.errors import APIError, install_handlers
+from nanoserve.server.limits import BodyLimitMiddleware
+from nanoserve.server.openapi import install_openapi
 from nanoserve.server.state import ServerSettings, ServerState
 
 logger = logging.getLogger(__name__)
@@ -79,8 +82,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings,
     app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan)
     app.state.server = ServerState(engine, settings)
     install_handlers(app)
+    install_openapi(app, has_api_key=bool(settings.api_key))
     for module in (completions, chat, info):
         app.include_router(module.router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_request_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     if settings.allowed_origins:  # added last, so it is outermost and answers preflights without a key
@@ -175,7 +180,7 @@ def serve(config: EngineConfig, settings: ServerSettings, host: str = "0.0.0.0",
                 config.model, settings.served_model_names, host, port, config.device,
                 str(config.dtype).removeprefix("torch."))
     uv_config = uvicorn.Config(None, host=host, port=port, log_level=log_level,
-                               timeout_graceful_shutdown=shutdown_timeout)
+                               timeout_graceful_shutdown=shutdown_timeout, **uvicorn_options(settings.limits))
     server = Server(uv_config, engine)
     uv_config.app = build_app(engine, settings, on_fatal=server.fatal)
     if threading.current_thread() is threading.main_thread():

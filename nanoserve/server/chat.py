@@ -24,6 +24,8 @@ router = APIRouter()
 def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of the conversation as the model's chat template writes it."""
     tok = state.tokenizer
+    # the template only adds text: contents past the bound cannot fit once rendered either
+    state.prompt_size.check(sum(len(m.text()) for m in messages), "messages")
     if not tok.chat_template:
         raise APIError("This model has no chat template, so it cannot serve /v1/chat/completions; "
                        "use /v1/completions with a prompt instead", param="messages")
@@ -83,6 +85,7 @@ async def create_chat_completion(request: Request) -> Response:
     timer = state.metrics.timer()  # latencies count from arrival, rendering and tokenizing included
     req = await parse_body(request, ChatCompletionRequest)
     model = state.model_name(req.model)
+    state.limits.check_request(1, req.n, req.stop, req.stop_token_ids)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     if req.stream_options is not None and not req.stream:

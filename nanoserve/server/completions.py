@@ -36,9 +36,17 @@ class Completion(OpenAIResponse):
             raise APIError("'prompt' is an empty list; give at least one prompt", param="prompt")
         self.given = prompt
         tok = self.state.tokenizer
-        self.prompts = [req.truncate(tok.encode(p) if isinstance(p, str) else list(p)) for p in prompt]
+        self.prompts = [req.truncate(tok.encode(self._bounded(p)) if isinstance(p, str) else list(p)) for p in prompt]
         self.prompt_lens = [len(p) for p in self.prompts]
         self._echoed: dict[int, str] = {}
+
+    def _bounded(self, text: str) -> str:
+        """The text to tokenize: refused when it cannot fit the context, cut when only its end is kept."""
+        size, keep = self.state.prompt_size, self.req.truncate_prompt_tokens
+        if keep is None:
+            size.check(len(text), "prompt")
+            return text
+        return size.tail(text, keep)
 
     def echo(self, choice: int) -> str:
         """The prompt of a choice as echo repeats it: a text prompt as given, token ids (checked by
@@ -100,6 +108,10 @@ class Completion(OpenAIResponse):
         return self.sse(stream, timer, opening, render)
 
 
+def num_prompts(prompt: str | list) -> int:
+    return 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
+
+
 def refuse_unsupported(req: CompletionRequest) -> None:
     if req.suffix is not None:
         raise APIError("'suffix' is not supported by this server (no fill-in-the-middle)", param="suffix",
@@ -118,6 +130,7 @@ async def create_completion(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
     model = state.model_name(req.model)
     refuse_unsupported(req)
+    state.limits.check_request(num_prompts(req.prompt), req.n, req.stop, req.stop_token_ids)
     # tokenizing a long prompt takes a while: off the event loop, other streams keep flowing
     completion = await run_in_threadpool(Completion, state, req, model)
     try:

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import MAX_INT, MIN_REPETITION_PENALTY, SEED_RANGE, SamplingParams
 from nanoserve.server.errors import APIError
 
 MAX_N = 128
@@ -35,23 +35,23 @@ class SamplingFields(Strict):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT)  # past the vocabulary: all of it
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=2)
     logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep only the last k prompt tokens
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # vLLM's: keep only the last k prompt tokens
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -72,8 +72,11 @@ class SamplingFields(Strict):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not key.lstrip("-").isdigit() or int(key) < 0:
-                raise APIError(f"Invalid key in 'logit_bias': {key!r} is not a token id", param="logit_bias")
+            # ASCII digits only ("²".isdigit() is True), and few of them: int() of 5000 digits raises
+            if not key.isascii() or not key.isdigit():
+                raise APIError(f"Invalid key in 'logit_bias': {key[:20]!r} is not a token id", param="logit_bias")
+            if len(key) > len(str(MAX_INT)) or int(key) > MAX_INT:
+                raise APIError(f"Token id {key[:20]} in 'logit_bias' is out of range", param="logit_bias")
             if not -100 <= value <= 100:
                 raise APIError(f"Invalid value in 'logit_bias' for token {key}: {value} is outside [-100, 100]",
                                param="logit_bias")
@@ -95,10 +98,10 @@ class SamplingFields(Strict):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)  # None: whatever is left of the context
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # None: whatever is left of the context
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
 
@@ -120,8 +123,8 @@ class ChatMessage(Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # the OpenAI API's newer name for max_tokens
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # the OpenAI API's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 

@@ -11,6 +11,7 @@ from nanoserve.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFu
                                           RequestStream, RequestUpdate)
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.errors import APIError
+from nanoserve.server.limits import PromptSize, ServerLimits
 from nanoserve.server.logprobs import TokenTexts
 from nanoserve.server.metrics import RequestTimer, ServerMetrics
 
@@ -25,6 +26,7 @@ class ServerSettings:
     log_requests: bool = True  # one log line per finished request
     engine_death_grace_s: float = 30.0  # /health answers 503 this long after the engine died, then the server exits
     chat_template: str | None = None  # Jinja text that replaces the tokenizer's own
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
 
 class ServerState:
@@ -35,6 +37,8 @@ class ServerState:
         if settings.chat_template is not None:
             self.tokenizer.chat_template = settings.chat_template
         self.texts = TokenTexts(engine.tokenizer)
+        self.limits = settings.limits
+        self.prompt_size = PromptSize(list(engine.tokenizer.get_vocab()), engine.config.max_model_len)
         self.metrics = ServerMetrics(lambda: engine.stats, settings.log_requests)
         self.created = int(time.time())
 
@@ -79,7 +83,7 @@ def engine_error(exc: EngineDeadError | RequestFailedError) -> APIError:
 
 
 def sampling_error(exc: ValueError) -> APIError:
-    return APIError(f"Invalid sampling parameters: {exc}")
+    return APIError(f"Invalid sampling parameters: {exc}", param=getattr(exc, "param", None))
 
 
 async def timed(stream: RequestStream, timer: RequestTimer) -> AsyncIterator[RequestUpdate]:

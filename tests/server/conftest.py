@@ -110,7 +110,8 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m nanoserve.cli serve MODEL ...` on a free port, its output in a log file."""
 
-    def __init__(self, model: str, log_dir: Path, *args: str, api_key: str | None = None) -> None:
+    def __init__(self, model: str, log_dir: Path, *args: str, api_key: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -119,8 +120,10 @@ class ServerProcess:
                "--port", str(self.port), "--device", DEVICE, "--served-model-name", "tiny", *args]
         if api_key:
             cmd += ["--api-key", api_key]
+        extra_env = env or {}
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         env.pop("NANOSERVE_API_KEY", None)
+        env.update(extra_env)
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         self.wait_ready()
