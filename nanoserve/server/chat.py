@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator
 
 import jinja2
 from fastapi import APIRouter, Request
-from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from nanoserve.engine.async_engine import RequestStream, RequestUpdate
@@ -15,7 +14,7 @@ from nanoserve.server.logprobs import chat_logprobs
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage
 from nanoserve.server.response import OpenAIResponse
-from nanoserve.server.state import ServerState, sampling_error
+from nanoserve.server.state import ServerState, off_the_loop_if_long, sampling_error
 from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_body, sse_response
 
 router = APIRouter()
@@ -94,7 +93,7 @@ async def create_chat_completion(request: Request) -> Response:
         params = req.sampling_params(max_tokens(req), (req.top_logprobs or 0) if req.logprobs else None)
     except ValueError as exc:
         raise sampling_error(exc) from None
-    chat = await run_in_threadpool(ChatCompletion, state, req, model)  # (see create_completion)
+    chat = await off_the_loop_if_long(sum(len(m.text()) for m in req.messages), ChatCompletion, state, req, model)
     stream = state.start(chat.id, [chat.prompt], params)
     timer.request_id = chat.id
     timer.prompt(len(chat.prompt))
