@@ -15,6 +15,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
            "half": torch.float16, "float": torch.float32}
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+KV_CACHE_DTYPES = ("auto", "fp8")  # vLLM's names: auto = the model's dtype, fp8 = e4m3
 
 
 def resolve_dtype(name: str | torch.dtype | None, hf_config: PretrainedConfig, device: str) -> torch.dtype:
@@ -54,6 +55,8 @@ class EngineConfig:
     # bookkeeping then overlaps the device's work, off on the CPU, where nothing runs beside it
     async_scheduling: bool | None = None
     attention_backend: str = "auto"
+    # fp8: K and V stored as e4m3 with a per-layer scale (1.0, or the checkpoint's k_scale/v_scale)
+    kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     seed: int = 0
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
@@ -100,6 +103,11 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8" and self.attention_backend == "flash_attn":
+            raise ValueError("kv_cache_dtype='fp8' needs the triton attention backend (torch on the CPU): "
+                             "flash_attn cannot read an fp8 cache; pass --attention-backend triton or auto")
         if self.block_size is None:
             set_("block_size", 16 if device == "cpu" else 256)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
