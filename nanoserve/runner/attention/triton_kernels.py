@@ -31,7 +31,7 @@ def to_fp8(x, inv_scale, dtype: tl.constexpr):
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
     # below 2**-6 (subnormal e4m3) the grid is 2**-9: adding 2**23 rounds |x| * 2**9 to an integer
     tiny = (tl.abs(x) * 512.0 + 8388608.0 - 8388608.0) * (1.0 / 512.0)
-    tiny = tl.where(x < 0, -tiny, tiny)
+    tiny = tl.where(bits < 0, -tiny, tiny)   # the sign bit, so that -0.0 stays -0.0 as in torch
     return tl.where(tl.abs(x) < 0.015625, tiny, normal).to(dtype)
 
 
