@@ -52,6 +52,7 @@ def test_triton_store_quantizes_like_the_torch_reference_bit_for_bit(dtype, k_sc
     # every magnitude class: subnormal e4m3, normal, and past FP8_MAX (saturates)
     kv = torch.randn(len(slots), 2, kv_heads, head_dim, generator=gen)
     kv = (kv * torch.logspace(-4, 3, head_dim)).to(dtype)
+    kv[0, :, 0, :2] = torch.tensor([-0.0, 0.0])   # signed zeros keep their sign
     k, v = kv[:, 0], kv[:, 1]
     poison = torch.full((4, 16, kv_heads, head_dim), 0.5).to(FP8_DTYPE)
     caches, ref = (poison.clone(), poison.clone()), (poison.clone(), poison.clone())
