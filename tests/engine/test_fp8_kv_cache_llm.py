@@ -47,13 +47,14 @@ def test_fp8_cache_picks_the_float32_caches_greedy_token_at_90_percent_of_steps(
     assert agree >= 0.9 * STEPS * len(PROMPTS), f"{agree / (STEPS * len(PROMPTS)):.1%}"
 
 
-def test_triton_kernels_over_fp8_give_the_torch_backends_tokens() -> None:
-    """The model through the Triton kernels (the interpreter) and through the torch reference,
-    both over an fp8 cache: the store, prefill and decode kernels with the layers' scales."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_triton_kernels_give_the_torch_backends_tokens(kv_cache_dtype) -> None:
+    """The model through the Triton kernels (the interpreter: the fused norm + rotary + KV store,
+    prefill and decode, with the layers' scales) and through the torch reference."""
     prompts, params = PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(device="cpu", kv_cache_dtype="fp8", attention_backend=backend, max_model_len=64)
+        llm = LLM(device="cpu", kv_cache_dtype=kv_cache_dtype, attention_backend=backend, max_model_len=64)
         outs[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["triton"] == outs["torch"]
 

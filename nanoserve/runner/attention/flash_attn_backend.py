@@ -23,6 +23,7 @@ class FlashAttnBackend:
 
     name = "flash_attn"
     supports_cuda_graphs = True
+    fuses_kv_store = False
 
     def __init__(self, block_size: int) -> None:
         if block_size % FLASH_BLOCK_MULTIPLE:

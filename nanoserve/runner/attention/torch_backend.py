@@ -64,6 +64,7 @@ class TorchBackend:
 
     name = "torch"
     supports_cuda_graphs = False
+    fuses_kv_store = False   # the model runs ops.qkv_rope, then forward stores and attends
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

@@ -7,33 +7,14 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.runner.attention.fp8 import FP8_MAX, is_fp8
+from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.triton_decode import paged_decode
+from nanoserve.runner.attention.triton_fp8 import to_fp8
 from nanoserve.runner.attention.triton_prefill import paged_prefill
+from nanoserve.runner.attention.triton_rope_store import qkv_rope_store
 from nanoserve.runner.batch import AttentionMetadata
 
-__all__ = ["TritonBackend", "paged_decode", "paged_prefill", "store_kvcache"]
-
-_FP8_MAX = tl.constexpr(FP8_MAX)
-
-
-@triton.jit
-def to_fp8(x, inv_scale, dtype: tl.constexpr):
-    """x * inv_scale in e4m3 (dtype), rounded to nearest-even and clamped to +-FP8_MAX.
-
-    The value is put on the e4m3 grid in float32 first, so the cast rounds nothing: the GPU's
-    cast rounds to nearest-even anyway, but Triton's interpreter (3.9) rounds ties away and
-    drops the carry into the exponent (7.9 -> 4.0). One path gives the same bits everywhere."""
-    x = x.to(tl.float32) * inv_scale
-    x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
-    # normal e4m3 keeps 3 of float32's 23 mantissa bits: round the other 20 away, ties to even
-    bits = x.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    # below 2**-6 (subnormal e4m3) the grid is 2**-9: adding 2**23 rounds |x| * 2**9 to an integer
-    tiny = (tl.abs(x) * 512.0 + 8388608.0 - 8388608.0) * (1.0 / 512.0)
-    tiny = tl.where(bits < 0, -tiny, tiny)   # the sign bit, so that -0.0 stays -0.0 as in torch
-    return tl.where(tl.abs(x) < 0.015625, tiny, normal).to(dtype)
-
+__all__ = ["TritonBackend", "paged_decode", "paged_prefill", "qkv_rope_store", "store_kvcache", "to_fp8"]
 
 @triton.jit
 def _store_kernel(
@@ -91,15 +72,26 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 
 class TritonBackend:
     """Attention through our own Triton kernels. The decode path reads no host lists and
-    syncs nothing, so it can be captured in a CUDA graph (see triton_decode)."""
+    syncs nothing, so it can be captured in a CUDA graph (see triton_decode).
+
+    The model may store K/V itself with `qkv_rope_store` (fuses_kv_store) and call `attend`;
+    `forward` is the store and `attend` in two launches."""
 
     name = "triton"
     supports_cuda_graphs = True
+    fuses_kv_store = True
+    qkv_rope_store = staticmethod(qkv_rope_store)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
+        """Attention over keys already in the cache (the new tokens' included)."""
         if meta.decode_only:
             return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
                                 meta.max_seq_len, k_scale=k_scale, v_scale=v_scale)

@@ -55,10 +55,19 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         norms = (self.q_norm.weight, self.k_norm.weight, self.eps) if self.q_norm is not None else ()
-        q, k, v = self.ops.qkv_rope(positions, self.qkv_proj(x), self.num_heads, self.num_kv_heads,
-                                    self.head_dim, self.rotary.cos, self.rotary.sin, *norms)
-        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
-                                 self.k_scale, self.v_scale)
+        qkv = self.qkv_proj(x)
+        if self.backend.fuses_kv_store:
+            # one kernel for q/k norm, rotary and the K/V store; attention then reads the cache
+            q = self.backend.qkv_rope_store(positions, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                            self.rotary.cos, self.rotary.sin, *(norms or (None, None, 0.0)),
+                                            self.k_cache, self.v_cache, meta.slot_mapping,
+                                            self.k_scale, self.v_scale)
+            o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
+        else:
+            q, k, v = self.ops.qkv_rope(positions, qkv, self.num_heads, self.num_kv_heads,
+                                        self.head_dim, self.rotary.cos, self.rotary.sin, *norms)
+            o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                                     self.k_scale, self.v_scale)
         return self.o_proj(o.flatten(1))
 
 
