@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds that requests in flight get to finish after SIGTERM")
     serve.add_argument("--chat-template", default=None,
                        help="Jinja chat template (a file, or the template itself) instead of the tokenizer's")
+    serve.add_argument("--generation-config", default="auto",
+                       help="auto: default temperature, top_p, top_k, min_p and repetition_penalty from the model's "
+                            "generation_config.json; vllm: ignore that file; or a folder holding one")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _engine_args(serve)
 
@@ -90,9 +93,12 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     if args.max_queue_len < 1:
         parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
+    if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
+        parser.error(f"--generation-config must be auto, vllm or a folder, got {args.generation_config!r}")
     names = args.served_model_name or [args.model or os.path.basename(DEFAULT_MODEL)]
     settings = ServerSettings(served_model_names=names, api_key=args.api_key or None,
-                              allowed_origins=args.allowed_origins, chat_template=_chat_template(args.chat_template))
+                              allowed_origins=args.allowed_origins, chat_template=_chat_template(args.chat_template),
+                              generation_config=args.generation_config)
     serve(EngineConfig(**_engine_kwargs(args, args.model)), settings, args.host, args.port, args.max_queue_len,
           args.shutdown_timeout, args.log_level)
 

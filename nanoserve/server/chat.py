@@ -87,7 +87,8 @@ async def create_chat_completion(request: Request) -> Response:
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     try:
-        params = req.sampling_params(max_tokens(req), (req.top_logprobs or 0) if req.logprobs else None)
+        params = req.sampling_params(max_tokens(req), (req.top_logprobs or 0) if req.logprobs else None,
+                                     state.sampling_defaults)
     except ValueError as exc:
         raise sampling_error(exc) from None
     chat = await run_in_threadpool(ChatCompletion, state, req, model)  # (see create_completion)

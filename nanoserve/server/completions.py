@@ -109,6 +109,18 @@ def refuse_unsupported(req: CompletionRequest) -> None:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
 
 
+# what the OpenAI API and vLLM generate when a completion request gives no max_tokens
+DEFAULT_MAX_TOKENS = 16
+
+
+def default_max_tokens(state: ServerState, req: CompletionRequest, prompts: list[list[int]]) -> int:
+    """The request's max_tokens, else 16 or whatever less the context leaves the longest prompt."""
+    if req.max_tokens is not None:
+        return req.max_tokens
+    room = state.engine.config.max_model_len - max(map(len, prompts))
+    return max(1, min(DEFAULT_MAX_TOKENS, room))  # no room at all: the prompt check names the problem
+
+
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
@@ -118,7 +130,8 @@ async def create_completion(request: Request) -> Response:
     # tokenizing a long prompt takes a while: off the event loop, other streams keep flowing
     completion = await run_in_threadpool(Completion, state, req, model)
     try:
-        params = req.sampling_params(req.max_tokens, req.logprobs)
+        params = req.sampling_params(default_max_tokens(state, req, completion.prompts), req.logprobs,
+                                     state.sampling_defaults)
         if completion.scores_prompt:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     except ValueError as exc:

@@ -1,16 +1,20 @@
 """Request bodies of the OpenAI API (and vLLM's extensions), validated strictly.
 
 Strict mode refuses "5" for an integer and true for a number; unknown fields are refused as
-the OpenAI API refuses them. Ranges follow the OpenAI API; vLLM's extra fields (top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens, stop_token_ids, truncate_prompt_tokens,
-stream_options.continuous_usage_stats) are accepted.
+the OpenAI API refuses them. JSON null in an optional field means "the default", as the OpenAI
+API reads it (its client sends null whenever a caller passes None). Ranges follow the OpenAI
+API; vLLM's extra fields (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
+stop_token_ids, truncate_prompt_tokens, stream_options.continuous_usage_stats, the
+structured-output fields) are accepted.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.errors import APIError
@@ -21,6 +25,16 @@ MAX_LOGPROBS = 20
 
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # a required field keeps its null, so that it is refused by name; null in a field this
+        # server does not know (e.g. `functions`) asks for nothing, so it is no reason to refuse
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if v is not None or (k in fields and fields[k].is_required())}
+        return data
 
 
 class StreamOptions(Strict):
@@ -50,18 +64,27 @@ class SamplingFields(Strict):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep only the last k prompt tokens
+    # OpenAI's bookkeeping: accepted and ignored, none of them changes the output
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults` (the model's generation_config.json) fill the sampling fields the request leaves out."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        given = lambda name, fallback: next(  # noqa: E731 - the request's value, the model's, or ours
+            v for v in (getattr(self, name), (defaults or {}).get(name), fallback) if v is not None)
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if not self.top_k else self.top_k,  # 0 and -1 both mean "off", as in vLLM
-            min_p=self.min_p or 0.0, seed=self.seed,
+            n=self.n, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
+            top_k=given("top_k", -1) or -1,  # 0 and -1 both mean "off", as in vLLM
+            min_p=given("min_p", 0.0), seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0, logit_bias=self._logit_bias(),
+            repetition_penalty=given("repetition_penalty", 1.0), logit_bias=self._logit_bias(),
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
@@ -95,7 +118,7 @@ class SamplingFields(Strict):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)  # None: whatever is left of the context
+    max_tokens: int | None = Field(None, ge=1)  # None: 16, as in the OpenAI API (the endpoint fills it in)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream, RequestUpdate
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.server.defaults import sampling_defaults
 from nanoserve.server.errors import APIError
 from nanoserve.server.logprobs import TokenTexts
 from nanoserve.server.metrics import RequestTimer, ServerMetrics
@@ -23,6 +24,7 @@ class ServerSettings:
     allowed_origins: list[str] = field(default_factory=list)  # CORS: empty = off
     retry_after_s: int = 1  # told to clients refused with 503
     chat_template: str | None = None  # Jinja text that replaces the tokenizer's own
+    generation_config: str = "auto"  # where default temperature etc. come from (see server/defaults.py)
 
 
 class ServerState:
@@ -33,6 +35,7 @@ class ServerState:
         if settings.chat_template is not None:
             self.tokenizer.chat_template = settings.chat_template
         self.texts = TokenTexts(engine.tokenizer)
+        self.sampling_defaults = sampling_defaults(engine.config.model, settings.generation_config)
         self.metrics = ServerMetrics(lambda: engine.stats)
         self.created = int(time.time())
 

@@ -193,9 +193,9 @@ def test_after_every_bad_request_the_server_still_serves_correctly(server, offli
     server.wait_idle()  # and no request left a KV block behind
 
 
-def test_max_tokens_defaults_to_the_rest_of_the_context(server):
-    body = {"prompt": "A list", "temperature": 0, "ignore_eos": True}
-    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=120).json()
+def test_chat_max_tokens_defaults_to_the_rest_of_the_context(server):
+    body = {"messages": [{"role": "user", "content": "A list"}], "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=server.headers, timeout=120).json()
     assert r["choices"][0]["finish_reason"] == "length"
     assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == CONTEXT
 
