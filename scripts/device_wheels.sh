@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages="fastapi starlette pydantic pydantic_core annotated-types typing-inspection uvicorn sse-starlette
-          openai httpx2 httpcore2 truststore jiter orjson sniffio opentelemetry-api"
+          openai httpx2 httpcore2 truststore jiter orjson sniffio opentelemetry-api xgrammar apache-tvm-ffi"
 pins=()
 for name in $packages; do
   version=$(python3 -m pip show "$name" 2>/dev/null | awk '/^Version:/ {print $2}')

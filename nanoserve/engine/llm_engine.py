@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -11,6 +12,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.grammar import GrammarManager
 from nanoserve.engine.outputs import StepOutput
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
@@ -63,6 +65,11 @@ class LLMEngine:
         self.pending_forks: dict[str, list[str]] = {}  # request id -> siblings waiting for its prompt
         self.in_flight: InFlightStep | None = None  # launched, sampled ids not read yet
         self._arrivals = itertools.count()
+        self.grammars = GrammarManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        # structured-output requests whose grammar is still compiling: not scheduled until it is,
+        # so they wait without holding anyone else up; (sequence, its grammar's future)
+        self.awaiting_grammar: list[tuple[Sequence, concurrent.futures.Future]] = []
+        self.grammar_failures: list[StepOutput] = []  # finished outputs of requests whose grammar failed
 
     def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
         """Raise ValueError naming the numbers when a prompt cannot be served as asked."""
@@ -107,10 +114,47 @@ class LLMEngine:
         seq.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         self.sequences[request_id] = seq
+        if params.structured_outputs is not None:
+            future = self.grammars.compile(params.structured_outputs)
+            if not future.done():  # forks find their parent's grammar compiled and keep their place
+                self.awaiting_grammar.append((seq, future))
+                return
+            if not self._attach_grammar(seq, future):
+                return
         if front:
             self.scheduler.waiting.appendleft(seq)
         else:
             self.scheduler.add(seq)
+
+    def _attach_grammar(self, seq: Sequence, future: concurrent.futures.Future) -> bool:
+        """Give the sequence its matcher; False (the request failed and is reported) when it cannot compile."""
+        try:
+            seq.grammar = self.grammars.matcher(future.result(), seq.stop_token_ids)
+            return True
+        except ValueError as exc:  # the front end validates specs first, so this is rare
+            logger.warning("Request %s failed: %s", seq.request_id, exc)
+            del self.sequences[seq.request_id]
+            for rid in (seq.request_id, *self.pending_forks.pop(seq.request_id, [])):
+                self.grammar_failures.append(StepOutput(rid, [], None, True, "abort", seq.num_prompt_tokens, 0))
+            return False
+
+    def _admit_compiled(self) -> list[StepOutput]:
+        """Queue the requests whose grammar finished compiling; report those whose grammar failed."""
+        if self.awaiting_grammar:
+            if not self.scheduler.has_work and self.in_flight is None:
+                # nothing else to run: wait for a compile instead of spinning (briefly, so adds and
+                # aborts from the inbox are still taken promptly)
+                concurrent.futures.wait([f for _, f in self.awaiting_grammar], timeout=0.01,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            still = []
+            for seq, future in self.awaiting_grammar:
+                if not future.done():
+                    still.append((seq, future))
+                elif self._attach_grammar(seq, future):
+                    self.scheduler.add(seq)
+            self.awaiting_grammar = still
+        failed, self.grammar_failures = self.grammar_failures, []
+        return failed
 
     def _start_forks(self, parent: Sequence) -> None:
         forks = self.pending_forks.pop(parent.request_id, [])
@@ -127,14 +171,18 @@ class LLMEngine:
         if seq is None:
             return False
         self._start_forks(seq)  # siblings are requests of their own and live on
+        if any(s is seq for s, _ in self.awaiting_grammar):
+            self.awaiting_grammar = [(s, f) for s, f in self.awaiting_grammar if s is not seq]
+            return True
         return self.scheduler.abort(request_id) is not None
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any; the engine serves nothing afterwards."""
+        self.grammars.close()
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work or self.in_flight is not None
+        return self.scheduler.has_work or self.in_flight is not None or bool(self.awaiting_grammar)
 
     @property
     def num_running(self) -> int:
@@ -142,7 +190,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self.awaiting_grammar)
 
     @staticmethod
     def _banned(seq: Sequence) -> tuple[int, ...]:
@@ -157,19 +205,21 @@ class LLMEngine:
 
         With async scheduling the next batch is launched before this one's sampled ids are read,
         so the host's bookkeeping overlaps the device's work and outputs arrive one step later."""
+        failed = self._admit_compiled()
         if self.config.async_scheduling and not self._needs_token_history():
             launched = self._launch()
             outputs = self._complete(self.in_flight) if self.in_flight else []
             self.in_flight = launched
-            return outputs
+            return failed + outputs
         outputs = self._complete(self.in_flight) if self.in_flight else []
         self.in_flight = None
         launched = self._launch()
-        return outputs + (self._complete(launched) if launched else [])
+        return failed + outputs + (self._complete(launched) if launched else [])
 
     def _needs_token_history(self) -> bool:
-        # penalties read every past token on the host: the last step's ids must be back first
-        return any(seq.params.uses_penalties for seq in self.scheduler.running)
+        # penalties read every past token on the host, and a grammar's mask for the next token
+        # needs the last one accepted: the last step's ids must be back first
+        return any(seq.params.uses_penalties or seq.grammar is not None for seq in self.scheduler.running)
 
     @staticmethod
     def _prompt_logprobs(seq: Sequence) -> int | None:
@@ -186,7 +236,9 @@ class LLMEngine:
                              seq.params if seq.num_computed_tokens + n == seq.num_tokens else None,
                              self._banned(seq), seq.pending_row, self._prompt_logprobs(seq))
                 for seq, n in zip(step.seqs, step.num_new_tokens)]
-        launched = InFlightStep(self.runner.launch(work))
+        sampling = [seq for seq, w in zip(step.seqs, work) if w.params is not None]
+        token_mask = self.grammars.bitmask([seq.grammar for seq in sampling])
+        launched = InFlightStep(self.runner.launch(work, token_mask))
         for seq, n, w in zip(step.seqs, step.num_new_tokens, work):
             if w.prompt_logprobs is not None:
                 launched.scored.append((seq, seq.num_computed_tokens))
@@ -222,6 +274,10 @@ class LLMEngine:
             if seq.request_id in self.pending_forks:
                 self._start_forks(seq)
             reason = self._finish_reason(seq, token, position + 1 - seq.num_prompt_tokens)
+            if seq.grammar is not None:
+                seq.grammar.accept_token(token)
+                if reason is None and seq.grammar.is_terminated():
+                    reason = "stop"  # the grammar is complete (it ends on a stop token even with ignore_eos)
             if reason is not None:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, reason)

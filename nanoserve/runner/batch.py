@@ -33,6 +33,17 @@ class SequenceWork:
     prompt_logprobs: int | None = None
 
 
+@dataclass
+class TokenMask:
+    """Which tokens the constrained sampling rows of a step may draw (structured outputs).
+
+    Built by the engine from its grammar matchers; the sampler sets every other logit of those
+    rows to -inf. Rows not listed are not touched."""
+
+    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32 on the host; bit t of a row set = token t allowed
+    rows: list[int]        # the sampling row (index among the step's sampling rows) of each bitmask row
+
+
 PENDING_TOKEN = -1  # stands in the engine's token lists for a sampled id not yet read back
 
 

@@ -16,6 +16,7 @@ from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage
 from nanoserve.server.response import OpenAIResponse
 from nanoserve.server.state import ServerState, sampling_error
+from nanoserve.server.structured import constrain, requested_spec
 from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_body, sse_response
 
 router = APIRouter()
@@ -91,6 +92,7 @@ async def create_chat_completion(request: Request) -> Response:
                                      state.sampling_defaults)
     except ValueError as exc:
         raise sampling_error(exc) from None
+    params = await constrain(state.tokenizer, state.engine.config.hf_config.vocab_size, params, requested_spec(req))
     chat = await run_in_threadpool(ChatCompletion, state, req, model)  # (see create_completion)
     stream = state.start(chat.id, [chat.prompt], params)
     timer = state.metrics.timer()

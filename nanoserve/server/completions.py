@@ -17,6 +17,7 @@ from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.protocol import CompletionRequest
 from nanoserve.server.response import OpenAIResponse
 from nanoserve.server.state import ServerState, sampling_error
+from nanoserve.server.structured import constrain, requested_spec
 from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_body, sse_response
 
 router = APIRouter()
@@ -136,6 +137,7 @@ async def create_completion(request: Request) -> Response:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     except ValueError as exc:
         raise sampling_error(exc) from None
+    params = await constrain(state.tokenizer, state.engine.config.hf_config.vocab_size, params, requested_spec(req))
     stream = state.start(completion.id, completion.prompts, params)
     timer = state.metrics.timer()
     timer.prompt(sum(map(len, completion.prompts)))

@@ -42,6 +42,31 @@ class StreamOptions(Strict):
     continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk, not only the last
 
 
+class JSONSchemaFormat(Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # xgrammar always holds the output to the schema, strict or not
+
+
+class ResponseFormat(Strict):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(Strict):
+    """vLLM's `structured_outputs` request field: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingFields(Strict):
     """Fields that completions and chat share; `sampling_params()` turns them into SamplingParams."""
 
@@ -65,6 +90,13 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep only the last k prompt tokens
+    # structured outputs (server/structured.py): OpenAI's field, vLLM's, and vLLM's older ones
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # OpenAI's bookkeeping: accepted and ignored, none of them changes the output
     user: str | None = None
     metadata: dict[str, Any] | None = None
