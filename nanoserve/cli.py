@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--generation-config", default="auto",
                        help="auto: default temperature, top_p, top_k, min_p and repetition_penalty from the model's "
                             "generation_config.json; vllm: ignore that file; or a folder holding one")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="let the model decide to call tools (tool_choice auto); needs --tool-call-parser")
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                       help="the model's tool-call format: hermes (Qwen2.5, Qwen3), llama3_json (Llama 3.1/3.2), "
+                            "mistral")
+    serve.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
+                       help="return <think>...</think> as reasoning_content, apart from content")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _engine_args(serve)
 
@@ -95,10 +102,14 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
         parser.error(f"--generation-config must be auto, vllm or a folder, got {args.generation_config!r}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
     names = args.served_model_name or [args.model or os.path.basename(DEFAULT_MODEL)]
     settings = ServerSettings(served_model_names=names, api_key=args.api_key or None,
                               allowed_origins=args.allowed_origins, chat_template=_chat_template(args.chat_template),
-                              generation_config=args.generation_config)
+                              generation_config=args.generation_config, tool_call_parser=args.tool_call_parser,
+                              enable_auto_tool_choice=args.enable_auto_tool_choice,
+                              reasoning_parser=args.reasoning_parser)
     serve(EngineConfig(**_engine_kwargs(args, args.model)), settings, args.host, args.port, args.max_queue_len,
           args.shutdown_timeout, args.log_level)
 

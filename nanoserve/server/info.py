@@ -70,7 +70,8 @@ async def tokenize(request: Request) -> Response:
     if req.prompt is not None:
         tokens = await run_in_threadpool(state.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
     else:
-        tokens = await run_in_threadpool(render_chat, state, req.messages, req.add_generation_prompt)
+        tokens = await run_in_threadpool(render_chat, state, req.messages, req.add_generation_prompt, req.tools,
+                                         req.chat_template_kwargs)
     return json_response({"count": len(tokens), "max_model_len": state.engine.config.max_model_len,
                           "tokens": tokens})
 

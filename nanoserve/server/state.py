@@ -25,6 +25,9 @@ class ServerSettings:
     retry_after_s: int = 1  # told to clients refused with 503
     chat_template: str | None = None  # Jinja text that replaces the tokenizer's own
     generation_config: str = "auto"  # where default temperature etc. come from (see server/defaults.py)
+    tool_call_parser: str | None = None  # reads tool calls out of the text (server/tool_parsers)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" needs it, as in vLLM
+    reasoning_parser: str | None = None  # splits reasoning_content from content (server/reasoning.py)
 
 
 class ServerState:
