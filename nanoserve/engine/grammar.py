@@ -13,7 +13,7 @@ import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import xgrammar as xgr
+import xgrammar as xgr  # imported by the engine only once a request asks for structured outputs
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.runner.batch import TokenMask

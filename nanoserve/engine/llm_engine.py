@@ -7,18 +7,21 @@ import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.grammar import GrammarManager
 from nanoserve.engine.outputs import StepOutput
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.runner.batch import PENDING_TOKEN, SequenceWork
 from nanoserve.runner.model_runner import ModelRunner, PendingSample
 from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # xgrammar loads with the first structured-output request, not with the engine
+    from nanoserve.engine.grammar import GrammarManager
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class LLMEngine:
         self.pending_forks: dict[str, list[str]] = {}  # request id -> siblings waiting for its prompt
         self.in_flight: InFlightStep | None = None  # launched, sampled ids not read yet
         self._arrivals = itertools.count()
-        self.grammars = GrammarManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self._grammars: GrammarManager | None = None  # built with the first structured-output request
         # structured-output requests whose grammar is still compiling: not scheduled until it is,
         # so they wait without holding anyone else up; (sequence, its grammar's future)
         self.awaiting_grammar: list[tuple[Sequence, concurrent.futures.Future]] = []
@@ -102,9 +105,9 @@ class LLMEngine:
         for rid in (request_id, *fork_ids):
             if rid in self.sequences or rid in self.pending_forks:
                 raise ValueError(f"Request id {rid!r} is already in use")
-        self._enqueue(request_id, prompt_token_ids, params)
-        if fork_ids:
+        if fork_ids:  # before queueing: a request that fails at once must take its forks with it
             self.pending_forks[request_id] = list(fork_ids)
+        self._enqueue(request_id, prompt_token_ids, params)
 
     def _enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  front: bool = False) -> None:
@@ -125,6 +128,15 @@ class LLMEngine:
             self.scheduler.waiting.appendleft(seq)
         else:
             self.scheduler.add(seq)
+
+    @property
+    def grammars(self) -> GrammarManager:
+        # built on first use: its vocabulary scan takes a while for a large tokenizer, and most
+        # deployments never see a structured-output request
+        if self._grammars is None:
+            from nanoserve.engine.grammar import GrammarManager
+            self._grammars = GrammarManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        return self._grammars
 
     def _attach_grammar(self, seq: Sequence, future: concurrent.futures.Future) -> bool:
         """Give the sequence its matcher; False (the request failed and is reported) when it cannot compile."""
@@ -178,7 +190,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any; the engine serves nothing afterwards."""
-        self.grammars.close()
+        if self._grammars is not None:
+            self._grammars.close()
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
@@ -236,8 +249,10 @@ class LLMEngine:
                              seq.params if seq.num_computed_tokens + n == seq.num_tokens else None,
                              self._banned(seq), seq.pending_row, self._prompt_logprobs(seq))
                 for seq, n in zip(step.seqs, step.num_new_tokens)]
-        sampling = [seq for seq, w in zip(step.seqs, work) if w.params is not None]
-        token_mask = self.grammars.bitmask([seq.grammar for seq in sampling])
+        token_mask = None
+        if self._grammars is not None:
+            sampling = [seq for seq, w in zip(step.seqs, work) if w.params is not None]
+            token_mask = self._grammars.bitmask([seq.grammar for seq in sampling])
         launched = InFlightStep(self.runner.launch(work, token_mask))
         for seq, n, w in zip(step.seqs, step.num_new_tokens, work):
             if w.prompt_logprobs is not None:
