@@ -96,3 +96,10 @@ def test_a_request_whose_grammar_fails_in_the_engine_finishes_with_its_forks(llm
     outs = engine.step()
     assert {(o.request_id, o.finish_reason) for o in outs} == {("bad", "abort"), ("bad-1", "abort")}
     assert not engine.has_unfinished_requests()
+
+
+def test_a_prefix_cache_hit_gives_the_same_constrained_output(llm):
+    prompt = "A dictionary maps keys to values, and a list holds items in order; both are containers."
+    first, second = (llm.generate(prompt, constrained(), use_tqdm=False)[0] for _ in range(2))
+    assert second.num_cached_tokens > 0 and first.num_cached_tokens == 0
+    assert second.text == first.text and re.fullmatch(REGEX, first.text)
