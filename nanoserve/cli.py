@@ -1,4 +1,8 @@
-"""`nanoserve serve [MODEL]` runs the OpenAI-compatible server; `nanoserve generate "prompt"` prints a completion."""
+"""`nanoserve serve [MODEL]` runs the OpenAI-compatible server; `nanoserve generate "prompt"` prints a completion.
+
+Parsing the flags imports neither torch nor the web stack: `--help` answers at once, and every
+flag is checked before a weight is loaded.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,20 @@ import logging
 import os
 import sys
 
-from nanoserve.config import ATTENTION_BACKENDS, DEFAULT_MODEL, EngineConfig
+from nanoserve import __version__
+from nanoserve.defaults import ATTENTION_BACKENDS, DEFAULT_MODEL
+
+
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Shows each flag's default, unless it is None or the help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_ = action.help or ""
+        if "default" in help_ or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return help_
+        if action.default is False or action.default == []:
+            return help_  # a switch that is off, or an empty list: nothing worth printing
+        return f"{help_} (default: %(default)s)" if help_ else "(default: %(default)s)"
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -15,12 +32,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default: 8192 on CUDA, 2048 on the CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (power of two)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block, a power of two (default: 256 on CUDA, 16 on the CPU)")
     p.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of equal prefixes")
-    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="auto: flash_attn when it imports, else triton on CUDA, torch on the CPU")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next step before reading this one's sampled ids, overlapping host and "
@@ -30,7 +48,36 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the model over this many GPUs (or CPU processes), one worker process each")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: random weights, for benchmarks")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and of unseeded sampling")
+
+
+def _limit_args(p: argparse.ArgumentParser) -> None:
+    from nanoserve.server.limits import ServerLimits  # torch-free, like the rest of the parser
+
+    d = ServerLimits()
+    p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help="413 for a larger request body, before it is read")
+    p.add_argument("--max-seqs-per-request", type=int, default=d.max_seqs_per_request,
+                   help="400 for a request of more prompts x n than this")
+    p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="most strings in 'stop'")
+    p.add_argument("--max-stop-string-chars", type=int, default=d.max_stop_string_chars,
+                   help="longest string in 'stop'")
+    p.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
+                   help="most ids in 'stop_token_ids'")
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections past this get 503 on every route but /health")
+    p.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive,
+                   help="seconds an idle connection stays open after a response")
+    p.add_argument("--timeout-headers", type=float, default=d.timeout_headers,
+                   help="seconds a connection has to send complete request headers, from its first byte")
+
+
+def _limits(args: argparse.Namespace):
+    from nanoserve.server.limits import ServerLimits
+
+    return ServerLimits(args.max_request_body_bytes, args.max_seqs_per_request, args.max_stop_strings,
+                        args.max_stop_string_chars, args.max_stop_token_ids, args.max_connections,
+                        args.timeout_keep_alive, args.timeout_headers)
 
 
 def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
@@ -46,14 +93,17 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"nanoserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=HelpWithDefaults)
     serve.add_argument("model", nargs="?", default=None,
                        help="Hugging Face model folder (default: the bundled tiny model)")
-    serve.add_argument("--host", default="0.0.0.0")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                       help="the same as the MODEL argument, as vLLM's `serve --model` takes it")
+    serve.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="names clients use in 'model' (default: the MODEL argument as given)")
     serve.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
@@ -77,18 +127,26 @@ def build_parser() -> argparse.ArgumentParser:
                             "mistral")
     serve.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
                        help="return <think>...</think> as reasoning_content, apart from content")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--engine-death-grace-period", type=float, default=30.0,
+                       help="seconds that /health answers 503 after the engine died, before the server exits "
+                            "non-zero (so that a supervisor restarts it)")
+    serve.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    _limit_args(serve)
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="least severe log lines shown")
     _engine_args(serve)
 
-    gen = sub.add_parser("generate", help="complete one prompt offline and print the text")
+    gen = sub.add_parser("generate", help="complete one prompt offline and print the text",
+                         formatter_class=HelpWithDefaults)
     gen.add_argument("prompt")
     gen.add_argument("--model", default=None, help="Hugging Face model folder (default: the bundled tiny model)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     _engine_args(gen)
 
+    # no -h of its own: `bench throughput --help` belongs to the benchmark (`bench --help` is handled in main)
     bench = sub.add_parser("bench", help="run a benchmark: throughput (offline) or serving (HTTP load)",
-                           add_help=False)
+                           add_help=False, usage="nanoserve bench {throughput,serving} [--help | FLAGS ...]")
     bench.add_argument("kind", choices=["throughput", "serving"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help)")
     return parser
@@ -96,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from nanoserve.server.app import serve  # the web stack loads only for `serve`
+    from nanoserve.server.connections import raise_open_file_limit
     from nanoserve.server.state import ServerSettings
 
     if args.max_queue_len < 1:
@@ -104,12 +163,21 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--generation-config must be auto, vllm or a folder, got {args.generation_config!r}")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
+    if args.model_flag is not None:
+        if args.model is not None and args.model != args.model_flag:
+            parser.error(f"the model is given twice, as {args.model!r} and --model {args.model_flag!r}: give one")
+        args.model = args.model_flag
     names = args.served_model_name or [args.model or os.path.basename(DEFAULT_MODEL)]
     settings = ServerSettings(served_model_names=names, api_key=args.api_key or None,
                               allowed_origins=args.allowed_origins, chat_template=_chat_template(args.chat_template),
+                              log_requests=not args.disable_log_requests,
+                              engine_death_grace_s=args.engine_death_grace_period, limits=_limits(args),
                               generation_config=args.generation_config, tool_call_parser=args.tool_call_parser,
                               enable_auto_tool_choice=args.enable_auto_tool_choice,
                               reasoning_parser=args.reasoning_parser)
+    from nanoserve.config import EngineConfig
+
+    raise_open_file_limit(settings.limits.max_connections)
     serve(EngineConfig(**_engine_kwargs(args, args.model)), settings, args.host, args.port, args.max_queue_len,
           args.shutdown_timeout, args.log_level)
 
@@ -132,13 +200,20 @@ def _generate(args: argparse.Namespace) -> None:
     from nanoserve.engine.llm import LLM
     from nanoserve.sampling_params import SamplingParams
 
-    llm = LLM(**_engine_kwargs(args, args.model))
+    # every flag is checked before the weights load: SamplingParams here, EngineConfig first thing in LLM
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    llm = LLM(**_engine_kwargs(args, args.model))
     print(llm.generate(args.prompt, params, use_tqdm=False)[0].text)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] in (["bench", "-h"], ["bench", "--help"]):
+        bench = parser._subparsers._group_actions[0].choices["bench"]  # noqa: SLF001 - argparse keeps it there
+        bench.print_help()
+        print("\nEach benchmark has its own flags: nanoserve bench throughput --help, nanoserve bench serving --help")
+        return
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

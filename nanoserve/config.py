@@ -9,12 +9,11 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "assets", "tiny-qwen3")
+from nanoserve.defaults import ATTENTION_BACKENDS, DEFAULT_MODEL  # noqa: F401 - re-exported
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
            "half": torch.float16, "float": torch.float32}
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 
 def resolve_dtype(name: str | torch.dtype | None, hf_config: PretrainedConfig, device: str) -> torch.dtype:
@@ -72,7 +71,10 @@ class EngineConfig:
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or None (auto), got {self.device!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+            # never fall back to the CPU silently: a GPU server that serves from the CPU looks up but crawls
+            raise ValueError(f"device={device!r} was asked for but torch sees no CUDA device "
+                             f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); in Docker, run with "
+                             "--gpus all, or pass --device cpu to serve from the CPU")
         set_("device", device)
         set_("dtype", resolve_dtype(self.dtype, self.hf_config, device))
         self._check_tensor_parallel(device)

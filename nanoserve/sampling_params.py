@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,13 +37,37 @@ class StructuredOutputsParams:
         schema = self.json if not isinstance(self.json, dict) else json.dumps(self.json, sort_keys=True)
         return (schema, self.json_object, self.regex, tuple(self.choice or ()), self.grammar, self.any_whitespace)
 
+# Every integer the sampler puts in a tensor must fit int32 (kernels index with it) and int64
+# (torch.tensor of a Python int past 2**63 raises inside the engine loop, killing every request)
+MAX_INT = 2**31 - 1
+# torch.Generator.manual_seed takes any integer in [-2**63, 2**64)
+SEED_RANGE = (-(2**63), 2**64 - 1)
+# below this a temperature is greedy (as in vLLM): logits / 1e-300 overflow float32 to inf and NaN
+GREEDY_TEMPERATURE = 1e-5
+# below float32's smallest normal number a penalty rounds to 0 on the device: treat it as 0 here
+# so that the host agrees with the device about whether it applies
+TINY = 1.2e-38
+MIN_REPETITION_PENALTY = 0.01  # dividing logits by less overflows float32 (1e-300 rounds to 0)
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0
+
+
+class InvalidSamplingParam(ValueError):
+    """A field of SamplingParams out of its range; `param` names it (the HTTP error's "param")."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
 
 @dataclass
 class SamplingParams:
     """How one request picks tokens and when it stops.
 
-    temperature 0 means greedy (argmax). top_k -1 and top_p 1.0 and min_p 0.0 disable
-    those filters. max_tokens None means "whatever is left of the context".
+    temperature 0 (or below GREEDY_TEMPERATURE) means greedy (argmax). top_k -1 and top_p 1.0
+    and min_p 0.0 disable those filters; a top_k past the vocabulary keeps all of it. max_tokens
+    None means "whatever is left of the context". Every number is checked against what the
+    sampler's tensors can hold, so no request can fail inside a batch it shares with others.
     """
 
     n: int = 1
@@ -76,32 +101,50 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if isinstance(self.structured_outputs, dict):  # e.g. decoded from a message
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidSamplingParam(name, f"{name} must be a finite number, got {getattr(self, name)}")
+        if abs(self.presence_penalty) < TINY:
+            self.presence_penalty = 0.0
+        if abs(self.frequency_penalty) < TINY:
+            self.frequency_penalty = 0.0
+        _check_int("n", self.n, 1, MAX_INT)
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidSamplingParam("temperature", f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
+            raise InvalidSamplingParam("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1 or self.top_k > MAX_INT:
+            raise InvalidSamplingParam("top_k", f"top_k must be -1 (disabled) or in [1, {MAX_INT}], got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidSamplingParam("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise InvalidSamplingParam("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise InvalidSamplingParam("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidSamplingParam("repetition_penalty", f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], "
+                             f"got {self.repetition_penalty}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, *SEED_RANGE)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, MAX_INT)
+        _check_int("min_tokens", self.min_tokens, 0, MAX_INT)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+            raise InvalidSamplingParam("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, 20)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, 20)
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token, 0, MAX_INT)
+        if self.logit_bias:
+            for token, bias in self.logit_bias.items():
+                _check_int("logit_bias", token, 0, MAX_INT)
+                if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                    raise InvalidSamplingParam("logit_bias", f"logit_bias of token {token} must be in [-100, 100], got {bias}")
 
     @property
     def greedy(self) -> bool:
@@ -111,3 +154,8 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+def _check_int(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise InvalidSamplingParam(name, f"{name} must be in [{low}, {high}], got {value}")

@@ -1,298 +1,289 @@
-"""The engine behind the HTTP server: one thread owns LLMEngine, asyncio tasks stream its output.
+"""The front end's engine client: requests go to the engine core over ZeroMQ, outputs come back as streams.
 
-The engine thread loops `step()` while there is work and sleeps on a condition when idle. The
-asyncio side talks to it through an inbox (add, abort) guarded by that condition; each step's
-outputs come back in one `loop.call_soon_threadsafe` call and are routed to per-request queues.
-Detokenization (RequestState) runs on the asyncio side, so the engine thread only steps.
+The engine core (engine/core.py) runs in a process of its own and owns the device. This side
+owns what is per request and not per step: the tokenizer, prompt checks, admission, detokenizing
+and stop strings (in RequestStream), so the core's loop never waits on HTTP work. One task reads
+the core's per-step messages and routes each request's tokens to its stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import os
+import random
+import shutil
+import tempfile
 import threading
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Sequence
 
-import torch
+import zmq
+import zmq.asyncio
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.outputs import CompletionOutput, RequestState, StepOutput, TokenLogprob
+from nanoserve.engine.core import EngineCore, run_engine_process
+from nanoserve.engine.llm_engine import LLMEngine, load_tokenizer
+from nanoserve.engine.messages import (AbortRequests, AddRequest, EngineDied, EngineOutputs, EngineReady, EngineStats,
+                                       Shutdown, input_encoder, output_decoder)
+from nanoserve.engine.outputs import RequestState
+from nanoserve.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream, RequestUpdate
+from nanoserve.engine.validation import check_prompt, check_token_ids
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineStats", "QueueFullError", "RequestFailedError",
+           "RequestStream", "RequestUpdate"]
 
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (an internal error or shutdown); no request can be served."""
+_SHUTDOWN_WAIT_S = 30.0  # for the core to close its workers before it is killed
 
 
 class QueueFullError(RuntimeError):
-    """More requests are waiting than the server admits; the client should retry later."""
+    """More sequences are waiting than the server admits; the client should retry later."""
 
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot published by the engine thread after every step; safe to read from any thread."""
-
-    num_running: int = 0
-    num_waiting: int = 0            # in the scheduler's queue, plus adds not yet taken from the inbox
-    num_blocks: int = 0
-    num_free_blocks: int = 0        # free or cached-but-unreferenced: what new requests can take
-    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, ever
-    prefix_hit_tokens: int = 0      # of those, found there
-    num_preemptions: int = 0
-
-    @property
-    def blocks_in_use(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.blocks_in_use / self.num_blocks if self.num_blocks else 0.0
-
-
-@dataclass(frozen=True)
-class RequestUpdate:
-    """What one engine step added to one of the n choices of a request."""
-
-    index: int                              # which choice: p * n + i for the i-th of prompt p
-    text: str                               # new text that is safe to show (may be empty)
-    token_ids: list[int]                    # new tokens
-    logprobs: list[TokenLogprob] | None     # one entry per new token when logprobs were asked for
-    finish_reason: str | None               # "stop" or "length" on the choice's last update
-    num_prompt_tokens: int
-    num_cached_tokens: int                  # prompt tokens found in the prefix cache
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first update, when asked for
-
-
-class RequestStream:
-    """The outputs of one request (every choice of every prompt) as an async iterator of RequestUpdate.
-
-    `close()` aborts whatever has not finished; call it when the consumer goes away (client
-    disconnect, error). `outputs` holds each choice's whole text and tokens so far.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_ids: list[str], states: list[RequestState]) -> None:
-        self._engine = engine
-        self.request_ids = request_ids
-        self._states = dict(zip(request_ids, states))
-        self._unfinished = set(request_ids)
-        self._queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
-        self.outputs: list[CompletionOutput] = [state.output for state in states]
-        self.closed = False
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    def __aiter__(self) -> AsyncIterator[RequestUpdate]:
-        return self._updates()
-
-    async def _updates(self) -> AsyncIterator[RequestUpdate]:
-        try:
-            while self._unfinished:
-                item = await self._queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                update = self._apply(item)
-                if update is not None:
-                    yield update
-        finally:
-            self.close()
-
-    def _apply(self, step: StepOutput) -> RequestUpdate | None:
-        state = self._states[step.request_id]
-        if step.request_id not in self._unfinished:
-            return None  # steps already in flight when a stop string ended the choice
-        out = state.update(step)
-        if state.stopped and not step.finished:
-            self._engine.abort([step.request_id])
-        if out.finished:
-            self._unfinished.discard(step.request_id)
-        return RequestUpdate(out.index, out.text_delta, step.new_token_ids, step.logprobs, out.finish_reason,
-                             step.num_prompt_tokens, step.num_cached_tokens, step.prompt_logprobs)
-
-    def push(self, item: StepOutput | BaseException) -> None:
-        """Called on the event loop with an engine output for one of its choices, or an error for all."""
-        self._queue.put_nowait(item)
-
-    def close(self) -> None:
-        """Abort the unfinished choices and stop routing outputs here. Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        self._engine._detach(self)
-        # ids are in choice order, so each prompt's first request is aborted before its siblings:
-        # aborting it releases those that still wait to fork from it
-        unfinished = [rid for rid in self.request_ids if rid in self._unfinished]
-        if unfinished:
-            self._engine.abort(unfinished)
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class AsyncEngine:
-    """Runs an LLMEngine on a background thread for many concurrent asyncio callers.
+    """Serves many asyncio callers from one engine core.
 
-    Call `start()` from the event loop that will consume outputs, and `shutdown()` when done.
-    `max_queue_len` bounds the requests waiting to be scheduled: past it `add_request` raises
-    QueueFullError (the server's 503). An exception in the loop fails every request in flight
-    with EngineDeadError and leaves `healthy` False.
+    By default the core runs in a child process, started by `await start()`; pass `engine` to
+    run an already-built LLMEngine on a thread of this process instead (tests). At most
+    `max_num_seqs + max_queue_len` sequences (prompts × n) are admitted at once: running ones
+    plus those that wait; past that `add_request` raises QueueFullError (the server's 503).
     """
 
-    def __init__(self, config: EngineConfig, max_queue_len: int | None = None,
-                 engine: LLMEngine | None = None) -> None:
-        self.engine = engine or LLMEngine(config)
-        self.config = self.engine.config
-        self.tokenizer = self.engine.tokenizer
+    def __init__(self, config: EngineConfig, max_queue_len: int | None = None, engine: LLMEngine | None = None,
+                 log_level: str = "INFO") -> None:
+        self.config = engine.config if engine is not None else config
+        self.tokenizer = engine.tokenizer if engine is not None else load_tokenizer(self.config.tokenizer)
+        self.vocab_size = self.config.hf_config.vocab_size
         self.max_queue_len = max_queue_len
-        self._cond = threading.Condition()
-        self._inbox: list[tuple] = []       # ("add", id, prompt, params, fork_ids) | ("abort", ids)
-        self._pending_adds = 0
-        self._stopping = False
-        self._streams: dict[str, RequestStream] = {}  # engine request id -> its stream
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.log_level = log_level
+        self.ready: EngineReady | None = None
+        self.error: EngineDeadError | None = None
+        self.dead = asyncio.Event()          # set once the core is gone, for whoever must act on it
+        self._engine = engine
+        self._streams: dict[str, RequestStream] = {}  # engine request id -> its stream, while unfinished
+        self._stats = EngineStats()
+        self._finished_times: list[float] = []  # recent request completions, for Retry-After
+        self._dir = tempfile.mkdtemp(prefix="nanoserve-")
+        self._context = zmq.asyncio.Context()
+        self._inputs = self._context.socket(zmq.PUSH)
+        self._outputs = self._context.socket(zmq.PULL)
+        self._process: multiprocessing.process.BaseProcess | None = None
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        self._stats = self._snapshot()
+        self._reader: asyncio.Task | None = None
+        self._ready = None  # the future `start()` awaits
+        self._stopping = False
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        return self.ready is not None and self.error is None
 
     @property
     def stats(self) -> EngineStats:
         return self._stats
 
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
-        self._thread.start()
+    @property
+    def num_unfinished(self) -> int:
+        """Sequences admitted and not finished: those running and those waiting."""
+        return len(self._streams)
+
+    async def start(self) -> EngineReady:
+        """Start the core, wait until its model is loaded; raise EngineDeadError if it fails to start."""
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
+        input_address, output_address = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        self._inputs.setsockopt(zmq.SNDHWM, 0)
+        self._inputs.bind(input_address)
+        self._outputs.setsockopt(zmq.RCVHWM, 0)
+        self._outputs.bind(output_address)
+        self._reader = asyncio.create_task(self._read_outputs())
+        if self._engine is not None:
+            core = EngineCore(self._engine, input_address, output_address)
+            self._thread = threading.Thread(target=self._run_thread, args=(core,), name="nanoserve-engine",
+                                            daemon=True)
+            self._thread.start()
+            self._engine = None  # the thread owns it now
+        else:
+            spawn = multiprocessing.get_context("spawn")  # a CUDA context cannot be forked
+            self._process = spawn.Process(target=run_engine_process, name="nanoserve-engine",
+                                          args=(self.config, input_address, output_address, os.getpid(),
+                                                self.log_level))
+            self._process.start()
+            loop.add_reader(self._process.sentinel, self._process_exited)
+        self.ready = await self._ready
+        return self.ready
+
+    @staticmethod
+    def _run_thread(core: EngineCore) -> None:
+        try:
+            core.run()
+        except BaseException:  # noqa: BLE001 - already logged and reported as EngineDied by the core
+            pass
 
     async def shutdown(self) -> None:
-        """Stop the loop; requests still in flight fail with EngineDeadError."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-        self._fail_all(EngineDeadError("The server is shutting down"))
-        await asyncio.to_thread(self.engine.close)
-
-    def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
-        """Raise ValueError (naming the numbers) if the prompt cannot be served as asked."""
-        # reads only the config and vocabulary size, which never change: safe off the engine thread
-        self.engine.check_prompt(prompt_token_ids, max_tokens)
+        """Stop the core; requests still in flight fail with EngineDeadError."""
+        self._stopping = True
+        if self._process is not None or self._thread is not None:
+            if self.error is None:
+                self._inputs.send(input_encoder.encode(Shutdown()))
+            worker = self._process or self._thread
+            await asyncio.to_thread(worker.join, _SHUTDOWN_WAIT_S)
+            if self._process is not None:
+                asyncio.get_running_loop().remove_reader(self._process.sentinel)
+                if self._process.is_alive():
+                    logger.warning("The engine core did not stop in %.0f s; killing it", _SHUTDOWN_WAIT_S)
+                    self._process.kill()
+                    self._process.join()
+        self._mark_dead(EngineDeadError("The server is shutting down"))
+        if self._reader is not None:
+            self._reader.cancel()
+        self._inputs.close(linger=0)
+        self._outputs.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def check_token_ids(self, token_ids: list[int], what: str) -> None:
-        """Raise ValueError for an id outside the vocabulary; like check_prompt, safe on any thread."""
-        self.engine.check_token_ids(token_ids, what)
+        """Raise ValueError for an id outside the vocabulary."""
+        check_token_ids(token_ids, self.vocab_size, what)
 
     def add_request(self, request_id: str, prompts: Sequence[list[int]], params: SamplingParams) -> RequestStream:
-        """Validate and queue one request of one or more prompts; iterate the stream for outputs.
+        """Check and queue one request of one or more prompts; iterate the stream for outputs.
 
         Choice `p * n + i` is the i-th completion of prompt p (the OpenAI API's order). n > 1
         becomes n engine requests that fork from the first once its prompt is cached, sharing its
         KV blocks. Raises ValueError for a prompt that cannot be served, QueueFullError when too
-        many requests wait, EngineDeadError when the engine loop is gone; nothing is queued then.
+        many sequences wait, EngineDeadError when the core is gone; nothing is queued then.
         """
         if not self.healthy:
-            raise EngineDeadError("The engine is not running: " + (repr(self.error) if self.error else
-                                                                   "it was never started or has shut down"))
+            raise self.error or EngineDeadError("The engine is not running yet")
         if not prompts:
             raise ValueError("The request has no prompt")
         for prompt in prompts:
-            self.check_prompt(prompt, params.max_tokens)
+            check_prompt(prompt, params.max_tokens, self.config.max_model_len, self.vocab_size)
         n = params.n
         ids = ([request_id] if len(prompts) * n == 1
                else [f"{request_id}-{c}" for c in range(len(prompts) * n)])
         if any(rid in self._streams for rid in ids):
             raise ValueError(f"Request id {request_id!r} is already in use")
+        self._admit(len(ids))
         states = [RequestState(self.tokenizer, prompts[c // n], params, c) for c in range(len(ids))]
-        stream = RequestStream(self, ids, states)
-        with self._cond:
-            waiting = self._stats.num_waiting + self._pending_adds
-            # refuse only when the queue is already full, so that a request of more prompts than
-            # max_queue_len can still get in when the server is idle
-            if self.max_queue_len is not None and waiting >= self.max_queue_len:
-                raise QueueFullError(f"{waiting} requests are already waiting (max_queue_len "
-                                     f"{self.max_queue_len}); retry later")
-            for rid in ids:
-                self._streams[rid] = stream
-            for p, prompt in enumerate(prompts):
-                group = ids[p * n:(p + 1) * n]
-                self._inbox.append(("add", group[0], list(prompt), params, group[1:]))
-            self._pending_adds += len(prompts)
-            self._cond.notify()
+        stream = RequestStream(ids, states, self.abort)
+        for rid in ids:
+            self._streams[rid] = stream
+        for p, prompt in enumerate(prompts):
+            group = ids[p * n:(p + 1) * n]
+            self._send(AddRequest(group[0], list(prompt), params, group[1:]))
         return stream
 
+    def _admit(self, num_seqs: int) -> None:
+        if self.max_queue_len is None:
+            return
+        capacity = self.config.max_num_seqs + self.max_queue_len
+        if num_seqs > capacity:
+            raise ValueError(f"The request asks for {num_seqs} sequences (prompts × n), more than this server "
+                             f"ever holds at once ({capacity}: max_num_seqs + max_queue_len)")
+        if self.num_unfinished + num_seqs > capacity:
+            waiting = max(0, self.num_unfinished - self.config.max_num_seqs)
+            raise QueueFullError(f"{waiting} sequences are already waiting (max_queue_len {self.max_queue_len}); "
+                                 "retry later", self._retry_after(waiting + num_seqs))
+
+    def _retry_after(self, queued: int) -> int:
+        """Seconds until about `queued` sequences have drained, at the recent rate; jittered so that
+        refused clients do not all come back in the same second."""
+        now = time.monotonic()
+        recent = [t for t in self._finished_times if now - t < 30.0]
+        rate = len(recent) / 30.0
+        estimate = queued / rate if rate > 0 else 5.0
+        return max(1, min(60, round(estimate * random.uniform(0.75, 1.25))))
+
     def abort(self, request_ids: Sequence[str]) -> None:
-        """Ask the engine thread to drop these requests and free their blocks; unknown ids are ignored."""
-        with self._cond:
-            self._inbox.append(("abort", list(request_ids)))
-            self._cond.notify()
+        """Drop these requests in the core and free their blocks; unknown ids are ignored."""
+        for rid in request_ids:
+            self._streams.pop(rid, None)
+        if request_ids and self.error is None:
+            self._send(AbortRequests(list(request_ids)))
 
-    def _detach(self, stream: RequestStream) -> None:
-        for rid in stream.request_ids:
-            if self._streams.get(rid) is stream:
-                del self._streams[rid]
+    def _send(self, message) -> None:
+        self._inputs.send(input_encoder.encode(message), flags=zmq.NOBLOCK, copy=False)
 
-    # ---- the engine thread
+    # ---- outputs of the core
 
-    def _run(self) -> None:
-        try:
-            if self.config.device.startswith("cuda:"):
-                # the current device is per thread: make it the engine's, not cuda:0 by default
-                torch.cuda.set_device(torch.device(self.config.device))
-            while True:
-                with self._cond:
-                    while not (self._inbox or self._stopping or self.engine.has_unfinished_requests()):
-                        self._cond.wait()
-                    if self._stopping:
-                        return
-                    inbox, self._inbox, self._pending_adds = self._inbox, [], 0
-                    self._apply_inbox(inbox)
-                    self._stats = self._snapshot()
-                outputs = self.engine.step()
-                self._stats = self._snapshot()
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
-        except BaseException as exc:  # noqa: BLE001 - whatever it is, every waiting client must hear of it
-            logger.exception("The engine loop failed; failing all requests in flight")
-            self.error = exc
-            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(
-                f"The engine failed and stopped ({exc!r}); restart the server"))
-
-    def _apply_inbox(self, inbox: list[tuple]) -> None:
-        for op in inbox:
-            if op[0] == "abort":
-                for rid in op[1]:
-                    self.engine.abort_request(rid)
-                continue
-            _, rid, prompt, params, fork_ids = op
+    async def _read_outputs(self) -> None:
+        while True:
+            frame = await self._outputs.recv(copy=False)
             try:
-                self.engine.add_request(rid, prompt, params, fork_ids=fork_ids)
-            except ValueError as exc:  # this request alone is bad; the engine is fine
-                self._loop.call_soon_threadsafe(self._fail_request, [rid, *fork_ids], exc)
+                message = output_decoder.decode(frame.buffer)
+                if isinstance(message, EngineOutputs):
+                    self._dispatch(message)
+                elif isinstance(message, EngineReady):
+                    logger.info("Engine ready: %d KV-cache blocks of %d tokens (%d tokens) on %s, %s, loaded in "
+                                "%.1f s, CUDA graphs captured in %.1f s", message.num_blocks, message.block_size,
+                                message.num_blocks * message.block_size, message.device, message.dtype,
+                                message.load_seconds, message.graph_capture_seconds)
+                    self._ready.set_result(message)
+                elif isinstance(message, EngineDied):
+                    logger.error("The engine core stopped: %s", message.message)
+                    self._mark_dead(EngineDeadError("The engine stopped unexpectedly; the server must be restarted"))
+            except Exception:  # noqa: BLE001 - one bad message must not stop the routing of all others
+                logger.exception("Could not handle a message from the engine core")
 
-    def _snapshot(self) -> EngineStats:
-        bm = self.engine.block_manager
-        return EngineStats(self.engine.num_running, self.engine.num_waiting, bm.num_blocks, bm.num_free_blocks,
-                           bm.prefix_queried_tokens, bm.prefix_hit_tokens, self.engine.scheduler.num_preemptions)
-
-    # ---- the asyncio side
-
-    def _dispatch(self, outputs: list[StepOutput]) -> None:
-        for step in outputs:
+    def _dispatch(self, message: EngineOutputs) -> None:
+        self._stats = message.stats
+        done: list[str] = []     # finished on this side while the core still runs them (stop strings)
+        for failure in message.failed:
+            self._fail(failure.request_ids, RequestFailedError(failure.message))
+        for step in message.outputs:
             stream = self._streams.get(step.request_id)
-            if stream is not None:  # None: its client is gone and the abort is on its way
-                stream.push(step)
+            if stream is None:
+                continue  # its client is gone and the abort is on its way
+            try:
+                if stream.on_step(step):
+                    del self._streams[step.request_id]
+                    self._finished_times.append(time.monotonic())
+                    if not step.finished:
+                        done.append(step.request_id)
+            except Exception:  # noqa: BLE001 - detokenizing one request must not fail the others
+                logger.exception("Failed to process the output of request %s", step.request_id)
+                self._fail([step.request_id], RequestFailedError("The server failed to process this request's "
+                                                                 "output"))
+        if done:
+            self._send(AbortRequests(done))
+        if len(self._finished_times) > 4096:
+            del self._finished_times[:2048]
 
-    def _fail_request(self, request_ids: list[str], exc: BaseException) -> None:
+    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
         streams = {self._streams.get(rid) for rid in request_ids} - {None}
         for stream in streams:
-            stream.push(exc)
+            stream.fail(exc)
+            stream.close()
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def fail_all(self, exc: BaseException) -> None:
+        """End every open request with `exc`; the engine goes on (the shutdown deadline uses it)."""
         for stream in set(self._streams.values()):
-            stream.push(exc)
+            stream.fail(exc)
+            stream.close()
+
+    def _process_exited(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        if self._stopping:
+            return  # shutdown() is waiting for this
+        if self.error is None:
+            logger.error("The engine process exited with code %s", self._process.exitcode)
+        self._mark_dead(EngineDeadError("The engine stopped unexpectedly; the server must be restarted"))
+
+    def _mark_dead(self, error: EngineDeadError) -> None:
+        if self.error is None:
+            self.error = error
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(self.error)
+        for stream in set(self._streams.values()):
+            stream.fail(self.error)
+        self._streams.clear()
+        self.dead.set()

@@ -2,55 +2,111 @@
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
-# the tokens of the last few characters, re-decoded with their left context so that
-# tokenizers that merge or strip spaces at boundaries give the same text as a full decode
+# the tokens of the last few characters, decoded with their left context so that tokenizers that
+# merge or strip spaces at boundaries (SentencePiece's leading "▁") give the text of a full decode
 _CONTEXT_TOKENS = 5
+
+
+class _StreamDecoder:
+    """O(1) per token through the tokenizers library's DecodeStream (fast tokenizers)."""
+
+    def __init__(self, backend: Tokenizer, tokenizer: PreTrainedTokenizerBase, context: list[int],
+                 skip_special_tokens: bool) -> None:
+        self.backend, self.tokenizer, self.skip = backend, tokenizer, skip_special_tokens
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # a prompt that ends inside a character would leak that character's bytes into the output
+        while context and self._decode(context).endswith("\ufffd"):
+            context = context[:-1]
+        for token in context:
+            self.stream.step(backend, token)
+        self.recent: list[int] = list(context)  # the last tokens fed, for the final flush
+        self.unshown = 0                        # of those, how many produced no text yet
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def add(self, token: int) -> str:
+        self.recent.append(token)
+        if len(self.recent) > 2 * _CONTEXT_TOKENS + self.unshown:
+            del self.recent[:len(self.recent) - _CONTEXT_TOKENS - self.unshown - 1]
+        text = self.stream.step(self.backend, token)
+        if text is None:
+            self.unshown += 1
+            return ""
+        self.unshown = 0
+        return text
+
+    def flush(self) -> str:
+        """The text of tokens that ended inside a character, as the tokenizer renders them."""
+        if not self.unshown:
+            return ""
+        shown = self.recent[:-self.unshown]
+        self.unshown = 0
+        return self._decode(self.recent)[len(self._decode(shown)):]
+
+
+class _WindowDecoder:
+    """For tokenizers without a Rust backend: re-decode a short window around each new token."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, context: list[int], skip_special_tokens: bool) -> None:
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.tokens = list(context)
+        self.prefix_offset, self.read_offset = 0, len(self.tokens)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def add(self, token: int) -> str:
+        self.tokens.append(token)
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        del self.tokens[:self.prefix_offset]  # keep the window short: O(1) per token
+        self.prefix_offset, self.read_offset = self.read_offset - self.prefix_offset, len(self.tokens)
+        return full[len(prefix):]
+
+    def flush(self) -> str:
+        if self.read_offset == len(self.tokens):
+            return ""
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        self.read_offset = len(self.tokens)
+        return self._decode(self.tokens[self.prefix_offset:])[len(prefix):]
 
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
-    Never emits half a character: a decode that ends in U+FFFD waits for the next token.
-    Text that might be the start of a stop string is held back until it is known not to be one;
-    a matched stop string ends the text and is not returned (unless include_stop is set).
+    Never emits half a character: a token that ends inside one adds nothing until the character
+    is complete. Text that might be the start of a stop string is held back until it is known not
+    to be one; a matched stop string ends the text and is not returned (unless include_stop is set).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
                  stop: list[str] | None = None, include_stop: bool = False,
                  skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self.decoder = (_StreamDecoder(backend, tokenizer, context, skip_special_tokens)
+                        if isinstance(backend, Tokenizer) else _WindowDecoder(tokenizer, context, skip_special_tokens))
         self.stop = [s for s in (stop or []) if s]
         self.include_stop = include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.tokens: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.tokens)
         self.text = ""          # all text decoded so far (before stop truncation)
         self.emitted = 0        # characters of self.text already returned
         self.stopped: str | None = None  # the stop string that ended the text
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, new_token_ids: list[int], finished: bool = False) -> str:
         """Append tokens; return the text that is now safe to show."""
         if self.stopped is not None:
             return ""
-        for token in new_token_ids:
-            self.tokens.append(token)
-            prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-            full = self._decode(self.tokens[self.prefix_offset:])
-            if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                self.text += full[len(prefix):]
-                self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-        if finished and self.read_offset < len(self.tokens):
-            # the sequence ended on an incomplete character: show what the tokenizer makes of it
-            prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-            self.text += self._decode(self.tokens[self.prefix_offset:])[len(prefix):]
-            self.read_offset = len(self.tokens)
+        self.text += "".join([self.decoder.add(token) for token in new_token_ids])
+        if finished:
+            self.text += self.decoder.flush()
         return self._release(finished)
 
     def _release(self, finished: bool) -> str:

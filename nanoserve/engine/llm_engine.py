@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.outputs import StepOutput
+from nanoserve.engine.messages import EngineStats, StepOutput
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.runner.batch import PENDING_TOKEN, SequenceWork
@@ -68,40 +68,23 @@ class LLMEngine:
         self.pending_forks: dict[str, list[str]] = {}  # request id -> siblings waiting for its prompt
         self.in_flight: InFlightStep | None = None  # launched, sampled ids not read yet
         self._arrivals = itertools.count()
+        self.num_generated_tokens = 0  # ever, for the stats
+        self.num_computed_tokens = 0
         self._grammars: GrammarManager | None = None  # built with the first structured-output request
         # structured-output requests whose grammar is still compiling: not scheduled until it is,
         # so they wait without holding anyone else up; (sequence, its grammar's future)
         self.awaiting_grammar: list[tuple[Sequence, concurrent.futures.Future]] = []
-        self.grammar_failures: list[StepOutput] = []  # finished outputs of requests whose grammar failed
-
-    def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
-        """Raise ValueError naming the numbers when a prompt cannot be served as asked."""
-        n, limit = len(prompt_token_ids), self.config.max_model_len
-        if n == 0:
-            raise ValueError("The prompt is empty; it needs at least one token")
-        if n >= limit:
-            raise ValueError(f"The prompt has {n} tokens, but this model's maximum context length is "
-                             f"{limit} tokens (max_model_len), which leaves no room for output")
-        if max_tokens is not None and n + max_tokens > limit:
-            raise ValueError(f"This model's maximum context length is {limit} tokens, but {n + max_tokens} "
-                             f"were requested ({n} in the prompt and {max_tokens} for the completion)")
-        self.check_token_ids(prompt_token_ids, "the prompt")
-
-    def check_token_ids(self, token_ids: list[int], what: str) -> None:
-        """Raise ValueError naming the first id outside the vocabulary."""
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"Token id {bad} in {what} is out of range: the vocabulary has "
-                             f"{self.vocab_size} tokens")
+        # (request ids, why) of requests dropped because their grammar failed to compile; the core
+        # reports them as RequestFailed (the front end validates specs first, so this is rare)
+        self.failures: list[tuple[list[str], str]] = []
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     fork_ids: list[str] | tuple[str, ...] = ()) -> None:
-        """Queue a request. Only the prompt must fit; output stops at max_model_len if it must.
+        """Queue a request checked by `validation.check_prompt`; output stops at max_model_len if it must.
 
         `fork_ids` name sibling requests (n > 1) with the same prompt and params. They start once
         this request's prompt is in the KV cache, so they share its blocks instead of n prefills.
         """
-        self.check_prompt(prompt_token_ids, None)
         for rid in (request_id, *fork_ids):
             if rid in self.sequences or rid in self.pending_forks:
                 raise ValueError(f"Request id {rid!r} is already in use")
@@ -143,15 +126,19 @@ class LLMEngine:
         try:
             seq.grammar = self.grammars.matcher(future.result(), seq.stop_token_ids)
             return True
-        except ValueError as exc:  # the front end validates specs first, so this is rare
+        except ValueError as exc:
             logger.warning("Request %s failed: %s", seq.request_id, exc)
             del self.sequences[seq.request_id]
-            for rid in (seq.request_id, *self.pending_forks.pop(seq.request_id, [])):
-                self.grammar_failures.append(StepOutput(rid, [], None, True, "abort", seq.num_prompt_tokens, 0))
+            self.failures.append(([seq.request_id, *self.pending_forks.pop(seq.request_id, [])], str(exc)))
             return False
 
-    def _admit_compiled(self) -> list[StepOutput]:
-        """Queue the requests whose grammar finished compiling; report those whose grammar failed."""
+    def take_failures(self) -> list[tuple[list[str], str]]:
+        """(request ids, why) of the requests dropped since the last call; they produce no outputs."""
+        failures, self.failures = self.failures, []
+        return failures
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar finished compiling."""
         if self.awaiting_grammar:
             if not self.scheduler.has_work and self.in_flight is None:
                 # nothing else to run: wait for a compile instead of spinning (briefly, so adds and
@@ -165,8 +152,6 @@ class LLMEngine:
                 elif self._attach_grammar(seq, future):
                     self.scheduler.add(seq)
             self.awaiting_grammar = still
-        failed, self.grammar_failures = self.grammar_failures, []
-        return failed
 
     def _start_forks(self, parent: Sequence) -> None:
         forks = self.pending_forks.pop(parent.request_id, [])
@@ -203,7 +188,16 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + len(self.awaiting_grammar)
+        """Sequences queued, siblings (n > 1) that wait for their first's prompt and requests that
+        wait for their grammar included."""
+        return (len(self.scheduler.waiting) + sum(map(len, self.pending_forks.values()))
+                + len(self.awaiting_grammar))
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(self.num_running, self.num_waiting, bm.num_blocks, bm.num_free_blocks,
+                           bm.prefix_queried_tokens, bm.prefix_hit_tokens, self.scheduler.num_preemptions,
+                           self.num_generated_tokens, self.num_computed_tokens)
 
     @staticmethod
     def _banned(seq: Sequence) -> tuple[int, ...]:
@@ -218,16 +212,16 @@ class LLMEngine:
 
         With async scheduling the next batch is launched before this one's sampled ids are read,
         so the host's bookkeeping overlaps the device's work and outputs arrive one step later."""
-        failed = self._admit_compiled()
+        self._admit_compiled()
         if self.config.async_scheduling and not self._needs_token_history():
             launched = self._launch()
             outputs = self._complete(self.in_flight) if self.in_flight else []
             self.in_flight = launched
-            return failed + outputs
+            return outputs
         outputs = self._complete(self.in_flight) if self.in_flight else []
         self.in_flight = None
         launched = self._launch()
-        return failed + outputs + (self._complete(launched) if launched else [])
+        return outputs + (self._complete(launched) if launched else [])
 
     def _needs_token_history(self) -> bool:
         # penalties read every past token on the host, and a grammar's mask for the next token
@@ -254,6 +248,7 @@ class LLMEngine:
             sampling = [seq for seq, w in zip(step.seqs, work) if w.params is not None]
             token_mask = self._grammars.bitmask([seq.grammar for seq in sampling])
         launched = InFlightStep(self.runner.launch(work, token_mask))
+        self.num_computed_tokens += sum(step.num_new_tokens)
         for seq, n, w in zip(step.seqs, step.num_new_tokens, work):
             if w.prompt_logprobs is not None:
                 launched.scored.append((seq, seq.num_computed_tokens))
@@ -275,6 +270,7 @@ class LLMEngine:
     def _complete(self, launched: InFlightStep) -> list[StepOutput]:
         """Read a launched step's sampled ids back; update, stop and report its sequences."""
         sampled = launched.pending.result()
+        self.num_generated_tokens += len(launched.sequences)
         for (seq, start), entries in zip(launched.scored, sampled.prompt_logprobs):
             seq.prompt_logprobs[start + 1:start + 1 + len(entries)] = entries
         outputs = []

@@ -1,4 +1,4 @@
-"""What the engine reports: per-step token deltas, and the text view built from them."""
+"""The text view of a request, built from the engine's per-step token deltas (StepOutput)."""
 
 from __future__ import annotations
 
@@ -7,25 +7,10 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
+from nanoserve.engine.messages import StepOutput, TokenLogprob
 from nanoserve.sampling_params import SamplingParams
 
-# (logprob of the chosen token, [(token id, logprob), ...] of the top alternatives)
-TokenLogprob = tuple[float, list[tuple[int, float]]]
-
-
-@dataclass
-class StepOutput:
-    """New tokens of one request from one engine step. Produced on the engine thread."""
-
-    request_id: str
-    new_token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
-    finished: bool
-    finish_reason: str | None       # "stop", "length", "abort" once finished
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    # with the first token of a request that asked for them: one entry per prompt token, None first
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+__all__ = ["CompletionOutput", "RequestState", "StepOutput", "TokenLogprob"]
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,32 @@ class SequenceWork:
     # set: also return, for every prompt position of this chunk that has a next prompt token, the
     # logprob of that token and this many top alternatives (prompt logprobs)
     prompt_logprobs: int | None = None
+
+    def for_workers(self) -> SequenceWork:
+        """What a tensor-parallel worker needs of this work: the tokens this step computes (and the
+        next, a prompt-logprob target), not the whole history, which grows every step."""
+        end = self.start + self.num_new + 1
+        return dataclasses.replace(self, token_ids=TokenWindow(self.start, self.token_ids[self.start:end]))
+
+
+class TokenWindow:
+    """A slice of a sequence's tokens that is indexed by position in the whole sequence."""
+
+    __slots__ = ("offset", "tokens")
+
+    def __init__(self, offset: int, tokens: list[int]) -> None:
+        self.offset, self.tokens = offset, tokens
+
+    def __getstate__(self) -> tuple[int, list[int]]:
+        return self.offset, self.tokens
+
+    def __setstate__(self, state: tuple[int, list[int]]) -> None:
+        self.offset, self.tokens = state
+
+    def __getitem__(self, key: int | slice) -> int | list[int]:
+        if isinstance(key, slice):
+            return self.tokens[key.start - self.offset:key.stop - self.offset]
+        return self.tokens[key - self.offset]
 
 
 @dataclass

@@ -81,6 +81,7 @@ class ModelRunner:
         self.model.eval()
         self.vocab_size = hf.vocab_size
         self.graphs = None
+        self.graph_capture_seconds = 0.0
         self.prev_tokens: torch.Tensor | None = None  # the last launch's sampled ids, on the device
         self.prev_rows = 0  # how many ids the last launch sampled (what a worker receives)
         self.backend = select_backend(config.attention_backend, config.device, config.block_size)
@@ -97,7 +98,8 @@ class ModelRunner:
             from nanoserve.runner.cuda_graph import DecodeGraphs
             start = time.perf_counter()
             self.graphs = DecodeGraphs(self.model, config, show_progress)
-            logger.info("captured %d CUDA graphs in %.1f s", len(self.graphs.sizes), time.perf_counter() - start)
+            self.graph_capture_seconds = time.perf_counter() - start
+            logger.info("captured %d CUDA graphs in %.1f s", len(self.graphs.sizes), self.graph_capture_seconds)
 
     @property
     def num_blocks(self) -> int:
@@ -113,7 +115,7 @@ class ModelRunner:
         Rows with `prev_row` set read their input token from what the previous launch sampled.
         `token_mask` limits what the constrained sampling rows may draw (rank 0 alone samples)."""
         if self.tp.size > 1:
-            work = self.tp.broadcast(work)  # rank 0's step; the workers run the same one
+            self.tp.broadcast([w.for_workers() for w in work])  # rank 0's step; the workers run the same one
         return self._step(work, token_mask)
 
     def serve_steps(self) -> None:

@@ -34,7 +34,8 @@ class SamplingTensors:
         params = [w.params for w in rows]
         temps = [p.temperature for p in params]
         greedy = [t == 0.0 for t in temps]
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        # a top_k past the vocabulary keeps all of it (and must not reach an int64 tensor as is)
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
 
@@ -101,6 +102,9 @@ def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
             probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
             # drop a token once the mass before it already reaches top_p; the first always stays
             drop |= (probs.cumsum(dim=-1) - probs) >= st.top_p[:, None]
+            # a top_p that rounds to 0 in float32 (1e-300) would drop even the first: a row of -inf
+            # samples garbage, so the most likely token always stays
+            drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
     if st.min_p is not None:

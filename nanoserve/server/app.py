@@ -2,26 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
 import signal
+import socket
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import uvicorn
 from fastapi import FastAPI
-from sse_starlette.sse import AppStatus
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nanoserve import __version__
 from nanoserve.config import EngineConfig
-from nanoserve.engine.async_engine import AsyncEngine
+from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError
 from nanoserve.server import chat, completions, info
+from nanoserve.server.connections import uvicorn_options
 from nanoserve.server.errors import APIError, install_handlers
+from nanoserve.server.limits import BodyLimitMiddleware
+from nanoserve.server.openapi import install_openapi
 from nanoserve.server.state import ServerSettings, ServerState
 
 logger = logging.getLogger(__name__)
@@ -47,22 +51,41 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    """The app; the engine thread starts with the app's lifespan and stops with it."""
+STATS_INTERVAL_S = 10.0
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings,
+              on_fatal: Callable[[int], None] | None = None) -> FastAPI:
+    """The app; the engine core starts with the app's lifespan and stops with it.
+
+    If the engine core dies, /health answers 503 at once, and `settings.engine_death_grace_s`
+    later `on_fatal(1)` is called: `serve` then exits non-zero, so a supervisor restarts it."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        engine.start()
+        try:
+            await engine.start()
+        except EngineDeadError:
+            await engine.shutdown()
+            raise RuntimeError("The engine failed to start; see the log above") from None
+        tasks = [asyncio.create_task(_log_stats(engine))]
+        if on_fatal is not None:
+            tasks.append(asyncio.create_task(_exit_after_engine_death(engine, settings.engine_death_grace_s,
+                                                                      on_fatal)))
         try:
             yield
         finally:
+            for task in tasks:
+                task.cancel()
             await engine.shutdown()
 
     app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan)
     app.state.server = ServerState(engine, settings)
     install_handlers(app)
+    install_openapi(app, has_api_key=bool(settings.api_key))
     for module in (completions, chat, info):
         app.include_router(module.router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_request_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     if settings.allowed_origins:  # added last, so it is outermost and answers preflights without a key
@@ -71,20 +94,98 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
+async def _exit_after_engine_death(engine: AsyncEngine, grace_s: float, on_fatal: Callable[[int], None]) -> None:
+    await engine.dead.wait()
+    logger.error("The engine is dead; /health answers 503 and the server exits in %.0f s", grace_s)
+    await asyncio.sleep(grace_s)
+    on_fatal(1)
+
+
+async def _log_stats(engine: AsyncEngine) -> None:
+    """A line every STATS_INTERVAL_S while there is work, as vLLM prints one."""
+    last = engine.stats
+    while True:
+        await asyncio.sleep(STATS_INTERVAL_S)
+        now = engine.stats
+        if now == last and not now.num_running and not now.num_waiting:
+            continue
+        generated = now.generated_tokens - last.generated_tokens
+        prompt = now.computed_tokens - last.computed_tokens - generated
+        logger.info("Engine: %d running, %d waiting, KV cache %.1f%% used, prompt %.1f tok/s, generation %.1f "
+                    "tok/s, prefix-cache hits %d of %d prompt tokens, %d preemptions", now.num_running,
+                    now.num_waiting, 100 * now.kv_cache_usage, prompt / STATS_INTERVAL_S,
+                    generated / STATS_INTERVAL_S, now.prefix_hit_tokens, now.prefix_queried_tokens,
+                    now.num_preemptions)
+        last = now
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, and two things it lacks: an exit code that says how serving ended, and a
+    shutdown deadline that ends the requests still open with an OpenAI error instead of cutting them."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.exit_code = 0
+
+    def fatal(self, code: int) -> None:
+        self.exit_code = code
+        self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timeout = self.config.timeout_graceful_shutdown
+        cut = None
+        if timeout is not None:
+            # a moment before uvicorn cancels the handlers, end their requests so each can still
+            # send its error: a JSON error object, or an SSE error event and [DONE]
+            cut = asyncio.create_task(self._cut_at(max(0.0, timeout - min(2.0, timeout / 4))))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if cut is not None:
+                cut.cancel()
+
+    async def _cut_at(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self.engine.num_unfinished:
+            logger.error("Shutdown deadline: ending %d unfinished sequences with an error", self.engine.num_unfinished)
+            self.engine.fail_all(EngineDeadError("The server shut down before this request finished"))
+            self.exit_code = self.exit_code or 1
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Take the port now, before the model loads, so that a busy port fails in a second, not after it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"nanoserve: error: cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
 def serve(config: EngineConfig, settings: ServerSettings, host: str = "0.0.0.0", port: int = 8000,
           max_queue_len: int | None = None, shutdown_timeout: float = 30.0, log_level: str = "info") -> None:
-    """Load the model, then serve until SIGINT/SIGTERM.
+    """Serve until SIGINT/SIGTERM; exit non-zero if the engine died or the drain was cut short.
 
-    On SIGTERM uvicorn stops accepting connections and waits up to `shutdown_timeout` seconds for
-    requests in flight, streams included, to finish; then the engine stops.
+    The port is taken first; the engine core then loads the model in its own process while the
+    port does not yet accept connections. On SIGTERM uvicorn stops accepting connections and
+    waits up to `shutdown_timeout` seconds for requests in flight, streams included, to finish.
     """
-    engine = AsyncEngine(config, max_queue_len=max_queue_len)  # the model loads before the port opens
-    # by default sse-starlette ends every stream as soon as shutdown begins; in-flight requests
-    # must finish instead, and uvicorn's graceful timeout bounds how long that may take
-    AppStatus.disable_automatic_graceful_drain()
-    app = build_app(engine, settings)
-    logger.info("Serving %s as %s on http://%s:%d", config.model, settings.served_model_names, host, port)
+    sock = bind_socket(host, port)
+    engine = AsyncEngine(config, max_queue_len=max_queue_len, log_level=log_level.upper())
+    logger.info("Serving %s as %s on http://%s:%d once the engine is ready (device %s, dtype %s)",
+                config.model, settings.served_model_names, host, port, config.device,
+                str(config.dtype).removeprefix("torch."))
+    uv_config = uvicorn.Config(None, host=host, port=port, log_level=log_level,
+                               timeout_graceful_shutdown=shutdown_timeout, **uvicorn_options(settings.limits))
+    server = Server(uv_config, engine)
+    uv_config.app = build_app(engine, settings, on_fatal=server.fatal)
     if threading.current_thread() is threading.main_thread():
-        # uvicorn drains, then re-raises SIGTERM to the handler it found: make that a clean exit (0)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
+        # uvicorn drains, then re-raises SIGTERM to the handler it found: exit with the drain's verdict
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(server.exit_code))
+    server.run(sockets=[sock])
+    if server.exit_code or not server.started:
+        sys.exit(server.exit_code or 1)

@@ -31,6 +31,8 @@ def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_
                 tools: list[Tool] | None = None, template_kwargs: dict | None = None) -> list[int]:
     """Token ids of the conversation as the model's chat template writes it."""
     tok = state.tokenizer
+    # the template only adds text: contents past the bound cannot fit once rendered either
+    state.prompt_size.check(sum(len(m.text()) for m in messages), "messages")
     if not tok.chat_template:
         raise APIError("This model has no chat template, so it cannot serve /v1/chat/completions; "
                        "use /v1/completions with a prompt instead", param="messages")
@@ -93,8 +95,10 @@ def max_tokens(req: ChatCompletionRequest) -> int | None:
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
+    timer = state.metrics.timer()  # latencies count from arrival, rendering and tokenizing included
     req = await parse_body(request, ChatCompletionRequest)
     model = state.model_name(req.model)
+    state.limits.check_request(1, req.n, req.stop, req.stop_token_ids)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     if req.stream_options is not None and not req.stream:
@@ -112,7 +116,7 @@ async def create_chat_completion(request: Request) -> Response:
         params = dataclasses.replace(params, skip_special_tokens=False)  # its calls start with a special token
     chat = await run_in_threadpool(ChatCompletion, state, req, model, tools)  # (see create_completion)
     stream = state.start(chat.id, [chat.prompt], params)
-    timer = state.metrics.timer()
+    timer.request_id = chat.id
     timer.prompt(len(chat.prompt))
     if req.stream:
         return sse_response(chat.events(stream, timer), stream.close)

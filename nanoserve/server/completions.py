@@ -30,26 +30,36 @@ class Completion(OpenAIResponse):
 
     def __init__(self, state: ServerState, req: CompletionRequest, model: str) -> None:
         super().__init__(state, req, model)
-        self.prompt_texts, self.prompts = self._prompts(req.prompt)
-        self.prompt_lens = [len(p) for p in self.prompts]
-
-    def _prompts(self, prompt: str | list) -> tuple[list[str], list[list[int]]]:
+        prompt = req.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
             raise APIError("'prompt' is an empty list; give at least one prompt", param="prompt")
+        self.given = prompt
         tok = self.state.tokenizer
-        ids = [self.req.truncate(tok.encode(p) if isinstance(p, str) else list(p)) for p in prompt]
-        for p in ids:
-            self.state.check_token_ids(p, "prompt")
-        # echo repeats a text prompt as given; token ids and truncated prompts are decoded (only for echo)
-        whole = self.req.truncate_prompt_tokens is None
-        texts = [p if isinstance(p, str) and whole else (tok.decode(i) if self.req.echo else "")
-                 for p, i in zip(prompt, ids)]
-        return texts, ids
+        self.prompts = [req.truncate(tok.encode(self._bounded(p)) if isinstance(p, str) else list(p)) for p in prompt]
+        self.prompt_lens = [len(p) for p in self.prompts]
+        self._echoed: dict[int, str] = {}
+
+    def _bounded(self, text: str) -> str:
+        """The text to tokenize: refused when it cannot fit the context, cut when only its end is kept."""
+        size, keep = self.state.prompt_size, self.req.truncate_prompt_tokens
+        if keep is None:
+            size.check(len(text), "prompt")
+            return text
+        return size.tail(text, keep)
 
     def echo(self, choice: int) -> str:
-        return self.prompt_texts[choice // self.req.n] if self.req.echo else ""
+        """The prompt of a choice as echo repeats it: a text prompt as given, token ids (checked by
+        then, when the request was queued) and truncated prompts decoded."""
+        if not self.req.echo:
+            return ""
+        p = choice // self.req.n
+        if p not in self._echoed:
+            given = self.given[p]
+            whole = isinstance(given, str) and self.req.truncate_prompt_tokens is None
+            self._echoed[p] = given if whole else self.state.tokenizer.decode(self.prompts[p])
+        return self._echoed[p]
 
     @property
     def scores_prompt(self) -> bool:
@@ -99,6 +109,10 @@ class Completion(OpenAIResponse):
         return self.sse(stream, timer, opening, render)
 
 
+def num_prompts(prompt: str | list) -> int:
+    return 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
+
+
 def refuse_unsupported(req: CompletionRequest) -> None:
     if req.suffix is not None:
         raise APIError("'suffix' is not supported by this server (no fill-in-the-middle)", param="suffix",
@@ -125,9 +139,11 @@ def default_max_tokens(state: ServerState, req: CompletionRequest, prompts: list
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
+    timer = state.metrics.timer()  # latencies count from arrival, tokenizing included
     req = await parse_body(request, CompletionRequest)
     model = state.model_name(req.model)
     refuse_unsupported(req)
+    state.limits.check_request(num_prompts(req.prompt), req.n, req.stop, req.stop_token_ids)
     # tokenizing a long prompt takes a while: off the event loop, other streams keep flowing
     completion = await run_in_threadpool(Completion, state, req, model)
     try:
@@ -139,7 +155,7 @@ async def create_completion(request: Request) -> Response:
         raise sampling_error(exc) from None
     params = await constrain(state.tokenizer, state.engine.config.hf_config.vocab_size, params, requested_spec(req))
     stream = state.start(completion.id, completion.prompts, params)
-    timer = state.metrics.timer()
+    timer.request_id = completion.id
     timer.prompt(sum(map(len, completion.prompts)))
     if req.stream:
         return sse_response(completion.events(stream, timer), stream.close)

@@ -7,6 +7,7 @@ Bad input is always a 400, never pydantic's 422 and never a 500: the `openai` cl
 from __future__ import annotations
 
 import logging
+import uuid
 
 import orjson
 from fastapi import FastAPI, Request
@@ -80,6 +81,10 @@ def install_handlers(app: FastAPI) -> None:
         return APIError(message, exc.status_code, code=code, headers=exc.headers).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> Response:
-        logger.exception("Unhandled error in a request")
-        return APIError(f"Internal server error: {exc!r}", 500).response()
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        # the exception's text can hold paths, tensor shapes or a prompt: the log gets it, the
+        # client an id to quote when reporting it
+        error_id = uuid.uuid4().hex[:16]
+        logger.exception("Unhandled error in %s %s (error id %s)", request.method, request.url.path, error_id)
+        return APIError(f"Internal server error (error id {error_id}); the server log has the details",
+                        500, code="internal_error").response()

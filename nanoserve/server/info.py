@@ -24,8 +24,10 @@ def _state(request: Request) -> ServerState:
 
 
 def _model_card(state: ServerState, name: str) -> dict:
+    # "root" is the served name, not the folder: a path tells a client nothing it can use and an
+    # attacker how the machine is laid out
     return {"id": name, "object": "model", "created": state.created, "owned_by": "nanoserve",
-            "root": state.engine.config.model, "max_model_len": state.engine.config.max_model_len}
+            "root": name, "max_model_len": state.engine.config.max_model_len}
 
 
 @router.get("/v1/models")
@@ -45,8 +47,8 @@ async def get_model(request: Request, name: str) -> Response:
 async def health(request: Request) -> Response:
     engine = _state(request).engine
     if not engine.healthy:
-        reason = repr(engine.error) if engine.error else "the engine is not running"
-        raise APIError(f"Unhealthy: {reason}; restart the server", 503, code="engine_dead")
+        reason = str(engine.error) if engine.error else "the engine is not running"
+        raise APIError(f"Unhealthy: {reason}", 503, code="engine_dead")
     return json_response({"status": "ok"})
 
 
@@ -68,6 +70,7 @@ async def tokenize(request: Request) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise APIError("Give exactly one of 'prompt' and 'messages'", param="prompt")
     if req.prompt is not None:
+        state.prompt_size.check(len(req.prompt), "prompt")
         tokens = await run_in_threadpool(state.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
     else:
         tokens = await run_in_threadpool(render_chat, state, req.messages, req.add_generation_prompt, req.tools,

@@ -6,6 +6,7 @@ Each app has its own registry, so several servers can live in one process (tests
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 
@@ -13,7 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from nanoserve.engine.async_engine import EngineStats
+from nanoserve.engine.messages import EngineStats
+
+logger = logging.getLogger("nanoserve.requests")
 
 # the `_created` timestamp series double the output and no dashboard reads them (vLLM turns them off too)
 disable_created_metrics()
@@ -50,9 +53,10 @@ class EngineCollector(Collector):
 
 
 class ServerMetrics:
-    """The registry of one server and the request-level metrics it records."""
+    """The registry of one server and the request-level metrics it records, once per request."""
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], log_requests: bool = True) -> None:
+        self.log_requests = log_requests  # one log line per finished request
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(stats))
         r = self.registry
@@ -60,43 +64,68 @@ class ServerMetrics:
         self.generation_tokens = Counter("nanoserve:generation_tokens", "Tokens generated", registry=r)
         self.request_success = Counter("nanoserve:request_success", "Finished choices by finish reason",
                                        ["finished_reason"], registry=r)
-        self.ttft = Histogram("nanoserve:time_to_first_token_seconds", "Time to first token", registry=r,
+        self.ttft = Histogram("nanoserve:time_to_first_token_seconds", "Arrival to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
-        self.itl = Histogram("nanoserve:inter_token_latency_seconds", "Time between tokens of a choice",
-                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.tpot = Histogram("nanoserve:time_per_output_token_seconds",
+                              "Mean time between the tokens of a request after its first", registry=r,
+                              buckets=_LATENCY_BUCKETS)
         self.e2e = Histogram("nanoserve:e2e_request_latency_seconds", "Arrival to last token", registry=r,
                              buckets=_LATENCY_BUCKETS)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    def timer(self, request_id: str = "") -> RequestTimer:
+        return RequestTimer(self, request_id)
 
 
 class RequestTimer:
-    """Latencies of one request, fed with each update as it reaches the HTTP side."""
+    """Latencies and token counts of one request, from its arrival (before tokenizing) to its end.
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    Streaming pays a few attribute writes per update; the histograms are observed once, in `done`."""
+
+    def __init__(self, metrics: ServerMetrics, request_id: str = "") -> None:
         self.metrics = metrics
+        self.request_id = request_id
         self.arrival = time.perf_counter()
-        self.last: dict[int, float] = {}  # choice index -> time of its last token
-
-    def tokens(self, index: int, num_tokens: int) -> None:
-        if not num_tokens:
-            return
-        now = time.perf_counter()
-        last = self.last.get(index)
-        if last is None:
-            self.metrics.ttft.observe(now - self.arrival)
-        else:
-            self.metrics.itl.observe((now - last) / num_tokens)
-        self.last[index] = now
-        self.metrics.generation_tokens.inc(num_tokens)
+        self.first: float | None = None     # time of the request's first token
+        self.last = 0.0                     # time of its latest token
+        self.num_prompt_tokens = 0
+        self.num_generated = 0
+        self.finish_reasons: list[str] = []
+        self.logged = False
 
     def prompt(self, num_tokens: int) -> None:
-        self.metrics.prompt_tokens.inc(num_tokens)
+        self.num_prompt_tokens = num_tokens
+
+    def tokens(self, num_tokens: int) -> None:
+        if not num_tokens:
+            return
+        self.last = time.perf_counter()
+        if self.first is None:
+            self.first = self.last
+        self.num_generated += num_tokens
 
     def finished(self, reason: str) -> None:
-        self.metrics.request_success.labels(reason).inc()
-        self.metrics.e2e.observe(time.perf_counter() - self.arrival)
+        self.finish_reasons.append(reason)
+
+    def done(self) -> None:
+        """Record the request's metrics and its log line; idempotent."""
+        if self.logged:
+            return
+        self.logged = True
+        m, now = self.metrics, time.perf_counter()
+        m.prompt_tokens.inc(self.num_prompt_tokens)
+        m.generation_tokens.inc(self.num_generated)
+        for reason in self.finish_reasons:
+            m.request_success.labels(reason).inc()
+        if self.first is not None:
+            m.ttft.observe(self.first - self.arrival)
+            if self.num_generated > 1:
+                m.tpot.observe((self.last - self.first) / (self.num_generated - 1))
+        m.e2e.observe(now - self.arrival)
+        if m.log_requests:
+            ttft = f"{1e3 * (self.first - self.arrival):.1f} ms" if self.first is not None else "-"
+            logger.info("request %s: %d prompt + %d generated tokens, TTFT %s, latency %.1f ms, finish %s",
+                        self.request_id, self.num_prompt_tokens, self.num_generated, ttft,
+                        1e3 * (now - self.arrival), ",".join(self.finish_reasons) or "none (cut short)")

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import MAX_INT, MIN_REPETITION_PENALTY, SEED_RANGE, SamplingParams
 from nanoserve.server.errors import APIError
 
 MAX_N = 128
@@ -74,22 +74,22 @@ class SamplingFields(Strict):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT)  # past the vocabulary: all of it
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=2)
     logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep only the last k prompt tokens
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # vLLM's: keep only the last k prompt tokens
     # structured outputs (server/structured.py): OpenAI's field, vLLM's, and vLLM's older ones
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -127,8 +127,11 @@ class SamplingFields(Strict):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not key.lstrip("-").isdigit() or int(key) < 0:
-                raise APIError(f"Invalid key in 'logit_bias': {key!r} is not a token id", param="logit_bias")
+            # ASCII digits only ("²".isdigit() is True), and few of them: int() of 5000 digits raises
+            if not key.isascii() or not key.isdigit():
+                raise APIError(f"Invalid key in 'logit_bias': {key[:20]!r} is not a token id", param="logit_bias")
+            if len(key) > len(str(MAX_INT)) or int(key) > MAX_INT:
+                raise APIError(f"Token id {key[:20]} in 'logit_bias' is out of range", param="logit_bias")
             if not -100 <= value <= 100:
                 raise APIError(f"Invalid value in 'logit_bias' for token {key}: {value} is outside [-100, 100]",
                                param="logit_bias")
@@ -150,10 +153,10 @@ class SamplingFields(Strict):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)  # None: 16, as in the OpenAI API (the endpoint fills it in)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # None: 16, as in the OpenAI API (the endpoint fills it in)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
 
@@ -216,8 +219,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool | None = None  # False: at most one call (enforced when tool_choice is required)
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template (enable_thinking)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # the OpenAI API's newer name for max_tokens
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # the OpenAI API's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 
-from nanoserve.engine.async_engine import EngineDeadError, RequestStream, RequestUpdate
-from nanoserve.server.errors import APIError
+from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream, RequestUpdate
 from nanoserve.server.metrics import RequestTimer
-from nanoserve.server.state import ServerState, new_id, timed, usage
+from nanoserve.server.state import ServerState, engine_error, new_id, timed, usage
 from nanoserve.server.wire import DONE, sse_event
 
 # (update, its token ids and logprobs since the choice's last chunk) -> the chunk's choice
@@ -42,8 +41,8 @@ class OpenAIResponse:
         try:
             async for update in timed(stream, timer):
                 self.cached[update.index] = update.num_cached_tokens
-        except EngineDeadError as exc:
-            raise APIError(str(exc), 500, code="engine_dead") from None
+        except (EngineDeadError, RequestFailedError) as exc:
+            raise engine_error(exc) from None
         finally:
             stream.close()
 
@@ -72,8 +71,8 @@ class OpenAIResponse:
                                            self.usage(stream) if self.req.continuous_usage else None))
             if self.req.include_usage:
                 yield sse_event(self.chunk([], self.usage(stream)))
-        except EngineDeadError as exc:
-            yield sse_event(APIError(str(exc), 500, code="engine_dead").body())
+        except (EngineDeadError, RequestFailedError) as exc:
+            yield sse_event(engine_error(exc).body())
         finally:
             stream.close()
         yield DONE

@@ -7,10 +7,12 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream, RequestUpdate
+from nanoserve.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError,
+                                          RequestStream, RequestUpdate)
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.defaults import sampling_defaults
 from nanoserve.server.errors import APIError
+from nanoserve.server.limits import PromptSize, ServerLimits
 from nanoserve.server.logprobs import TokenTexts
 from nanoserve.server.metrics import RequestTimer, ServerMetrics
 
@@ -22,12 +24,14 @@ class ServerSettings:
     served_model_names: list[str]
     api_key: str | None = None
     allowed_origins: list[str] = field(default_factory=list)  # CORS: empty = off
-    retry_after_s: int = 1  # told to clients refused with 503
+    log_requests: bool = True  # one log line per finished request
+    engine_death_grace_s: float = 30.0  # /health answers 503 this long after the engine died, then the server exits
     chat_template: str | None = None  # Jinja text that replaces the tokenizer's own
     generation_config: str = "auto"  # where default temperature etc. come from (see server/defaults.py)
     tool_call_parser: str | None = None  # reads tool calls out of the text (server/tool_parsers)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" needs it, as in vLLM
     reasoning_parser: str | None = None  # splits reasoning_content from content (server/reasoning.py)
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
 
 class ServerState:
@@ -40,6 +44,9 @@ class ServerState:
         self.texts = TokenTexts(engine.tokenizer)
         self.sampling_defaults = sampling_defaults(engine.config.model, settings.generation_config)
         self.metrics = ServerMetrics(lambda: engine.stats)
+        self.limits = settings.limits
+        self.prompt_size = PromptSize(list(engine.tokenizer.get_vocab()), engine.config.max_model_len)
+        self.metrics = ServerMetrics(lambda: engine.stats, settings.log_requests)
         self.created = int(time.time())
 
     def model_name(self, requested: str | None) -> str:
@@ -69,22 +76,34 @@ class ServerState:
             raise APIError(str(exc), param="prompt" if "prompt" in str(exc).lower() else None) from None
         except QueueFullError as exc:
             raise APIError(f"The server is overloaded: {exc}", 503, code="queue_full",
-                           headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+                           headers={"Retry-After": str(exc.retry_after_s)}) from None
         except EngineDeadError as exc:
-            raise APIError(str(exc), 500, code="engine_dead") from None
+            raise engine_error(exc) from None
+
+
+def engine_error(exc: EngineDeadError | RequestFailedError) -> APIError:
+    """The OpenAI error for a request the engine could not finish: 503 when the engine is gone (the
+    client may retry once it is restarted), 500 when this request alone failed."""
+    if isinstance(exc, EngineDeadError):
+        return APIError(str(exc), 503, code="engine_dead")
+    return APIError(str(exc), 500, code="request_failed")
 
 
 def sampling_error(exc: ValueError) -> APIError:
-    return APIError(f"Invalid sampling parameters: {exc}")
+    return APIError(f"Invalid sampling parameters: {exc}", param=getattr(exc, "param", None))
 
 
 async def timed(stream: RequestStream, timer: RequestTimer) -> AsyncIterator[RequestUpdate]:
-    """The stream's updates, recording latencies and token counts on the way."""
-    async for update in stream:
-        timer.tokens(update.index, len(update.token_ids))
-        if update.finish_reason is not None:
-            timer.finished(update.finish_reason)
-        yield update
+    """The stream's updates, recording latencies and token counts on the way; the request's metrics
+    are recorded once it ends, however it ends."""
+    try:
+        async for update in stream:
+            timer.tokens(len(update.token_ids))
+            if update.finish_reason is not None:
+                timer.finished(update.finish_reason)
+            yield update
+    finally:
+        timer.done()
 
 
 def usage(stream: RequestStream, n: int, prompt_lens: list[int], cached: dict[int, int]) -> dict:

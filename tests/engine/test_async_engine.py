@@ -1,4 +1,7 @@
-"""AsyncEngine: one engine thread serving many asyncio consumers, with aborts, stops and failures."""
+"""AsyncEngine: one engine core serving many asyncio consumers, with aborts, stops and failures.
+
+The core runs on a thread here (the same loop and messages as the engine process, without the
+cost of a process per test); tests/server run it as the process `serve` starts."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import pytest
 
 from nanoserve import LLM, EngineConfig, SamplingParams
 from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from nanoserve.engine.llm_engine import LLMEngine
 from tests.conftest import random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -15,7 +19,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 def make_engine(model: str, **kwargs) -> AsyncEngine:
     max_queue_len = kwargs.pop("max_queue_len", None)
-    return AsyncEngine(EngineConfig(model=model, device="cpu", dtype="float32", **kwargs), max_queue_len)
+    config = EngineConfig(model=model, device="cpu", dtype="float32", **kwargs)
+    return AsyncEngine(config, max_queue_len, engine=LLMEngine(config))
 
 
 async def drain(stream: RequestStream) -> list[list[int]]:
@@ -48,7 +53,7 @@ def test_concurrent_requests_equal_offline_generate(qwen3_model, offline, async_
 
     async def main():
         engine = make_engine(qwen3_model, async_scheduling=async_scheduling)
-        engine.start()
+        await engine.start()
         try:
             streams = [engine.add_request(f"r{i}", [p], sp) for i, (p, sp) in enumerate(zip(prompts, params))]
             results = await asyncio.gather(*(drain(s) for s in streams))
@@ -68,7 +73,7 @@ def test_prompts_and_choices_are_indexed_prompt_major_and_siblings_share_the_pro
 
     async def main():
         engine = make_engine(qwen3_model, block_size=16)
-        engine.start()
+        await engine.start()
         try:
             stream = engine.add_request("multi", prompts, params)
             indices = set()
@@ -91,7 +96,7 @@ def test_prompts_and_choices_are_indexed_prompt_major_and_siblings_share_the_pro
 def test_closing_a_stream_aborts_at_once_and_frees_every_block(qwen3_model, async_scheduling):
     async def main():
         engine = make_engine(qwen3_model, async_scheduling=async_scheduling)
-        engine.start()
+        await engine.start()
         try:
             long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True, n=2)
             stream = engine.add_request("gone", random_prompts(1, 384, 30, 30, seed=13), long)
@@ -121,7 +126,7 @@ def test_a_stop_string_aborts_the_engine_request(qwen3_model, offline):
 
     async def main():
         engine = make_engine(qwen3_model)
-        engine.start()
+        await engine.start()
         try:
             params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
             stream = engine.add_request("stop", [prompt], params)
@@ -141,7 +146,7 @@ def test_a_stop_string_aborts_the_engine_request(qwen3_model, offline):
 def test_queue_limit_refuses_without_queueing(qwen3_model):
     async def main():
         engine = make_engine(qwen3_model, max_num_seqs=1, max_queue_len=2)
-        engine.start()
+        await engine.start()
         try:
             params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
             streams = [engine.add_request("q0", [[3, 4, 5]], params)]
@@ -163,7 +168,7 @@ def test_queue_limit_refuses_without_queueing(qwen3_model):
 def test_bad_prompt_is_refused_before_queueing(qwen3_model):
     async def main():
         engine = make_engine(qwen3_model, max_model_len=64)
-        engine.start()
+        await engine.start()
         try:
             with pytest.raises(ValueError, match="64 tokens.*60 in the prompt and 10"):
                 engine.add_request("long", [[1] * 60], SamplingParams(max_tokens=10))
@@ -178,8 +183,10 @@ def test_bad_prompt_is_refused_before_queueing(qwen3_model):
 
 def test_an_engine_failure_fails_requests_in_flight_and_marks_it_unhealthy(qwen3_model):
     async def main():
-        engine = make_engine(qwen3_model)
-        real_step, calls = engine.engine.step, []
+        config = EngineConfig(model=qwen3_model, device="cpu", dtype="float32")
+        core = LLMEngine(config)
+        engine = AsyncEngine(config, engine=core)
+        real_step, calls = core.step, []
 
         def failing_step():
             calls.append(1)
@@ -187,11 +194,12 @@ def test_an_engine_failure_fails_requests_in_flight_and_marks_it_unhealthy(qwen3
                 raise RuntimeError("simulated device fault")
             return real_step()
 
-        engine.engine.step = failing_step
-        engine.start()
+        core.step = failing_step
+        await engine.start()
         try:
             stream = engine.add_request("doomed", [[3, 4, 5]], SamplingParams(max_tokens=50, ignore_eos=True))
-            with pytest.raises(EngineDeadError, match="simulated device fault"):
+            # the cause goes to the log; the client hears that the engine is gone, not its internals
+            with pytest.raises(EngineDeadError, match="stopped unexpectedly"):
                 await asyncio.wait_for(drain(stream), timeout=10)
             assert not engine.healthy
             with pytest.raises(EngineDeadError):
@@ -200,3 +208,36 @@ def test_an_engine_failure_fails_requests_in_flight_and_marks_it_unhealthy(qwen3
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_slow_reader_gets_fewer_merged_updates_with_the_same_text_and_logprobs(qwen3_model):
+    prompt = random_prompts(1, 384, 12, 12, seed=15)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, logprobs=2)
+
+    async def read(engine: AsyncEngine, request_id: str, pause: float) -> list:
+        updates = []
+        async for update in engine.add_request(request_id, [prompt], params):
+            updates.append(update)
+            await asyncio.sleep(pause)  # a client that reads slower than tokens arrive
+        return updates
+
+    async def main():
+        engine = make_engine(qwen3_model)
+        await engine.start()
+        try:
+            fast = await read(engine, "fast", 0.0)
+            slow = await read(engine, "slow", 0.05)
+            await wait_idle(engine)
+            return fast, slow
+        finally:
+            await engine.shutdown()
+
+    fast, slow = asyncio.run(main())
+    assert len(slow) < len(fast) / 2  # merged, not queued one per step
+    for updates in (fast, slow):
+        assert sum(len(u.token_ids) for u in updates) == 60
+        assert [u.finish_reason for u in updates][-1] == "length"
+        assert all(u.finish_reason is None for u in updates[:-1])
+    assert "".join(u.text for u in slow) == "".join(u.text for u in fast)
+    assert [t for u in slow for t in u.token_ids] == [t for u in fast for t in u.token_ids]
+    assert [lp for u in slow for lp in u.logprobs] == [lp for u in fast for lp in u.logprobs]

@@ -87,14 +87,17 @@ def test_a_request_waits_for_its_grammar_without_holding_others_up(llm, monkeypa
     assert re.fullmatch(REGEX, llm.tokenizer.decode(seen["slow"][:-1]))
 
 
-def test_a_request_whose_grammar_fails_in_the_engine_finishes_with_its_forks(llm, monkeypatch):
+def test_a_request_whose_grammar_fails_in_the_engine_is_reported_with_its_forks(llm, monkeypatch):
     engine: LLMEngine = llm.engine
     broken: Future = Future()
     broken.set_exception(ValueError("The regex given for structured outputs cannot be compiled: no"))
     monkeypatch.setattr(engine.grammars, "compile", lambda spec: broken)
     engine.add_request("bad", llm.tokenizer.encode("A list"), constrained(), fork_ids=["bad-1"])
-    outs = engine.step()
-    assert {(o.request_id, o.finish_reason) for o in outs} == {("bad", "abort"), ("bad-1", "abort")}
+    assert engine.take_failures() == [(["bad", "bad-1"], "The regex given for structured outputs cannot be "
+                                                         "compiled: no")]
+    assert not engine.has_unfinished_requests() and engine.step() == []
+    with pytest.raises(ValueError, match="cannot be compiled"):  # the offline API raises it
+        llm.generate("A list", constrained(n=2), use_tqdm=False)
     assert not engine.has_unfinished_requests()
 
 

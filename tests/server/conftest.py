@@ -73,6 +73,34 @@ def server_model(tmp_path_factory) -> str:
     return _chat_model(tmp_path_factory.mktemp("chat-model"))
 
 
+def children(pid: int) -> list[int]:
+    """Process ids whose parent is `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+def engine_process(server_pid: int) -> int:
+    """The engine core: the server's multiprocessing child (not its resource tracker)."""
+    found = [pid for pid in children(server_pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(found) == 1, f"expected one engine process under the server, found {found}"
+    return found[0]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -82,7 +110,8 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m nanoserve.cli serve MODEL ...` on a free port, its output in a log file."""
 
-    def __init__(self, model: str, log_dir: Path, *args: str, api_key: str | None = None) -> None:
+    def __init__(self, model: str, log_dir: Path, *args: str, api_key: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -91,8 +120,10 @@ class ServerProcess:
                "--port", str(self.port), "--device", DEVICE, "--served-model-name", "tiny", *args]
         if api_key:
             cmd += ["--api-key", api_key]
+        extra_env = env or {}
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         env.pop("NANOSERVE_API_KEY", None)
+        env.update(extra_env)
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         self.wait_ready()

@@ -98,3 +98,74 @@ def test_bench_throughput_runs_the_workload_and_counts_every_token(source, extra
         assert "json_schema" in out.stdout
     match = re.search(r"^throughput: (\d+) output tokens in [\d.]+ s = \d+ tok/s \(4 seqs", out.stdout, re.M)
     assert match and 12 <= int(match.group(1)) <= 32  # 4 requests of 3 to 8 tokens, each counted
+
+
+def test_version_and_python_dash_m_nanoserve():
+    from nanoserve import __version__
+
+    result = subprocess.run([sys.executable, "-m", "nanoserve", "--version"], capture_output=True, text=True,
+                            cwd=REPO, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == f"nanoserve {__version__}", result.stderr
+    assert run_cli("--version").stdout.strip() == f"nanoserve {__version__}"
+
+
+@pytest.mark.parametrize("command", [["serve", "--help"], ["generate", "--help"], ["--help"]])
+def test_help_answers_in_under_a_second_without_importing_torch(command):
+    code = ("import sys, time; start = time.monotonic(); from nanoserve.cli import main\n"
+            f"try: main({command!r})\nexcept SystemExit as e: assert e.code == 0, e.code\n"
+            "print('torch' in sys.modules, 'transformers' in sys.modules, round(time.monotonic() - start, 3))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    torch_loaded, transformers_loaded, seconds = result.stdout.strip().splitlines()[-1].split()
+    assert (torch_loaded, transformers_loaded) == ("False", "False"), result.stderr
+    assert float(seconds) < 1.0
+
+
+def test_help_shows_the_defaults():
+    serve_help = run_cli("serve", "--help", timeout=60).stdout
+    for text in ("(default: 8000)", "(default: 0.0.0.0)", "(default: 1024)", "(default: 33554432)",
+                 "(default: 256)", "(default: 4096)", "(default: 5.0)", "(default: 10.0)", "(default: 0.9)"):
+        assert text in " ".join(serve_help.split()), text
+    assert "(default: None)" not in serve_help and "(default: False)" not in serve_help
+
+
+def test_bench_help_lists_the_benchmarks_and_each_has_its_own():
+    result = run_cli("bench", "--help", timeout=60)
+    assert result.returncode == 0 and "throughput" in result.stdout and "serving" in result.stdout, result.stderr
+    for kind, flag in (("throughput", "--num-seqs"), ("serving", "--url")):
+        result = run_cli("bench", kind, "--help", timeout=120)
+        assert result.returncode == 0 and f"nanoserve bench {kind}" in result.stdout and flag in result.stdout, kind
+
+
+def test_generate_checks_its_flags_before_loading_weights(monkeypatch, capsys):
+    import nanoserve.engine.llm
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the flags were checked")
+
+    monkeypatch.setattr(nanoserve.engine.llm, "LLM", no_loading)
+    for flags, message in ((["--temperature", "-1"], "temperature must be >= 0"),
+                           (["--max-tokens", "0"], "max_tokens must be in [1,")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["generate", "hi", *flags])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_serve_takes_the_model_as_a_flag_too(server_model):
+    args = build_parser().parse_args(["serve", "--model", "/models/x"])
+    assert (args.model, args.model_flag) == (None, "/models/x")
+    # the flag reaches the engine: a missing folder is named in the error, before anything loads
+    result = run_cli("serve", "--model", "/no/such/model", "--device", "cpu", timeout=60)
+    assert result.returncode == 2 and "'/no/such/model' does not exist" in result.stderr
+    result = run_cli("serve", "/a", "--model", "/b", timeout=60)
+    assert result.returncode == 2 and "given twice" in result.stderr
+
+
+def test_serve_refuses_cuda_when_there_is_none_instead_of_falling_back():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = run_cli("serve", "--device", "cuda", "--port", "1", timeout=120)
+    assert result.returncode == 2
+    assert "device='cuda' was asked for but torch sees no CUDA device" in result.stderr
+    assert "--gpus all" in result.stderr

@@ -48,7 +48,7 @@ def test_64_concurrent_streams_each_equal_offline_greedy(server, offline):
     server.wait_idle()
 
 
-def test_50_clients_leaving_mid_stream_free_every_block(server, offline):
+def test_200_clients_leaving_mid_stream_free_every_block(server, offline):
     async def leave_early(client: httpx.AsyncClient, i: int) -> int:
         body = {"prompt": prompt(i), "max_tokens": 1900, "ignore_eos": True, "stream": True, "n": 1 + i % 2}
         events = 0
@@ -62,14 +62,14 @@ def test_50_clients_leaving_mid_stream_free_every_block(server, offline):
 
     async def main():
         # one connection per client, so that closing a stream really drops its connection
-        clients = [httpx.AsyncClient(base_url=server.url, timeout=120) for _ in range(50)]
+        clients = [httpx.AsyncClient(base_url=server.url, timeout=120) for _ in range(200)]
         try:
             return await asyncio.gather(*(leave_early(c, i) for i, c in enumerate(clients)))
         finally:
             await asyncio.gather(*(c.aclose() for c in clients))
 
-    assert asyncio.run(main()) == [2] * 50
-    # 75 sequences of 1900 tokens would keep the engine busy for minutes: idle soon means aborted
+    assert asyncio.run(main()) == [2] * 200
+    # 300 sequences of 1900 tokens would keep the engine busy for minutes: idle soon means aborted
     metrics = server.wait_idle(timeout=10)
     assert metrics["nanoserve:kv_cache_usage_perc"] == 0.0
     # and the server still serves, correctly
@@ -87,3 +87,43 @@ def test_a_non_streaming_client_that_gives_up_aborts_its_request(server):
     except httpx.ReadTimeout:
         pass
     server.wait_idle(timeout=2)  # it would run for many seconds more had it not been aborted
+
+
+def _sse_events(url: str, body: dict, rcvbuf: int | None = None, pause: float = 0.0) -> list[dict]:
+    """The data events of one streamed request over a raw socket; with `pause` the client reads
+    nothing for that long after sending, through a small receive buffer, as a slow client does."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    payload = json.dumps(body).encode()
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect((host, port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    time.sleep(pause)
+    data = b""
+    while chunk := sock.recv(1 << 16):
+        data += chunk
+    sock.close()
+    body_text = data.split(b"\r\n\r\n", 1)[1].decode()
+    return [json.loads(line[6:]) for line in body_text.splitlines()
+            if line.startswith("data: {")]
+
+
+def test_a_slow_reader_gets_fewer_merged_chunks_with_the_same_text_and_logprobs(server):
+    body = {"prompt": prompt(2), "max_tokens": 600, "temperature": 0, "ignore_eos": True, "stream": True,
+            "logprobs": 1}
+    fast = _sse_events(server.url, body)
+    slow = _sse_events(server.url, body, rcvbuf=2048, pause=4.0)
+    assert len(slow) < len(fast)  # the updates it could not take merged into fewer chunks
+    for events in (fast, slow):
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+    join = lambda events, key: [x for e in events for x in (e["choices"][0]["logprobs"] or {}).get(key, [])]  # noqa: E731
+    assert "".join(e["choices"][0]["text"] for e in slow) == "".join(e["choices"][0]["text"] for e in fast)
+    for key in ("tokens", "token_logprobs", "top_logprobs"):
+        assert join(slow, key) == join(fast, key)
+    server.wait_idle()

@@ -1,7 +1,8 @@
-"""A crash in the engine loop fails the requests in flight with 500s and turns /health to 503.
+"""A crash in the engine loop fails the requests in flight with 503s and turns /health to 503.
 
-The server runs in this process (uvicorn on 127.0.0.1, in a thread) so that the test can make
-the engine's step raise at a moment of its choosing.
+The server runs in this process (uvicorn on 127.0.0.1, in a thread, its engine core on another
+thread) so that the test can make the engine's step raise at a moment of its choosing. The
+engine process's death is tested on a real `nanoserve serve` in test_engine_process.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import uvicorn
 
 from nanoserve import EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.app import build_app
 from nanoserve.server.state import ServerSettings
 from tests.server.conftest import DEVICE, free_port
@@ -23,16 +25,18 @@ from tests.server.conftest import DEVICE, free_port
 
 @pytest.fixture(scope="module")
 def failing_server(server_model):
-    engine = AsyncEngine(EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=128, block_size=16))
+    config = EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=128, block_size=16)
+    core = LLMEngine(config)
+    engine = AsyncEngine(config, engine=core)
     fail = threading.Event()
-    real_step = engine.engine.step
+    real_step = core.step
 
     def step():
         if fail.is_set():
             raise RuntimeError("simulated CUDA error: an illegal memory access was encountered")
         return real_step()
 
-    engine.engine.step = step
+    core.step = step
     app = build_app(engine, ServerSettings(served_model_names=["tiny"]))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -44,7 +48,7 @@ def failing_server(server_model):
     thread.join(30)
 
 
-def test_requests_in_flight_fail_with_500_and_health_turns_503(failing_server):
+def test_requests_in_flight_fail_with_503_and_health_turns_503(failing_server):
     url, fail = failing_server
     assert httpx.get(f"{url}/health").status_code == 200
     body = {"prompt": "A list", "max_tokens": 1000, "ignore_eos": True}
@@ -61,11 +65,15 @@ def test_requests_in_flight_fail_with_500_and_health_turns_503(failing_server):
 
     assert rest[-1] == "[DONE]"
     error = json.loads(rest[-2])["error"]
-    assert error["type"] == "server_error" and "illegal memory access" in error["message"]
+    # the cause is for the log, not for clients: they hear that the engine is gone
+    assert error["type"] == "server_error" and error["code"] == "engine_dead"
+    assert "illegal memory access" not in error["message"]
     (r,) = whole
-    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
 
     health = httpx.get(f"{url}/health")
-    assert health.status_code == 503 and "illegal memory access" in health.json()["error"]["message"]
+    assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+    # 503, which a client may retry once the server is restarted, never a 500
     late = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
-    assert late.status_code == 500 and set(late.json()["error"]) == {"message", "type", "param", "code"}
+    assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+    assert set(late.json()["error"]) == {"message", "type", "param", "code"}

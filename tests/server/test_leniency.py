@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 
 from nanoserve import SamplingParams
-from nanoserve.server.chat import render_chat
+from nanoserve.server.conversation import template_inputs
 from nanoserve.server.defaults import sampling_defaults
 from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
@@ -71,15 +70,12 @@ def test_tokenizer_info_serves_the_tokenizer_config(server):
 
 
 def test_message_name_reaches_the_chat_template(offline):
-    tok = offline.tokenizer
-    saved = tok.chat_template
-    try:
-        tok.chat_template = "{% for m in messages %}[{{ m.name or '-' }}] {{ m.content }}\n{% endfor %}"
-        ids = render_chat(SimpleNamespace(tokenizer=tok),
-                          [ChatMessage(role="user", content="hi", name="alice"), ChatMessage(role="user", content="x")])
-    finally:
-        tok.chat_template = saved
-    assert tok.decode(ids) == "[alice] hi\n[-] x\n"
+    conversation, extra = template_inputs([ChatMessage(role="user", content="hi", name="alice"),
+                                           ChatMessage(role="user", content="x")], None, None)
+    text = offline.tokenizer.apply_chat_template(
+        conversation, tokenize=False, **extra,
+        chat_template="{% for m in messages %}[{{ m.name or '-' }}] {{ m.content }}\n{% endfor %}")
+    assert text == "[alice] hi\n[-] x\n"
 
 
 def test_generation_config_supplies_defaults_the_request_can_override(tmp_path):

@@ -1,0 +1,11 @@
+"""Names the CLI needs before it knows whether it will load a model: nothing here imports torch.
+
+`nanoserve --help` must answer in well under a second, and torch plus transformers take seconds.
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "assets", "tiny-qwen3")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")

@@ -1,0 +1,142 @@
+"""The engine core: an LLMEngine in a busy loop behind two ZeroMQ sockets.
+
+`serve` runs it in a process of its own (`run_engine_process`), so that the device never waits
+on HTTP work and HTTP work never waits on the device. Tests may run the same loop on a thread
+of their own process (`EngineCore(...).run()`), where they can make a step fail on purpose.
+Per step it sends one EngineOutputs message: every request's new tokens and a stats snapshot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+
+import torch
+import zmq
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.messages import (AbortRequests, AddRequest, EngineDied, EngineOutputs, EngineReady,
+                                       RequestFailed, Shutdown, input_decoder, output_encoder)
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_PARENT_CHECK_MS = 1000  # how often an idle core checks that its front end still lives
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies, however the parent died.
+
+    Without it, a front end killed with SIGKILL would leave an engine holding the GPU."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the request above took effect
+        os._exit(1)
+
+
+class EngineCore:
+    """Steps `engine` while it has work; blocks on the input socket while it has none."""
+
+    def __init__(self, engine: LLMEngine, input_address: str, output_address: str,
+                 parent_pid: int | None = None, load_seconds: float = 0.0) -> None:
+        self.engine = engine
+        self.load_seconds = load_seconds
+        self.parent_pid = parent_pid
+        self.context = zmq.Context()
+        self.inputs = self.context.socket(zmq.PULL)
+        self.inputs.connect(input_address)
+        self.outputs = self.context.socket(zmq.PUSH)
+        self.outputs.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow front end
+        self.outputs.connect(output_address)
+
+    def send(self, message) -> None:
+        self.outputs.send(output_encoder.encode(message), copy=False)
+
+    def run(self) -> None:
+        """Report ready, then loop until told to shut down; any error is sent as EngineDied, then raised."""
+        config = self.engine.config
+        self.send(EngineReady(self.engine.block_manager.num_blocks, config.block_size, config.device,
+                              str(config.dtype).removeprefix("torch."), self.load_seconds,
+                              self.engine.runner.graph_capture_seconds))
+        try:
+            if self.engine.config.device.startswith("cuda:"):
+                # the current device is per thread: make it the engine's, not cuda:0 by default
+                torch.cuda.set_device(torch.device(self.engine.config.device))
+            self._loop()
+        except BaseException as exc:
+            logger.exception("The engine core failed; every request in flight fails with it")
+            self.send(EngineDied(f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            self.inputs.close(linger=0)
+            self.outputs.close(linger=1000)
+            self.context.term()
+
+    def _loop(self) -> None:
+        engine, last_stats = self.engine, None
+        while True:
+            if not engine.has_unfinished_requests() and not self.inputs.poll(_PARENT_CHECK_MS):
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    return  # orphaned where the kernel could not be asked to kill us
+                continue
+            failed, stop = self._take_inputs()
+            if stop:
+                return
+            outputs = engine.step() if engine.has_unfinished_requests() else []
+            failed += [RequestFailed(ids, why) for ids, why in engine.take_failures()]
+            stats = engine.stats()
+            if outputs or failed or stats != last_stats:
+                self.send(EngineOutputs(outputs, stats, failed))
+                last_stats = stats
+
+    def _take_inputs(self) -> tuple[list[RequestFailed], bool]:
+        failed: list[RequestFailed] = []
+        while True:
+            try:
+                message = input_decoder.decode(self.inputs.recv(zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                return failed, False
+            if isinstance(message, AddRequest):
+                try:
+                    self.engine.add_request(message.request_id, message.prompt_token_ids, message.params,
+                                            message.fork_ids)
+                except ValueError as exc:  # this request alone is bad; the engine is fine
+                    failed.append(RequestFailed([message.request_id, *message.fork_ids], str(exc)))
+            elif isinstance(message, AbortRequests):
+                for request_id in message.request_ids:
+                    self.engine.abort_request(request_id)
+            elif isinstance(message, Shutdown):
+                return failed, True
+
+
+def run_engine_process(config: EngineConfig, input_address: str, output_address: str, parent_pid: int,
+                       log_level: str = "INFO") -> None:
+    """The engine process's main: load the model, report ready, loop. Exits non-zero on failure."""
+    die_with_parent(parent_pid)
+    # Ctrl-C reaches the whole process group: the front end drains, then tells the core to stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start = time.perf_counter()
+    core = None
+    try:
+        engine = LLMEngine(config, show_progress=True)
+        core = EngineCore(engine, input_address, output_address, parent_pid, time.perf_counter() - start)
+        core.run()
+    except BaseException:
+        if core is None:  # failed while loading: the front end still has to hear of it
+            logger.exception("The engine failed to start")
+            context = zmq.Context()
+            socket = context.socket(zmq.PUSH)
+            socket.connect(output_address)
+            socket.send(output_encoder.encode(EngineDied(f"{sys.exc_info()[0].__name__}: {sys.exc_info()[1]}")))
+            socket.close(linger=2000)
+            context.term()
+        sys.exit(1)
+    finally:
+        if core is not None:
+            core.engine.close()

@@ -1,0 +1,115 @@
+"""The messages between the front end and the engine core, and their msgpack codecs.
+
+The engine core runs in its own process (engine/core.py). The front end sends it adds and
+aborts; after every step it sends back one EngineOutputs with every request's new tokens. All
+are msgspec Structs encoded with msgpack: typed, fast, and nothing is pickled per step.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from nanoserve.sampling_params import SamplingParams
+
+# (logprob of the chosen token, [(token id, logprob), ...] of the top alternatives)
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
+class StepOutput(msgspec.Struct, array_like=True, gc=False):
+    """New tokens of one request from one engine step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None       # "stop", "length", "abort" once finished
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    # with the first token of a request that asked for them: one entry per prompt token, None first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A snapshot of the engine core after a step; the front end serves /metrics and admission from it."""
+
+    num_running: int = 0
+    num_waiting: int = 0            # in the scheduler's queue
+    num_blocks: int = 0
+    num_free_blocks: int = 0        # free or cached-but-unreferenced: what new requests can take
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, ever
+    prefix_hit_tokens: int = 0      # of those, found there
+    num_preemptions: int = 0
+    generated_tokens: int = 0       # sampled tokens, ever
+    computed_tokens: int = 0        # tokens run through the model (prompt chunks and decodes), ever
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.blocks_in_use / self.num_blocks if self.num_blocks else 0.0
+
+
+# ---- front end -> engine core
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    """Queue one prompt; `fork_ids` are its n-1 siblings, started once its prompt is cached."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    fork_ids: list[str] = []
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """Stop stepping, close the tensor-parallel workers and exit."""
+
+
+EngineInput = AddRequest | AbortRequests | Shutdown
+
+
+# ---- engine core -> front end
+
+class EngineReady(msgspec.Struct, tag="ready", array_like=True):
+    """Sent once the model is loaded and the KV cache allocated."""
+
+    num_blocks: int
+    block_size: int
+    device: str
+    dtype: str
+    load_seconds: float
+    graph_capture_seconds: float
+
+
+class RequestFailed(msgspec.Struct, array_like=True):
+    """A request the engine refused or could not serve; the engine itself is fine."""
+
+    request_ids: list[str]
+    message: str
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False):
+    """Everything one step produced, in one message."""
+
+    outputs: list[StepOutput]
+    stats: EngineStats
+    failed: list[RequestFailed] = []
+
+
+class EngineDied(msgspec.Struct, tag="died", array_like=True):
+    """The engine core's last words: the error that stopped its loop."""
+
+    message: str
+
+
+EngineMessage = EngineReady | EngineOutputs | EngineDied
+
+input_encoder = msgspec.msgpack.Encoder()
+input_decoder = msgspec.msgpack.Decoder(EngineInput)
+output_encoder = msgspec.msgpack.Encoder()
+output_decoder = msgspec.msgpack.Decoder(EngineMessage)

@@ -1,0 +1,26 @@
+"""The one check of a prompt before it is queued, at whichever door it comes in (LLM or AsyncEngine)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:
+    """Raise ValueError naming the first id outside the vocabulary."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"Token id {bad} in {what} is out of range: the vocabulary has {vocab_size} tokens")
+
+
+def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, max_model_len: int, vocab_size: int) -> None:
+    """Raise ValueError naming the numbers when a prompt cannot be served as asked."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("The prompt is empty; it needs at least one token")
+    if n >= max_model_len:
+        raise ValueError(f"The prompt has {n} tokens, but this model's maximum context length is "
+                         f"{max_model_len} tokens (max_model_len), which leaves no room for output")
+    if max_tokens is not None and n + max_tokens > max_model_len:
+        raise ValueError(f"This model's maximum context length is {max_model_len} tokens, but {n + max_tokens} "
+                         f"were requested ({n} in the prompt and {max_tokens} for the completion)")
+    check_token_ids(prompt_token_ids, vocab_size, "the prompt")

@@ -1,0 +1,119 @@
+"""Connections that cannot pile up: a deadline for request headers, and a cap past which only /health is served.
+
+uvicorn closes a connection idle after a response (`timeout_keep_alive`) but not one that was
+opened and never sent a request, nor one that sends its headers a byte at a time: h11 and
+httptools have no header timeout, so ~20,000 such connections used up the file descriptors and
+/health failed with everything else. This subclass of uvicorn's httptools protocol (the one
+uvicorn[standard] picks) adds the deadline, and answers 503 on connections past the cap, as
+uvicorn's own `limit_concurrency` does but with an OpenAI error object and /health exempt, so
+that a load balancer still sees the server alive while it sheds connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from nanoserve.server.errors import APIError
+from nanoserve.server.limits import ServerLimits
+
+logger = logging.getLogger(__name__)
+
+ALWAYS_SERVED = {"/health"}
+# descriptors kept free beyond --max-connections: model files, the tensor-parallel sockets, and
+# the connections past the cap, which are accepted to be answered 503 (or /health) and closed
+RESERVED_FDS = 512
+
+
+def raise_open_file_limit(max_connections: int) -> None:
+    """Raise this process's soft limit of open files toward the hard one, as vLLM does, so that
+    --max-connections, not the descriptors, is what stops new connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max_connections + RESERVED_FDS
+    if soft < wanted:
+        try:
+            target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError):  # some sandboxes forbid setrlimit: serve within the limit given
+            pass
+    if soft < wanted:
+        logger.warning("Only %d open files are allowed (ulimit -n), fewer than --max-connections %d + %d spare: "
+                       "raise the limit or lower --max-connections", soft, max_connections, RESERVED_FDS)
+
+
+def over_capacity(app: ASGIApp, max_connections: int) -> ASGIApp:
+    """The app for a connection past the cap: /health as usual, anything else 503; then close."""
+    refusal = APIError(f"The server has more than {max_connections} open connections (--max-connections); "
+                       "retry later, or reuse a connection", 503, code="too_many_connections",
+                       headers={"connection": "close", "retry-after": "1"})
+
+    async def app_over_capacity(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in ALWAYS_SERVED:
+            await refusal.response()(scope, receive, send)
+            return
+
+        async def closing(message: Message) -> None:
+            if message["type"] == "http.response.start":  # this connection must not linger either
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await app(scope, receive, closing)
+
+    return app_over_capacity
+
+
+def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
+    """uvicorn's `http=` protocol class enforcing `limits.timeout_headers` and `limits.max_connections`."""
+
+    class LimitedConnection(HttpToolsProtocol):
+        _header_deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                logger.warning("%d open connections (--max-connections %d): refusing new requests but /health",
+                               len(self.connections), limits.max_connections)
+                self.app = over_capacity(self.app, limits.max_connections)
+            self._arm_header_deadline()  # a connection that never sends a request counts too
+
+        def data_received(self, data: bytes) -> None:
+            if self._between_requests() and self._header_deadline is None:
+                self._arm_header_deadline()  # the first byte of the next request on a kept-alive connection
+            super().data_received(data)
+
+        def on_headers_complete(self) -> None:
+            self._cancel_header_deadline()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_header_deadline()
+            super().connection_lost(exc)
+
+        def _between_requests(self) -> bool:
+            return (self.cycle is None or self.cycle.response_complete) and not self.pipeline
+
+        def _arm_header_deadline(self) -> None:
+            self._header_deadline = self.loop.call_later(limits.timeout_headers, self._header_deadline_passed)
+
+        def _cancel_header_deadline(self) -> None:
+            if self._header_deadline is not None:
+                self._header_deadline.cancel()
+                self._header_deadline = None
+
+        def _header_deadline_passed(self) -> None:
+            self._header_deadline = None
+            if self._between_requests() and not self.transport.is_closing():
+                # no response is owed: a request whose headers never completed was never started
+                self.transport.close()
+
+    return LimitedConnection
+
+
+def uvicorn_options(limits: ServerLimits) -> dict:
+    """Keyword arguments of uvicorn.run / uvicorn.Config that apply `limits` to connections."""
+    return {"http": connection_protocol(limits), "timeout_keep_alive": limits.timeout_keep_alive}

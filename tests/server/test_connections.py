@@ -1,0 +1,106 @@
+"""Connections cannot pile up: idle and slow-header ones are closed, and past the cap only /health is served."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import ServerProcess
+
+HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.fixture(scope="module")
+def impatient(server_model, tmp_path_factory):
+    proc = ServerProcess(server_model, tmp_path_factory.mktemp("impatient"), "--num-kvcache-blocks", "128",
+                         "--block-size", "16", "--timeout-keep-alive", "1", "--timeout-headers", "1.5")
+    yield proc
+    proc.stop()
+
+
+def connect(server: ServerProcess) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.settimeout(10)
+    return sock
+
+
+def seconds_until_closed(sock: socket.socket, drip: bytes = b"") -> float:
+    """Wait for the server to close the connection (recv gives b""), sending `drip` a byte at a time."""
+    start = time.monotonic()
+    sock.settimeout(0.25)
+    for byte in [drip[i:i + 1] for i in range(len(drip))] + [b""] * 200:
+        try:
+            if byte:
+                sock.sendall(byte)
+            data = sock.recv(65536)
+            if data == b"":
+                return time.monotonic() - start
+        except TimeoutError:
+            continue
+        except ConnectionError:
+            return time.monotonic() - start
+    raise AssertionError("the server never closed the connection")
+
+
+def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout(impatient):
+    with connect(impatient) as sock:
+        sock.sendall(HEALTH)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        assert 0.5 < seconds_until_closed(sock) < 3
+
+
+def test_a_connection_that_never_sends_a_request_is_closed(impatient):
+    with connect(impatient) as sock:
+        assert 1.0 < seconds_until_closed(sock) < 4
+
+
+def test_headers_sent_a_byte_at_a_time_are_cut_off_at_the_header_deadline(impatient):
+    # slowloris: every byte resets no timer; the deadline runs from the first byte
+    with connect(impatient) as sock:
+        elapsed = seconds_until_closed(sock, drip=b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100)
+        assert 1.0 < elapsed < 4
+    # the same on a kept-alive connection, after a first request was answered
+    with connect(impatient) as sock:
+        sock.sendall(HEALTH)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        elapsed = seconds_until_closed(sock, drip=b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100)
+        assert 1.0 < elapsed < 4
+
+
+def test_a_slow_request_whose_headers_arrived_is_not_cut_off(impatient):
+    # the deadline is for the headers only: a stream longer than it runs to its end
+    body = {"prompt": "A list", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    start = time.monotonic()
+    with httpx.stream("POST", f"{impatient.url}/v1/completions", json=body, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert time.monotonic() - start > 1.5, "the stream must outlast the header deadline to show anything"
+    assert lines[-1] == "data: [DONE]" and len(lines) > 100
+
+
+def test_past_the_connection_cap_requests_get_503_but_health_answers(server_model, tmp_path):
+    proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "128", "--block-size", "16",
+                         "--max-connections", "4", "--timeout-headers", "60")
+    held = [connect(proc) for _ in range(4)]
+    try:
+        time.sleep(0.2)
+        with httpx.Client(base_url=proc.url, timeout=10) as client:
+            r = client.post("/v1/completions", json={"prompt": "A list", "max_tokens": 2})
+            assert r.status_code == 503, r.text
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["code"] == "too_many_connections" and "--max-connections" in error["message"]
+            assert r.headers["connection"] == "close"
+        health = httpx.get(f"{proc.url}/health", timeout=10)
+        assert health.status_code == 200 and health.headers["connection"] == "close"
+        for sock in held:
+            sock.close()
+        time.sleep(0.2)
+        r = httpx.post(f"{proc.url}/v1/completions", json={"prompt": "A list", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        for sock in held:
+            sock.close()
+        proc.stop()

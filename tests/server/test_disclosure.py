@@ -1,0 +1,81 @@
+"""The server tells clients nothing of its machine: no model path, no exception text; the key can stay out of `ps`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from tests.server.conftest import DEVICE, ServerProcess, free_port
+
+
+def test_models_show_the_served_name_and_no_path(server, server_model):
+    for path in ("/v1/models", "/v1/models/tiny"):
+        r = httpx.get(server.url + path, timeout=10)
+        assert r.status_code == 200
+        assert server_model not in r.text and "assets" not in r.text and "/" not in r.text.replace("\\/", ""), r.text
+    assert httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["root"] == "tiny"
+
+
+def test_an_unexpected_error_is_logged_with_an_id_and_answered_without_its_text(server_model, caplog):
+    from nanoserve import EngineConfig
+    from nanoserve.engine.async_engine import AsyncEngine
+    from nanoserve.server.app import build_app
+    from nanoserve.server.state import ServerSettings
+
+    engine = AsyncEngine(EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=128, block_size=16))
+
+    def broken_encode(*args, **kwargs):
+        raise RuntimeError("secret detail: /srv/private/weights/shard-3.safetensors is corrupt")
+
+    engine.tokenizer.encode = broken_encode
+    app = build_app(engine, ServerSettings(served_model_names=["tiny"]))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        with caplog.at_level(logging.ERROR, logger="nanoserve.server.errors"):
+            r = httpx.post(f"http://127.0.0.1:{server.config.port}/tokenize", json={"prompt": "hi"}, timeout=30)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == "internal_error"
+    assert "secret" not in r.text and "/srv" not in r.text and "RuntimeError" not in r.text
+    error_id = error["message"].split("error id ")[1].split(")")[0]
+    assert len(error_id) == 16
+    logged = [rec for rec in caplog.records if error_id in rec.getMessage()]
+    assert logged and "secret detail" in str(logged[0].exc_info[1])
+
+
+def test_the_api_key_can_come_from_the_environment_and_stays_out_of_ps(server_model, tmp_path):
+    proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "128", "--block-size", "16",
+                         env={"NANOSERVE_API_KEY": "key-from-env-42"})
+    try:
+        assert httpx.get(f"{proc.url}/health", timeout=10).status_code == 200
+        r = httpx.get(f"{proc.url}/v1/models", timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        ok = httpx.get(f"{proc.url}/v1/models", headers={"Authorization": "Bearer key-from-env-42"}, timeout=10)
+        assert ok.status_code == 200
+        with open(f"/proc/{proc.proc.pid}/cmdline", "rb") as f:
+            assert b"key-from-env-42" not in f.read()
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("value", ["", None])
+def test_an_empty_or_absent_env_key_leaves_the_server_open(value, monkeypatch):
+    from nanoserve.cli import build_parser
+
+    if value is None:
+        monkeypatch.delenv("NANOSERVE_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("NANOSERVE_API_KEY", value)
+    assert not build_parser().parse_args(["serve"]).api_key

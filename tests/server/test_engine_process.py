@@ -1,0 +1,72 @@
+"""The engine core in its own process: its death fails every stream at once and turns /health to
+503, the server then exits non-zero; the front end's death takes the engine with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.server.conftest import SERVER_ARGS, ServerProcess, alive, engine_process
+
+
+def _stream_until_end(url: str, index: int, started: threading.Barrier, ends: dict) -> None:
+    body = {"prompt": f"A list of {index}", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    last = None
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            lines = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
+            next(lines)
+            started.wait(30)
+            for last in lines:
+                if last != "[DONE]" and "error" in json.loads(last):
+                    ends[index] = (time.monotonic(), json.loads(last)["error"])
+    except httpx.TransportError as exc:
+        ends[index] = (time.monotonic(), repr(exc))
+    ends.setdefault(index, (time.monotonic(), f"ended without an error, last event {last!r}"))
+
+
+def test_killing_the_engine_fails_every_stream_within_5s_then_the_server_exits_non_zero(server_model, tmp_path):
+    proc = ServerProcess(server_model, tmp_path, *SERVER_ARGS, "--engine-death-grace-period", "4")
+    try:
+        engine = engine_process(proc.proc.pid)
+        started, ends = threading.Barrier(17), {}
+        threads = [threading.Thread(target=_stream_until_end, args=(proc.url, i, started, ends)) for i in range(16)]
+        for t in threads:
+            t.start()
+        started.wait(60)  # all 16 are streaming
+        killed = time.monotonic()
+        os.kill(engine, signal.SIGKILL)
+        for t in threads:
+            t.join(30)
+        assert len(ends) == 16
+        for when, error in ends.values():
+            assert when - killed < 5.0
+            assert isinstance(error, dict) and error["code"] == "engine_dead", error
+        health = httpx.get(f"{proc.url}/health", timeout=5)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        late = httpx.post(f"{proc.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=5)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+        assert proc.proc.poll() is None  # still up, to say so
+        # after the grace period it exits non-zero, for its supervisor to restart it
+        assert proc.proc.wait(30) != 0
+    finally:
+        proc.stop()
+
+
+def test_sigkill_of_the_front_end_takes_the_engine_process_with_it(server_model, tmp_path):
+    proc = ServerProcess(server_model, tmp_path, *SERVER_ARGS)
+    try:
+        engine = engine_process(proc.proc.pid)
+        proc.proc.kill()
+        proc.proc.wait(10)
+        deadline = time.monotonic() + 5
+        while alive(engine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(engine), "the engine process outlived its front end"
+    finally:
+        proc.stop()

@@ -1,0 +1,144 @@
+"""Per-request limits: body bytes (413 before reading), prompt characters (400 before tokenizing),
+prompts x n, and stop lists; each refused with an OpenAI error naming the field."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import ServerProcess
+
+MB = 1024 * 1024
+OK = {"model": "tiny", "prompt": "A list is a sequence of", "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def server(server_model, tmp_path_factory):
+    # default body limit (32 MiB); small stop and sequence limits so that the tests stay small
+    proc = ServerProcess(server_model, tmp_path_factory.mktemp("limits"), "--num-kvcache-blocks", "256",
+                         "--block-size", "16", "--max-stop-strings", "4", "--max-stop-string-chars", "16",
+                         "--max-stop-token-ids", "4")
+    yield proc
+    proc.stop()
+
+
+def peak_rss_mb(server: ServerProcess) -> float:
+    status = open(f"/proc/{server.proc.pid}/status").read()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1]) / 1024
+
+
+def test_a_50_mb_body_is_refused_with_413_before_it_is_read(server):
+    before = peak_rss_mb(server)
+    # declared length over the limit: the answer comes after the headers, the body never sent
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        start = time.monotonic()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % (50 * MB))
+        head = b""
+        while chunk := sock.recv(65536):  # the server closes after its answer
+            head += chunk
+        assert time.monotonic() - start < 2
+    assert head.startswith(b"HTTP/1.1 413"), head
+    assert b'"code":"request_too_large"' in head and b"--max-request-body-bytes" in head
+    # and a client that sends all 50 MB gets the same answer, not a server holding 50 MB
+    body = b'{"prompt": "' + b"a" * (50 * MB) + b'"}'
+    start = time.monotonic()
+    try:
+        r = httpx.post(f"{server.url}/v1/completions", content=body,
+                       headers={"Content-Type": "application/json"}, timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    except httpx.WriteError:
+        pass  # the server answered and closed while the client was still writing: refused too
+    assert time.monotonic() - start < 10
+    assert peak_rss_mb(server) - before < 40  # never the 50 MB, let alone the gigabytes of tokenizing
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_a_chunked_body_over_the_limit_is_cut_off_at_the_limit(server):
+    before = peak_rss_mb(server)
+
+    def chunks():
+        for _ in range(50):
+            yield b"x" * MB
+
+    r = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert peak_rss_mb(server) - before < 80  # at most the 32 MiB limit was held
+
+
+def test_a_5_mb_prompt_is_refused_before_tokenizing(server):
+    before = peak_rss_mb(server)
+    for path, body, param in [("/v1/completions", {**OK, "prompt": "list " * MB}, "prompt"),
+                              ("/v1/chat/completions", {"model": "tiny", "max_tokens": 4,
+                                                        "messages": [{"role": "user", "content": "list " * MB}]},
+                               "messages"),
+                              ("/tokenize", {"prompt": "list " * MB}, "prompt")]:
+        start = time.monotonic()
+        r = httpx.post(server.url + path, json=body, timeout=30)
+        elapsed = time.monotonic() - start
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and "max_model_len" in error["message"]
+        assert elapsed < 1.0, f"{path} took {elapsed:.2f}s: was the prompt tokenized?"
+    # tokenizing 5 MB peaks near a gigabyte; parsing it costs a few times its size
+    assert peak_rss_mb(server) - before < 100
+
+
+def test_truncate_prompt_tokens_keeps_the_end_of_a_long_prompt_without_tokenizing_it_all(server):
+    tail = " A list is a sequence of"
+    start = time.monotonic()
+    r = httpx.post(f"{server.url}/v1/completions", json={**OK, "prompt": "dict " * MB + tail,
+                                                          "truncate_prompt_tokens": 20, "temperature": 0}, timeout=30)
+    elapsed = time.monotonic() - start
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 20 and elapsed < 2.0
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "dict " * 40 + tail}, timeout=30).json()["tokens"]
+    same = httpx.post(f"{server.url}/v1/completions", json={**OK, "prompt": tokens[-20:], "temperature": 0},
+                      timeout=30).json()
+    assert r.json()["choices"][0]["text"] == same["choices"][0]["text"]
+
+
+def test_a_10000_prompt_request_is_refused_while_others_are_served(server):
+    streamed: list[str] = []
+
+    def stream():
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120,
+                          json={**OK, "max_tokens": 60, "ignore_eos": True, "stream": True}) as r:
+            streamed.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    r = httpx.post(f"{server.url}/v1/completions", json={**OK, "prompt": ["hi"] * 10000}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "10000 prompt(s) x n=1 = 10000 sequences" in r.json()["error"]["message"]
+    assert "--max-seqs-per-request" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json={**OK, "prompt": ["hi"] * 3, "n": 100}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 128, "max_tokens": 4})
+    assert r.status_code == 200, r.text  # 128 <= 256, the default
+    thread.join(120)
+    assert streamed[-1] == "data: [DONE]" and len(streamed) > 10
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("field, value, words", [
+    ("stop", ["a", "b", "c", "d", "e"], "at most 4 (--max-stop-strings)"),
+    ("stop", "x" * 17, "at most 16 (--max-stop-string-chars)"),
+    ("stop", ["ok", "y" * 100], "100 characters"),
+    ("stop_token_ids", [1, 2, 3, 4, 5], "at most 4 (--max-stop-token-ids)"),
+])
+def test_stop_lists_are_bounded(server, path, field, value, words):
+    body = {**OK, field: value} if path == "/v1/completions" else \
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, field: value}
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and words in r.json()["error"]["message"]
+    within = value[:16] if isinstance(value, str) else [v[:16] if isinstance(v, str) else v for v in value[:4]]
+    assert httpx.post(server.url + path, json={**body, field: within}, timeout=30).status_code == 200
