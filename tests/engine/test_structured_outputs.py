@@ -106,3 +106,14 @@ def test_a_prefix_cache_hit_gives_the_same_constrained_output(llm):
     first, second = (llm.generate(prompt, constrained(), use_tqdm=False)[0] for _ in range(2))
     assert second.num_cached_tokens > 0 and first.num_cached_tokens == 0
     assert second.text == first.text and re.fullmatch(REGEX, first.text)
+
+
+@pytest.mark.parametrize("spec", [StructuredOutputsParams(json={"type": "object", "properties": {"a": {"enum": [1]}}}),
+                                  StructuredOutputsParams(json='{"type": "array"}', any_whitespace=False),
+                                  StructuredOutputsParams(choice=["x", "y"]), StructuredOutputsParams(json_object=True)])
+def test_the_spec_travels_to_the_engine_process_in_its_add_message(spec):
+    from nanoserve.engine.messages import AddRequest, input_decoder, input_encoder
+
+    sent = AddRequest("r1", [1, 2, 3], SamplingParams(max_tokens=5, structured_outputs=spec))
+    received = input_decoder.decode(input_encoder.encode(sent))
+    assert received.params.structured_outputs == spec and received.params.structured_outputs.key == spec.key
