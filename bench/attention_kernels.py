@@ -8,6 +8,7 @@ graph (as the runner replays decode) and timed with triton.testing.do_bench (med
 
     python bench/attention_kernels.py            # the table
     python bench/attention_kernels.py --tiles --splits   # plus tile and split-count sweeps
+    python bench/attention_kernels.py --kv-cache-dtype fp8   # an e4m3 cache (no flash-attn column)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from nanoserve.runner.attention.fp8 import FP8_DTYPE  # noqa: E402
 from nanoserve.runner.attention.triton_decode import num_decode_splits, paged_decode  # noqa: E402
 from nanoserve.runner.attention.triton_prefill import paged_prefill  # noqa: E402
 
@@ -53,11 +55,11 @@ def copy_bandwidth() -> float:
 class Caches:
     """One cache big enough for the largest batch x context; each case takes shuffled blocks."""
 
-    def __init__(self, tokens: int) -> None:
+    def __init__(self, tokens: int, dtype: torch.dtype) -> None:
         self.num_blocks = tokens // BLOCK + 1
         shape = (self.num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-        self.k = torch.empty(shape, dtype=DTYPE, device="cuda").normal_()
-        self.v = torch.empty(shape, dtype=DTYPE, device="cuda").normal_()
+        self.k = torch.empty(shape, dtype=DTYPE, device="cuda").normal_().to(dtype)
+        self.v = torch.empty(shape, dtype=DTYPE, device="cuda").normal_().to(dtype)
 
     def tables(self, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
         per_seq = -(-context // BLOCK)
@@ -81,8 +83,8 @@ def flash_decode_case(caches: Caches, batch: int, context: int) -> float:
         softmax_scale=HEAD_DIM ** -0.5, causal=True))
 
 
-def kv_bytes(batch: int, context: int) -> int:
-    return 2 * batch * context * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+def kv_bytes(batch: int, context: int, caches: Caches) -> int:
+    return 2 * batch * context * KV_HEADS * HEAD_DIM * caches.k.element_size()
 
 
 def prefill_line(caches: Caches, seqs: int = 16, prompt: int = 1024) -> str:
@@ -93,7 +95,7 @@ def prefill_line(caches: Caches, seqs: int = 16, prompt: int = 1024) -> str:
     us = graph_time_us(lambda: paged_prefill(q, caches.k, caches.v, cu, seq_lens, tables,
                                              HEAD_DIM ** -0.5, prompt))
     line = f"prefill {seqs}x{prompt} causal: triton {us:8.1f} us {flops / us / 1e6:6.1f} TFLOP/s"
-    if flash_attn_varlen_func is not None:
+    if flash_attn_varlen_func is not None and caches.k.dtype == DTYPE:
         us = graph_time_us(lambda: flash_attn_varlen_func(
             q, caches.k, caches.v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=prompt,
             max_seqlen_k=prompt, softmax_scale=HEAD_DIM ** -0.5, causal=True,
@@ -135,25 +137,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiles", action="store_true", help="also sweep the decode tile config")
     parser.add_argument("--splits", action="store_true", help="also sweep split counts")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="fp8: an e4m3 cache (bytes and bandwidth count one byte per element)")
     args = parser.parse_args()
+    fp8 = args.kv_cache_dtype == "fp8"
+    flash = flash_attn_with_kvcache is not None and not fp8   # flash-attn reads no fp8 cache
     props = torch.cuda.get_device_properties(0)
     copy = copy_bandwidth()
     print(f"{props.name}, {props.multi_processor_count} SMs; device copy {copy / 1e12:.2f} TB/s "
           f"(read + write)")
-    caches = Caches(max(BATCHES) * max(CONTEXTS))
+    caches = Caches(max(BATCHES) * max(CONTEXTS), FP8_DTYPE if fp8 else DTYPE)
+    print(f"KV cache {caches.k.dtype}")
     print(f"{'batch':>5} {'context':>7} {'splits':>6} {'triton us':>10} {'TB/s':>6} {'%copy':>6}"
-          + (f" {'flash us':>9} {'TB/s':>6} {'%copy':>6}" if flash_attn_with_kvcache else ""))
+          + (f" {'flash us':>9} {'TB/s':>6} {'%copy':>6}" if flash else ""))
     summary = []
     for batch in BATCHES:
         for context in CONTEXTS:
             splits = num_decode_splits(batch, KV_HEADS, context, props.multi_processor_count)
             us = decode_case(caches, batch, context)
-            bw = kv_bytes(batch, context) / (us * 1e-6)
+            bw = kv_bytes(batch, context, caches) / (us * 1e-6)
             line = (f"{batch:5d} {context:7d} {splits:6d} {us:10.1f} {bw / 1e12:6.2f} "
                     f"{bw / copy:6.0%}")
-            if flash_attn_with_kvcache is not None:
+            if flash:
                 fus = flash_decode_case(caches, batch, context)
-                fbw = kv_bytes(batch, context) / (fus * 1e-6)
+                fbw = kv_bytes(batch, context, caches) / (fus * 1e-6)
                 line += f" {fus:9.1f} {fbw / 1e12:6.2f} {fbw / copy:6.0%}"
             print(line)
             if batch == 256 and context <= 8192:
@@ -163,7 +170,7 @@ def main() -> None:
         tile_sweep(caches)
     if args.splits:
         split_sweep(caches)
-    print(f"summary: triton decode at batch 256, context 1k-8k: "
+    print(f"summary: triton decode ({args.kv_cache_dtype} cache) at batch 256, context 1k-8k: "
           f"{min(summary):.0%}-{max(summary):.0%} of the copy bandwidth ({copy / 1e12:.2f} TB/s)")
 
 

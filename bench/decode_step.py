@@ -1,9 +1,10 @@
 """Time of one decode step against the memory-bound floor, at batch sizes 1-512 and contexts 1k-8k.
 
-    python bench/decode_step.py --config bench/configs/qwen3-0.6b.json
+    python bench/decode_step.py --config bench/configs/qwen3-0.6b.json [--kv-cache-dtype fp8]
 
 The floor is the bytes a decode step must read (all weights once, plus every sequence's K/V)
-over the device-to-device copy bandwidth measured in the same run. A step is timed end to end
+over the device-to-device copy bandwidth measured in the same run; with an fp8 cache the K/V
+bytes (and so the floor) are those of one byte per element. A step is timed end to end
 through ModelRunner.run (inputs, graph replay, logits, sampling, the one sync), median of many.
 """
 
@@ -62,12 +63,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
 
     config = config_from_file(args.config, max_model_len=max(contexts) + 1, max_num_seqs=max(batches),
-                              attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+                              attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                              kv_cache_dtype=args.kv_cache_dtype)
     runner = ModelRunner(config, show_progress=True)
     bandwidth = copy_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
@@ -75,7 +78,7 @@ def main() -> None:
     params = SamplingParams(temperature=0.6)
     gen = torch.Generator().manual_seed(0)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB, "
-          f"KV {token_kv_bytes / 1024:.0f} KiB/token, {runner.num_blocks} blocks of {config.block_size}, "
+          f"KV {token_kv_bytes / 1024:.0f} KiB/token ({config.kv_cache_dtype}), {runner.num_blocks} blocks of {config.block_size}, "
           f"backend {runner.backend.name}, {'eager' if runner.graphs is None else 'cuda-graphs'}")
     print(f"{'batch':>6} {'context':>8} {'step ms':>9} {'floor ms':>9} {'floor/step':>10}")
     for context in contexts:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [t1024] [eager] [sync] [json] [8b] [tp2] [decode] [trace] [trace-sync] [profile]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [t1024] [eager] [sync] [json] [8b] [tp2] [decode] [fp8] [trace] [trace-sync] [profile]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/nanoserve-gpu}; mkdir -p "$out"
@@ -21,6 +21,11 @@ for part in $parts; do
          python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json --tensor-parallel-size 2 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     8b) python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     decode) python3 bench/decode_step.py 2>&1 | tee "$out/decode_step.log" | grep -vE "it/s|Capturing" ;;
+    fp8) python3 -m pytest -q -m gpu tests/gpu/test_fp8_kv_cache_gpu.py -s 2>&1 | tee "$out/tests-fp8.log" | tail -5
+         python3 bench/attention_kernels.py --kv-cache-dtype fp8 2>&1 | tee "$out/attention-fp8.log" | tail -15
+         python3 bench/decode_step.py --kv-cache-dtype fp8 2>&1 | tee "$out/decode_step-fp8.log" | grep -vE "it/s|Capturing"
+         python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype fp8 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error"
+         python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json --kv-cache-dtype fp8 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     trace) python3 bench/throughput.py --num-seqs 256 --trace "$out/trace" 2>&1 | tee "$out/trace.log" | grep -vE "it/s|Capturing" ;;
     trace-sync) python3 bench/throughput.py --num-seqs 256 --no-async-scheduling --trace "$out/trace-sync" 2>&1 | tee "$out/trace-sync.log" | grep -vE "it/s|Capturing" ;;
     profile) python3 -m cProfile -s tottime bench/throughput.py --num-seqs 256 2>&1 | head -60 | tee "$out/profile.log" ;;

@@ -3,7 +3,8 @@
 # usage (device, repo root; needs the server wheels, scripts/device_wheels.sh, on PYTHONPATH and a
 # copy of ../shared/peers at .peers for the random-weight model folder):
 #   bash bench/served_vs_offline.sh [offline] [inf] [rates] [single] [decode]
-# Logs go to $OUT. Same settings on both paths: nano-vllm's workload, max_model_len 4096,
+# Logs go to $OUT. Each HTTP run draws its own prompts (--seed), so none finds another's in the prefix
+# cache. Same settings on both paths: nano-vllm's workload, max_model_len 4096,
 # max_num_seqs 512, max_num_batched_tokens 16384.
 set -u
 out=${OUT:-/tmp/served}; mkdir -p "$out"
@@ -35,9 +36,9 @@ for part in $parts; do
       [ -n "${server:-}" ] || start_server || exit 1
       case $part in
         inf) for c in $CLIENTS 1; do echo "== rate inf, 256 requests, $c client processes"; cpu
-               bench --num-requests 256 --num-clients "$c" 2>&1 | tee -a "$out/serving.log"; cpu; done ;;
+               bench --num-requests 256 --num-clients "$c" --seed "$c" 2>&1 | tee -a "$out/serving.log"; cpu; done ;;
         rates) for r in 4 8 16; do echo "== rate $r, 256 requests"
-                 bench --num-requests 256 --request-rate "$r" --num-clients 2 2>&1 | tee -a "$out/serving.log"; done ;;
+                 bench --num-requests 256 --request-rate "$r" --num-clients 2 --seed "$((100 + r))" 2>&1 | tee -a "$out/serving.log"; done ;;
         single) echo "== one stream at a time: prompt 1024, output 256"
                 bench --num-requests 6 --max-concurrency 1 --min-input-len 1024 --max-input-len 1024 \
                   --min-output-len 256 --max-output-len 256 2>&1 | tee -a "$out/serving.log" ;;

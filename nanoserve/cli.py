@@ -12,7 +12,7 @@ import os
 import sys
 
 from nanoserve import __version__
-from nanoserve.defaults import ATTENTION_BACKENDS, DEFAULT_MODEL
+from nanoserve.defaults import ATTENTION_BACKENDS, DEFAULT_MODEL, KV_CACHE_DTYPES
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
@@ -39,6 +39,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of equal prefixes")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: flash_attn when it imports, else triton on CUDA, torch on the CPU")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="fp8: K/V stored as e4m3 (twice the tokens fit; scales from the checkpoint or 1.0)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next step before reading this one's sampled ids, overlapping host and "
@@ -87,7 +89,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
         num_kvcache_blocks=args.num_kvcache_blocks, enable_prefix_caching=not args.no_prefix_caching,
-        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling, load_format=args.load_format, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, tokenizer=args.tokenizer)
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from nanoserve.defaults import ATTENTION_BACKENDS, DEFAULT_MODEL  # noqa: F401 - re-exported
+from nanoserve.defaults import ATTENTION_BACKENDS, DEFAULT_MODEL, KV_CACHE_DTYPES  # noqa: F401 - re-exported
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -53,6 +53,8 @@ class EngineConfig:
     # bookkeeping then overlaps the device's work, off on the CPU, where nothing runs beside it
     async_scheduling: bool | None = None
     attention_backend: str = "auto"
+    # fp8: K and V stored as e4m3 with a per-layer scale (1.0, or the checkpoint's k_scale/v_scale)
+    kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     seed: int = 0
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
@@ -102,6 +104,11 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8" and self.attention_backend == "flash_attn":
+            raise ValueError("kv_cache_dtype='fp8' needs the triton attention backend (torch on the CPU): "
+                             "flash_attn cannot read an fp8 cache; pass --attention-backend triton or auto")
         if self.block_size is None:
             set_("block_size", 16 if device == "cpu" else 256)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

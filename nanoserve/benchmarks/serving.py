@@ -207,13 +207,13 @@ def report(stats: dict, request_rate: float) -> str:
     lines = [f"serving: {stats['requests']} requests ({stats['failed']} failed), {stats['output_tokens']} output "
              f"tokens in {stats['seconds']:.2f} s = {stats['output_tokens'] / stats['seconds']:.0f} tok/s, "
              f"{(stats['requests'] - stats['failed']) / stats['seconds']:.2f} req/s (request rate {request_rate})",
-             f"{'ms':>8} {'mean':>9} {'median':>9} {'p99':>9}"]
+             f"{'ms':>8} {'mean':>9} {'min':>9} {'median':>9} {'p99':>9}"]
     for name in ("ttft", "tpot", "itl", "latency"):
         values = sorted(stats[name])
         if values:
             p99 = values[min(len(values) - 1, int(0.99 * len(values)))]
-            lines.append(f"{name:>8} {1e3 * statistics.fmean(values):9.2f} {1e3 * statistics.median(values):9.2f} "
-                         f"{1e3 * p99:9.2f}")
+            lines.append(f"{name:>8} {1e3 * statistics.fmean(values):9.2f} {1e3 * values[0]:9.2f} "
+                         f"{1e3 * statistics.median(values):9.2f} {1e3 * p99:9.2f}")
     busiest = max(stats["client_cpu"]) / stats["seconds"]
     lines.append(f"client: {stats['num_clients']} process(es), CPU {sum(stats['client_cpu']):.1f} s in all, the "
                  f"busiest {100 * busiest:.0f}% of the run" +

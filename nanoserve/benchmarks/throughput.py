@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="launch step N+1 before reading step N's sampled ids (default: on for CUDA)")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
                     async_scheduling=args.async_scheduling, attention_backend=args.attention_backend,
+                    kv_cache_dtype=args.kv_cache_dtype,
                     block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
                     tensor_parallel_size=args.tensor_parallel_size, device=args.device)
     config = (EngineConfig(model=args.model, **settings) if args.model
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     graphs += ", json_schema" if schema else ""
     print(f"throughput: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:.0f} tok/s "
           f"({args.num_seqs} seqs, {os.path.basename(args.model or args.config)}, {backend}, {graphs}, "
-          f"block {config.block_size}, tp {config.tensor_parallel_size}, "
+          f"block {config.block_size}, kv {config.kv_cache_dtype}, tp {config.tensor_parallel_size}, "
           f"preemptions {llm.engine.scheduler.num_preemptions})")
     if args.trace:
         from nanoserve.benchmarks.step_trace import StepTrace

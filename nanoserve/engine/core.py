@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _PARENT_CHECK_MS = 1000  # how often an idle core checks that its front end still lives
+_STALLED_WAIT_MS = 1     # how long a core whose step did nothing waits before trying again
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -93,6 +94,9 @@ class EngineCore:
             if outputs or failed or stats != last_stats:
                 self.send(EngineOutputs(outputs, stats, failed))
                 last_stats = stats
+            elif engine.has_unfinished_requests():
+                # work that cannot run yet (a grammar still compiling): wait for input, do not spin
+                self.inputs.poll(_STALLED_WAIT_MS)
 
     def _take_inputs(self) -> tuple[list[RequestFailed], bool]:
         failed: list[RequestFailed] = []

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.runner.attention.fp8 import FP8_DTYPE
 from nanoserve.runner.batch import SequenceWork
 from nanoserve.runner.models.decoder import head_dim_of
 from nanoserve.runner.parallel import TensorParallel
@@ -22,9 +23,13 @@ def local_kv_heads(config: EngineConfig) -> int:
     return TensorParallel(size=config.tensor_parallel_size).split_heads(config.hf_config.num_key_value_heads)[1]
 
 
+def cache_dtype(config: EngineConfig) -> torch.dtype:
+    return FP8_DTYPE if config.kv_cache_dtype == "fp8" else config.dtype
+
+
 def block_bytes(config: EngineConfig) -> int:
     hf = config.hf_config
-    per_token = 2 * hf.num_hidden_layers * local_kv_heads(config) * head_dim_of(hf) * config.dtype.itemsize
+    per_token = 2 * hf.num_hidden_layers * local_kv_heads(config) * head_dim_of(hf) * cache_dtype(config).itemsize
     return per_token * config.block_size
 
 
@@ -74,4 +79,4 @@ class KVCache:
         hf = config.hf_config
         self.num_blocks = num_blocks
         shape = (2, hf.num_hidden_layers, num_blocks, config.block_size, local_kv_heads(config), head_dim_of(hf))
-        self.tensor = torch.empty(shape, dtype=config.dtype, device=device)
+        self.tensor = torch.empty(shape, dtype=cache_dtype(config), device=device)

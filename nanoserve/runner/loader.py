@@ -10,6 +10,14 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+# checkpoint names of an fp8 KV cache's per-layer scales, as vLLM reads them (ModelOpt puts them
+# under k_proj / v_proj; kv_scale is the older single scale for both) -> the Attention attributes
+KV_SCALE_SUFFIXES = {
+    ".self_attn.k_scale": ("k_scale",), ".self_attn.v_scale": ("v_scale",),
+    ".self_attn.k_proj.k_scale": ("k_scale",), ".self_attn.v_proj.v_scale": ("v_scale",),
+    ".self_attn.kv_scale": ("k_scale", "v_scale"),
+}
+
 
 def _plain_copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
@@ -17,9 +25,28 @@ def _plain_copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def _load_kv_scale(model: nn.Module, name: str, f) -> bool:
+    """Set the attention layer's k_scale / v_scale when `name` is one; False when it is not."""
+    suffix = next((s for s in KV_SCALE_SUFFIXES if name.endswith(s)), None)
+    if suffix is None:
+        return False
+    try:
+        layer = model.get_submodule(name[: -len(suffix)] + ".self_attn")
+    except AttributeError:
+        raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(model).__name__}") from None
+    value = f.get_tensor(name).float()
+    if value.numel() != 1 or not (value.isfinite().all() and value.item() > 0):
+        raise ValueError(f"Checkpoint tensor {name!r} must be one positive scale per layer, got "
+                         f"{value.numel()} values ({value.flatten()[:4].tolist()}...)")
+    for attr in KV_SCALE_SUFFIXES[suffix]:
+        setattr(layer, attr, value.item())
+    return True
+
+
 def load_weights(model: nn.Module, folder: str, packed_modules: dict[str, tuple[str, str]],
                  show_progress: bool = False) -> None:
-    """Copy every checkpoint tensor into its parameter; q/k/v and gate/up land in packed weights."""
+    """Copy every checkpoint tensor into its parameter; q/k/v and gate/up land in packed weights,
+    KV-cache scales on their attention layer."""
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise ValueError(f"No *.safetensors files in {folder!r}")
@@ -30,6 +57,8 @@ def load_weights(model: nn.Module, folder: str, packed_modules: dict[str, tuple[
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+                    continue
+                if _load_kv_scale(model, name, f):
                     continue
                 target, shard = name, None
                 for fragment, (packed, shard_name) in packed_modules.items():

@@ -84,7 +84,8 @@ class ModelRunner:
         self.graph_capture_seconds = 0.0
         self.prev_tokens: torch.Tensor | None = None  # the last launch's sampled ids, on the device
         self.prev_rows = 0  # how many ids the last launch sampled (what a worker receives)
-        self.backend = select_backend(config.attention_backend, config.device, config.block_size)
+        self.backend = select_backend(config.attention_backend, config.device, config.block_size,
+                                      config.kv_cache_dtype)
         if self.device.type == "cuda":
             peak = self.profile_peak_bytes()
             num_blocks = config.num_kvcache_blocks or blocks_for_gpu(config, peak)

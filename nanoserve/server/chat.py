@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 
 import jinja2
 from fastapi import APIRouter, Request
-from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from nanoserve.engine.async_engine import RequestStream, RequestUpdate
@@ -19,7 +18,7 @@ from nanoserve.server.conversation import template_inputs
 from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage, Tool
 from nanoserve.server.reasoning import REASONING_PARSERS
 from nanoserve.server.response import OpenAIResponse
-from nanoserve.server.state import ServerState, sampling_error
+from nanoserve.server.state import ServerState, off_the_loop_if_long, sampling_error
 from nanoserve.server.structured import constrain, requested_spec
 from nanoserve.server.tools import ToolPlan, plan_tools
 from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_body, sse_response
@@ -114,7 +113,8 @@ async def create_chat_completion(request: Request) -> Response:
     params = await constrain(state.tokenizer, state.engine.config.hf_config.vocab_size, params, asked)
     if tools.parser is not None and tools.parser.needs_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)  # its calls start with a special token
-    chat = await run_in_threadpool(ChatCompletion, state, req, model, tools)  # (see create_completion)
+    chat = await off_the_loop_if_long(sum(len(m.text()) for m in req.messages), ChatCompletion, state, req, model,
+                                      tools)
     stream = state.start(chat.id, [chat.prompt], params)
     timer.request_id = chat.id
     timer.prompt(len(chat.prompt))

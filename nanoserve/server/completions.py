@@ -6,7 +6,6 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from nanoserve.engine.async_engine import RequestStream, RequestUpdate
@@ -16,7 +15,7 @@ from nanoserve.server.logprobs import completion_logprobs
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.protocol import CompletionRequest
 from nanoserve.server.response import OpenAIResponse
-from nanoserve.server.state import ServerState, sampling_error
+from nanoserve.server.state import ServerState, off_the_loop_if_long, sampling_error, texts_length
 from nanoserve.server.structured import constrain, requested_spec
 from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_body, sse_response
 
@@ -144,8 +143,7 @@ async def create_completion(request: Request) -> Response:
     model = state.model_name(req.model)
     refuse_unsupported(req)
     state.limits.check_request(num_prompts(req.prompt), req.n, req.stop, req.stop_token_ids)
-    # tokenizing a long prompt takes a while: off the event loop, other streams keep flowing
-    completion = await run_in_threadpool(Completion, state, req, model)
+    completion = await off_the_loop_if_long(texts_length(req.prompt), Completion, state, req, model)
     try:
         params = req.sampling_params(default_max_tokens(state, req, completion.prompts), req.logprobs,
                                      state.sampling_defaults)

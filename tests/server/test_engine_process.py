@@ -59,9 +59,11 @@ def test_killing_the_engine_fails_every_stream_within_5s_then_the_server_exits_n
 
 
 def test_sigkill_of_the_front_end_takes_the_engine_process_with_it(server_model, tmp_path):
-    proc = ServerProcess(server_model, tmp_path, *SERVER_ARGS)
+    proc = ServerProcess(server_model, tmp_path, *SERVER_ARGS, "--disable-log-requests")
     try:
         engine = engine_process(proc.proc.pid)
+        body = httpx.post(f"{proc.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30).json()
+        assert body["choices"] and body["id"] not in proc.log_tail(200_000)  # no request log lines
         proc.proc.kill()
         proc.proc.wait(10)
         deadline = time.monotonic() + 5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -189,3 +190,13 @@ def test_cors_is_off_by_default(http):
                                                  "Access-Control-Request-Method": "POST"})
     assert "access-control-allow-origin" not in r.headers
     assert "access-control-allow-origin" not in http.get("/v1/models", headers={"Origin": "https://a.b"}).headers
+
+
+def test_each_finished_request_leaves_one_log_line(http, server):
+    body = http.post("/v1/completions", json={"prompt": "A list", "max_tokens": 5, "temperature": 0,
+                                              "ignore_eos": True}).json()
+    deadline = time.monotonic() + 10
+    while body["id"] not in server.log_tail(200_000) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (line,) = [line for line in server.log_tail(200_000).splitlines() if body["id"] in line]
+    assert "2 prompt + 5 generated tokens" in line and "TTFT" in line and "finish length" in line

@@ -1,4 +1,7 @@
-"""Attention backends behind one interface: forward(q, k, v, k_cache, v_cache, meta, scale).
+"""Attention backends behind one interface:
+forward(q, k, v, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0), the scales applying
+only to an fp8 cache (attention/fp8.py). A backend with `fuses_kv_store` also offers
+qkv_rope_store (q/k norm + rotary + K/V store in one kernel) and attend (forward without the store).
 
 torch (reference, CPU), triton (our kernels, CUDA or the Triton interpreter), flash_attn (when
 the package imports). Kernel modules import lazily: importing this package loads no Triton.
@@ -26,23 +29,27 @@ def _flash_attn_imports() -> bool:
     return True
 
 
-def select_backend(name: str, device: str, block_size: int):
+def select_backend(name: str, device: str, block_size: int, kv_cache_dtype: str = "auto"):
     """The attention backend for `name` on `device` ("cpu", "cuda", "cuda:1", ...).
 
-    auto: flash_attn when it imports, the device is CUDA and block_size is a multiple of 256;
-    else triton on CUDA and torch on the CPU.
+    auto: flash_attn when it imports, the device is CUDA, block_size is a multiple of 256 and
+    the KV cache is not fp8; else triton on CUDA and torch on the CPU.
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
     on_cuda = device.startswith("cuda")
+    fp8 = kv_cache_dtype == "fp8"
     if name == "auto":
-        if on_cuda and block_size % 256 == 0 and _flash_attn_imports():
+        if on_cuda and block_size % 256 == 0 and not fp8 and _flash_attn_imports():
             name = "flash_attn"
         else:
             name = "triton" if on_cuda else "torch"
     if name == "torch":
         return TorchBackend()
     if name == "flash_attn":
+        if fp8:
+            from nanoserve.runner.attention.flash_attn_backend import FP8_REFUSAL
+            raise ValueError(FP8_REFUSAL)
         if not on_cuda:
             raise ValueError(f"the flash_attn backend needs a CUDA device, got {device!r}")
         if not _flash_attn_imports():

@@ -9,9 +9,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanoserve.runner.attention.fp8 import FP8_DTYPE
 from nanoserve.runner.batch import AttentionMetadata
 
 FLASH_BLOCK_MULTIPLE = 256
+FP8_REFUSAL = ("the flash_attn backend cannot read an fp8 KV cache; use --attention-backend triton "
+               "(or torch on the CPU) with --kv-cache-dtype fp8, or --kv-cache-dtype auto")
 
 
 class FlashAttnBackend:
@@ -20,6 +23,7 @@ class FlashAttnBackend:
 
     name = "flash_attn"
     supports_cuda_graphs = True
+    fuses_kv_store = False
 
     def __init__(self, block_size: int) -> None:
         if block_size % FLASH_BLOCK_MULTIPLE:
@@ -35,7 +39,10 @@ class FlashAttnBackend:
         self.block_size = block_size
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        if k_cache.dtype == FP8_DTYPE:
+            raise ValueError(FP8_REFUSAL)
         if k_cache.shape[1] != self.block_size:
             raise ValueError(f"cache block size {k_cache.shape[1]} != backend's {self.block_size}")
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)

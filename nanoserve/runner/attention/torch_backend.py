@@ -5,16 +5,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanoserve.runner.attention.fp8 import is_fp8, quantize_fp8
 from nanoserve.runner.batch import AttentionMetadata
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write each token's K/V to its cache slot; slot -1 (padding) writes nothing."""
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write each token's K/V to its cache slot; slot -1 (padding) writes nothing. An fp8 cache
+    receives k / k_scale and v / v_scale."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+    k, v = k[keep], v[keep]
+    if is_fp8(k_cache):
+        k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -24,8 +29,16 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[blocks].flatten(0, 1)[:length]
 
 
+def read_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: torch.dtype,
+            fp8_scale: float) -> torch.Tensor:
+    """gather_kv in `dtype`; an fp8 cache's values times their scale."""
+    kv = gather_kv(cache, block_table, length)
+    return kv.to(dtype) * fp8_scale if is_fp8(cache) else kv
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of packed queries [tokens, heads, dim] over keys read from the cache."""
     out = torch.zeros_like(q)
     group = q.shape[1] // k_cache.shape[2]
@@ -34,8 +47,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         lo, hi = hi, hi + q_len
         if kv_len == 0:  # padding row: reads nothing
             continue
-        keys = gather_kv(k_cache, meta.block_tables[i], kv_len).repeat_interleave(group, dim=1)
-        values = gather_kv(v_cache, meta.block_tables[i], kv_len).repeat_interleave(group, dim=1)
+        keys = read_kv(k_cache, meta.block_tables[i], kv_len, q.dtype, k_scale)
+        values = read_kv(v_cache, meta.block_tables[i], kv_len, q.dtype, v_scale)
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         # query j sits at position kv_len - q_len + j and sees keys up to and including it
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
         mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
@@ -50,8 +64,10 @@ class TorchBackend:
 
     name = "torch"
     supports_cuda_graphs = False
+    fuses_kv_store = False   # the model runs ops.qkv_rope, then forward stores and attends
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        return paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)

@@ -10,6 +10,9 @@ are fixed for a captured graph (batch, heads, the caller's max_seq_len, the devi
 sequence divides its own context over the splits inside the kernel, so any seq_len up to the
 cache's length is handled by any split count. Splits past a sequence's end, and padding rows
 (seq_len 0), read nothing and write neutral partials (acc 0, lse -inf) or zeros.
+
+An fp8 cache (attention/fp8.py) is widened to q's dtype tile by tile; its scales cost nothing
+per key: k_scale folds into the softmax scale and v_scale into the output.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step
 
 MIN_TOKENS_PER_SPLIT = 256   # below this a split costs more in merging than it saves
@@ -35,14 +39,14 @@ WAVES = 4                    # programs per SM to aim for before splitting stops
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_lse_ptr,
-    scale_log2, num_splits,
+    scale_log2, v_scale, num_splits,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_bt, stride_sl, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,6 +74,8 @@ def _decode_kernel(
         mask_n = offs_n < end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
+        if KV_FP8:
+            k, v = k.to(q.dtype), v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         # every tile holds at least one key of this split
@@ -78,6 +84,8 @@ def _decode_kernel(
     has_keys = l > 0
     l = tl.where(has_keys, l, 1.0)
     o = acc / l[:, None]   # no keys: acc is 0, so o is 0
+    if KV_FP8:
+        o = o * v_scale   # the merge of splits is linear in o: scaling each partial suffices
     if SPLIT:
         row = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
@@ -140,12 +148,13 @@ def _decode_config(device: torch.device) -> dict:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                  max_seq_len: int, num_splits: int | None = None,
-                 config: dict | None = None) -> torch.Tensor:
+                 config: dict | None = None, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> torch.Tensor:
     """Attention of one query per sequence, q [batch, q_heads, dim], over its paged keys.
 
     max_seq_len only sizes the split count (pass max_model_len when capturing a graph);
     seq_lens may later hold any value up to the cache's capacity. num_splits and config
-    override the heuristics (benchmarks, tests).
+    override the heuristics (benchmarks, tests). k_scale / v_scale apply to an fp8 cache only.
     """
     batch, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -165,15 +174,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_lse = out   # unused
+    fp8 = is_fp8(k_cache)
     _decode_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_lse,
-        scale * math.log2(math.e), num_splits,
+        softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), **cfg,
+        BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
+        **cfg,
     )
     if split:
         _merge_splits_kernel[(batch, q_heads)](
@@ -181,6 +192,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             HEAD_DIM=head_dim, SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=4,
         )
     return out
+
+
+def softmax_scale_log2(scale: float, k_scale: float) -> float:
+    """The kernels' exp2 scores: log2(e) folded in, and an fp8 cache's k_scale, so that stored
+    keys enter the dot product as they are (k_scale 1.0 leaves the product bit for bit)."""
+    return scale * k_scale * math.log2(math.e)
 
 
 def dot_precision(dtype: torch.dtype) -> str | None:
@@ -200,6 +217,9 @@ def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          f"got {block_size}")
     if q.shape[1] % kv_heads:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({kv_heads})")
+    if k_cache.dtype != v_cache.dtype or (k_cache.dtype != q.dtype and not is_fp8(k_cache)):
+        raise ValueError(f"caches of {k_cache.dtype} / {v_cache.dtype} for q of {q.dtype}: the "
+                         f"cache holds q's dtype, or fp8 (e4m3) for --kv-cache-dtype fp8")
     if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
         raise ValueError(f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not "
                          f"match q {tuple(q.shape)}")

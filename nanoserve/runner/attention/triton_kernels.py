@@ -7,19 +7,22 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.triton_decode import paged_decode
+from nanoserve.runner.attention.triton_fp8 import to_fp8
 from nanoserve.runner.attention.triton_prefill import paged_prefill
+from nanoserve.runner.attention.triton_rope_store import qkv_rope_store
 from nanoserve.runner.batch import AttentionMetadata
 
-__all__ = ["TritonBackend", "paged_decode", "paged_prefill", "store_kvcache"]
-
+__all__ = ["TritonBackend", "paged_decode", "paged_prefill", "qkv_rope_store", "store_kvcache", "to_fp8"]
 
 @triton.jit
 def _store_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, inv_k_scale, inv_v_scale,
     stride_slot, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ks, stride_kch, stride_vs, stride_vch,
     KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token * stride_slot).to(tl.int64)
@@ -31,6 +34,9 @@ def _store_kernel(
         k = tl.load(k_ptr + src, mask=mask)
         src = token.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
         v = tl.load(v_ptr + src, mask=mask)
+        if KV_FP8:
+            k = to_fp8(k, inv_k_scale, k_cache_ptr.dtype.element_ty)
+            v = to_fp8(v, inv_v_scale, v_cache_ptr.dtype.element_ty)
         dst = slot * stride_ks + offs_h[:, None] * stride_kch + offs_d[None, :]
         tl.store(k_cache_ptr + dst, k, mask=mask)
         dst = slot * stride_vs + offs_h[:, None] * stride_vch + offs_d[None, :]
@@ -38,8 +44,10 @@ def _store_kernel(
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write k/v [tokens, kv_heads, dim] to their cache slots (block * block_size + offset)."""
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> None:
+    """Write k/v [tokens, kv_heads, dim] to their cache slots (block * block_size + offset).
+    An fp8 cache receives k / k_scale and v / v_scale (see attention/fp8.py)."""
     num_tokens, kv_heads, head_dim = k.shape
     if head_dim & (head_dim - 1):
         raise ValueError(f"store_kvcache needs a power-of-two head dim, got {head_dim}")
@@ -49,30 +57,45 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
             v_cache.stride(0) != v_cache.shape[1] * v_cache.stride(1):
         raise ValueError("store_kvcache needs the tokens of all blocks evenly strided "
                          "(slot = block * block_size + offset)")
+    if is_fp8(k_cache) != is_fp8(v_cache):
+        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share a dtype")
     if num_tokens == 0:
         return
     _store_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale,
         slot_mapping.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         KV_HEADS=kv_heads, HEADS_POW2=triton.next_power_of_2(kv_heads), HEAD_DIM=head_dim,
-        num_warps=4 if kv_heads * head_dim >= 1024 else 1,
+        KV_FP8=is_fp8(k_cache), num_warps=4 if kv_heads * head_dim >= 1024 else 1,
     )
 
 
 class TritonBackend:
     """Attention through our own Triton kernels. The decode path reads no host lists and
-    syncs nothing, so it can be captured in a CUDA graph (see triton_decode)."""
+    syncs nothing, so it can be captured in a CUDA graph (see triton_decode).
+
+    The model may store K/V itself with `qkv_rope_store` (fuses_kv_store) and call `attend`;
+    `forward` is the store and `attend` in two launches."""
 
     name = "triton"
     supports_cuda_graphs = True
+    fuses_kv_store = True
+    qkv_rope_store = staticmethod(qkv_rope_store)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
+        """Attention over keys already in the cache (the new tokens' included)."""
         if meta.decode_only:
             return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
-                                meta.max_seq_len)
+                                meta.max_seq_len, k_scale=k_scale, v_scale=v_scale)
         return paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                              meta.block_tables, scale, meta.max_query_len,
-                             num_query_tokens=sum(meta.query_lens_host))
+                             num_query_tokens=sum(meta.query_lens_host),
+                             k_scale=k_scale, v_scale=v_scale)

@@ -5,18 +5,18 @@ of a chunked prefill need no special case: query j of a sequence with q_len quer
 keys sits at position seq_len - q_len + j and sees keys 0..that position.
 
 One program per (sequence, tile of queries, kv head). A tile's rows are (token, head) pairs of
-the kv head's query group, so each K/V tile is loaded once for the whole group (GQA).
+the kv head's query group, so each K/V tile is loaded once for the whole group (GQA). An fp8
+cache is read as in triton_decode.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from nanoserve.runner.attention.triton_decode import check_shapes, dot_precision
+from nanoserve.runner.attention.fp8 import is_fp8
+from nanoserve.runner.attention.triton_decode import check_shapes, dot_precision, softmax_scale_log2
 from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step
 
 
@@ -24,14 +24,14 @@ from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale_log2,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale_log2, v_scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_bt, stride_qsl, stride_sl, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -64,11 +64,15 @@ def _prefill_kernel(
         mask_n = offs_n < end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
+        if KV_FP8:
+            k, v = k.to(q.dtype), v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
         m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
 
     o = acc / l[:, None]
+    if KV_FP8:
+        o = o * v_scale
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
 
@@ -84,10 +88,12 @@ def _prefill_config(head_dim: int, device: torch.device) -> dict:
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                   block_tables: torch.Tensor, scale: float, max_query_len: int,
-                  num_query_tokens: int | None = None) -> torch.Tensor:
+                  num_query_tokens: int | None = None, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of packed queries q [tokens, q_heads, dim] over their paged keys.
 
     Rows past num_query_tokens (query_start_loc[-1], when the caller pads the batch) are zeroed.
+    k_scale / v_scale apply to an fp8 cache only.
     """
     check_shapes(q, k_cache, v_cache, block_tables)
     num_tokens, q_heads, head_dim = q.shape
@@ -101,15 +107,16 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out[num_query_tokens:].zero_()
     num_seqs = seq_lens.shape[0]
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), kv_heads)
+    fp8 = is_fp8(k_cache)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
-        scale * math.log2(math.e),
+        softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), query_start_loc.stride(0), seq_lens.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), **cfg,
+        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), KV_FP8=fp8, **cfg,
     )
     return out

@@ -44,6 +44,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
+        # an fp8 cache stores k / k_scale and v / v_scale; the loader reads them from checkpoints
+        # that carry them (self_attn.k_scale, self_attn.v_scale), else they stay 1.0
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         # bound by the model runner once the cache is allocated
         self.backend = None
         self.k_cache = torch.empty(0)
@@ -51,9 +55,19 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         norms = (self.q_norm.weight, self.k_norm.weight, self.eps) if self.q_norm is not None else ()
-        q, k, v = self.ops.qkv_rope(positions, self.qkv_proj(x), self.num_heads, self.num_kv_heads,
-                                    self.head_dim, self.rotary.cos, self.rotary.sin, *norms)
-        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        qkv = self.qkv_proj(x)
+        if self.backend.fuses_kv_store:
+            # one kernel for q/k norm, rotary and the K/V store; attention then reads the cache
+            q = self.backend.qkv_rope_store(positions, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                            self.rotary.cos, self.rotary.sin, *(norms or (None, None, 0.0)),
+                                            self.k_cache, self.v_cache, meta.slot_mapping,
+                                            self.k_scale, self.v_scale)
+            o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
+        else:
+            q, k, v = self.ops.qkv_rope(positions, qkv, self.num_heads, self.num_kv_heads,
+                                        self.head_dim, self.rotary.cos, self.rotary.sin, *norms)
+            o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                                     self.k_scale, self.v_scale)
         return self.o_proj(o.flatten(1))
 
 

@@ -1,0 +1,111 @@
+"""One kernel from the packed q/k/v projection to attention's inputs: per-head RMSNorm of q and k
+(Qwen3) when weights are given, rotary on both (GPT-NeoX layout), q written out, k and v written
+straight to their cache slots (quantized for an fp8 cache). It replaces the q/k norm + rotary
+kernel and the KV store kernel of each layer: one launch instead of two, and k/v never
+round-trip through memory. Numerically it is ops.qkv_rope + store_kvcache in float32 math.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.runner.attention.fp8 import is_fp8
+from nanoserve.runner.attention.triton_fp8 import to_fp8
+
+
+@triton.jit
+def _norm_rope(row, offs_h, mask_h, offs_d, partner, sign, cos, sin, weight_ptr, eps,
+               NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Heads offs_h of one token ([heads, HEAD_DIM] at `row`), normed and rotated, in float32."""
+    x = tl.load(row + offs_h[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_h[:, None],
+                other=0.0).to(tl.float32)
+    # rotate_half: element d pairs with d +- HEAD_DIM / 2, the first half negated
+    x_partner = tl.load(row + offs_h[:, None] * HEAD_DIM + partner[None, :], mask=mask_h[:, None],
+                        other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        x = x * rstd * tl.load(weight_ptr + offs_d).to(tl.float32)[None, :]
+        x_partner = x_partner * rstd * tl.load(weight_ptr + partner).to(tl.float32)[None, :]
+    return x * cos[None, :] + sign[None, :] * x_partner * sin[None, :]
+
+
+@triton.jit
+def _qkv_rope_store_kernel(
+    qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr,
+    k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps, inv_k_scale, inv_v_scale,
+    stride_qkv, stride_pos, stride_cos, stride_qo, stride_slot, stride_ks, stride_kh,
+    stride_vs, stride_vh,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr,
+    KV_HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    token = tl.program_id(0)
+    pos = tl.load(positions_ptr + token * stride_pos).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    half: tl.constexpr = HEAD_DIM // 2
+    partner = (offs_d + half) % HEAD_DIM
+    sign = tl.where(offs_d < half, -1.0, 1.0)
+    cos = tl.load(cos_ptr + pos * stride_cos + offs_d)
+    sin = tl.load(sin_ptr + pos * stride_cos + offs_d)
+    row = qkv_ptr + token.to(tl.int64) * stride_qkv
+
+    offs_h = tl.arange(0, HEADS_POW2)
+    mask_h = offs_h < HEADS
+    q = _norm_rope(row, offs_h, mask_h, offs_d, partner, sign, cos, sin, q_weight_ptr, eps,
+                   NORM, HEAD_DIM)
+    tl.store(q_out_ptr + token.to(tl.int64) * stride_qo + offs_h[:, None] * HEAD_DIM
+             + offs_d[None, :], q.to(q_out_ptr.dtype.element_ty), mask=mask_h[:, None])
+
+    slot = tl.load(slot_mapping_ptr + token * stride_slot).to(tl.int64)
+    if slot >= 0:   # -1 marks a padding token: it writes nothing
+        offs_kh = tl.arange(0, KV_HEADS_POW2)
+        mask_kh = offs_kh < KV_HEADS
+        k = _norm_rope(row + HEADS * HEAD_DIM, offs_kh, mask_kh, offs_d, partner, sign, cos, sin,
+                       k_weight_ptr, eps, NORM, HEAD_DIM)
+        v = tl.load(row + (HEADS + KV_HEADS) * HEAD_DIM + offs_kh[:, None] * HEAD_DIM
+                    + offs_d[None, :], mask=mask_kh[:, None])
+        if KV_FP8:
+            k = to_fp8(k, inv_k_scale, k_cache_ptr.dtype.element_ty)
+            v = to_fp8(v, inv_v_scale, v_cache_ptr.dtype.element_ty)
+        else:
+            k = k.to(qkv_ptr.dtype.element_ty)   # rounded once, like the unfused path's k
+        tl.store(k_cache_ptr + slot * stride_ks + offs_kh[:, None] * stride_kh + offs_d[None, :],
+                 k.to(k_cache_ptr.dtype.element_ty), mask=mask_kh[:, None])
+        tl.store(v_cache_ptr + slot * stride_vs + offs_kh[:, None] * stride_vh + offs_d[None, :],
+                 v.to(v_cache_ptr.dtype.element_ty), mask=mask_kh[:, None])
+
+
+def qkv_rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+                   q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """q [tokens, num_heads, head_dim] from the packed projection [tokens, (H + 2 KV) * D], its k
+    and v stored in their cache slots: ops.qkv_rope and store_kvcache in one launch."""
+    num_tokens = qkv.shape[0]
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [tokens, {(num_heads + 2 * num_kv_heads) * head_dim}] and "
+                         f"contiguous in its last dim, got {tuple(qkv.shape)}")
+    if head_dim & (head_dim - 1) or cos.stride(1) != 1 or cos.stride() != sin.stride():
+        raise ValueError("qkv_rope_store needs a power-of-two head dim and cos/sin tables "
+                         "[positions, head_dim] of one layout")
+    for cache in (k_cache, v_cache):
+        if cache.stride(-1) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1):
+            raise ValueError("qkv_rope_store needs caches whose slots are evenly strided "
+                             "(slot = block * block_size + offset), contiguous in head_dim")
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q
+    norm = q_weight is not None
+    _qkv_rope_store_kernel[(num_tokens,)](
+        qkv, positions, cos, sin, q_weight if norm else qkv, k_weight if norm else qkv, q,
+        k_cache, v_cache, slot_mapping, eps, 1.0 / k_scale, 1.0 / v_scale,
+        qkv.stride(0), positions.stride(0), cos.stride(0), q.stride(0), slot_mapping.stride(0),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+        HEADS=num_heads, KV_HEADS=num_kv_heads, HEADS_POW2=triton.next_power_of_2(num_heads),
+        KV_HEADS_POW2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, NORM=norm,
+        KV_FP8=is_fp8(k_cache), num_warps=4 if num_heads * head_dim >= 1024 else 1,
+    )
+    return q
