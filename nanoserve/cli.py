@@ -119,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds that requests in flight get to finish after SIGTERM")
     serve.add_argument("--chat-template", default=None,
                        help="Jinja chat template (a file, or the template itself) instead of the tokenizer's")
+    serve.add_argument("--generation-config", default="auto",
+                       help="auto: default temperature, top_p, top_k, min_p and repetition_penalty from the model's "
+                            "generation_config.json; vllm: ignore that file; or a folder holding one")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="let the model decide to call tools (tool_choice auto); needs --tool-call-parser")
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                       help="the model's tool-call format: hermes (Qwen2.5, Qwen3), llama3_json (Llama 3.1/3.2), "
+                            "mistral")
+    serve.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
+                       help="return <think>...</think> as reasoning_content, apart from content")
     serve.add_argument("--engine-death-grace-period", type=float, default=30.0,
                        help="seconds that /health answers 503 after the engine died, before the server exits "
                             "non-zero (so that a supervisor restarts it)")
@@ -151,6 +161,10 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     if args.max_queue_len < 1:
         parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
+    if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
+        parser.error(f"--generation-config must be auto, vllm or a folder, got {args.generation_config!r}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
     if args.model_flag is not None:
         if args.model is not None and args.model != args.model_flag:
             parser.error(f"the model is given twice, as {args.model!r} and --model {args.model_flag!r}: give one")
@@ -159,7 +173,10 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     settings = ServerSettings(served_model_names=names, api_key=args.api_key or None,
                               allowed_origins=args.allowed_origins, chat_template=_chat_template(args.chat_template),
                               log_requests=not args.disable_log_requests,
-                              engine_death_grace_s=args.engine_death_grace_period, limits=_limits(args))
+                              engine_death_grace_s=args.engine_death_grace_period, limits=_limits(args),
+                              generation_config=args.generation_config, tool_call_parser=args.tool_call_parser,
+                              enable_auto_tool_choice=args.enable_auto_tool_choice,
+                              reasoning_parser=args.reasoning_parser)
     from nanoserve.config import EngineConfig
 
     raise_open_file_limit(settings.limits.max_connections)

@@ -2,8 +2,40 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A grammar the output must follow; exactly one of json, json_object, regex, choice, grammar.
+
+    Plain JSON-able fields only: the engine compiles it (and caches by `key`) in its own process.
+    """
+
+    json: str | dict[str, Any] | None = None  # a JSON schema (text or object)
+    json_object: bool = False                  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None            # exactly one of these strings
+    grammar: str | None = None                 # EBNF (GBNF), xgrammar's dialect
+    any_whitespace: bool = True                # False: JSON without optional whitespace
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured outputs take exactly one of json, json_object, regex, choice and grammar; "
+                             f"got {given or 'none'}")
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured outputs 'choice' needs at least one string")
+
+    @property
+    def key(self) -> tuple:
+        """Equal for specs that compile to the same grammar: the compile cache's key."""
+        schema = self.json if not isinstance(self.json, dict) else json.dumps(self.json, sort_keys=True)
+        return (schema, self.json_object, self.regex, tuple(self.choice or ()), self.grammar, self.any_whitespace)
 
 # Every integer the sampler puts in a tensor must fit int32 (kernels index with it) and int64
 # (torch.tensor of a Python int past 2**63 raises inside the engine loop, killing every request)
@@ -60,12 +92,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, no text (saves host time in benchmarks)
+    structured_outputs: StructuredOutputsParams | None = None  # the output follows this grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.structured_outputs, dict):  # e.g. decoded from a message
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):

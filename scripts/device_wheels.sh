@@ -5,8 +5,8 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 set -euo pipefail
 cd "$(dirname "$0")/.."
-packages="fastapi starlette pydantic pydantic_core annotated-types typing-inspection uvicorn httptools pyzmq msgspec xgrammar apache-tvm-ffi
-          openai httpx2 httpcore2 truststore jiter orjson sniffio opentelemetry-api"
+packages="fastapi starlette pydantic pydantic_core annotated-types typing-inspection uvicorn httptools pyzmq msgspec
+          openai httpx2 httpcore2 truststore jiter orjson sniffio opentelemetry-api xgrammar apache-tvm-ffi"
 pins=()
 for name in $packages; do
   version=$(python3 -m pip show "$name" 2>/dev/null | awk '/^Version:/ {print $2}')

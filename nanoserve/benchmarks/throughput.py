@@ -6,6 +6,10 @@
 The model is a config.json with random weights (`--config`), or a model folder (`--model`).
 Prints one line: output tokens, seconds, tokens/s. Weight init, KV sizing, graph capture and a
 warm-up generation are excluded from the timing.
+
+`--json-schema` constrains every request with a JSON schema (structured outputs) whose string
+cannot close before max_tokens, so the lengths stay nano-vllm's; it also prints how long a large
+schema takes to compile.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 from random import Random
 
 from nanoserve import EngineConfig, SamplingParams
+from nanoserve.sampling_params import StructuredOutputsParams
 from nanoserve.benchmarks.config_file import config_from_file
 from nanoserve.engine.llm import LLM
 
@@ -45,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--max-token-id", type=int, default=10000, help="prompt ids are drawn from 0..this")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--json-schema", action="store_true",
+                        help="constrain every request with a JSON schema (structured outputs)")
     parser.add_argument("--trace", metavar="DIR", default=None,
                         help="after the timed run, run again recording step times and a torch.profiler window")
     return parser
@@ -64,8 +71,15 @@ def main(argv: list[str] | None = None) -> None:
     rng = Random(args.seed)
     prompts = [[rng.randint(0, args.max_token_id) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
                for _ in range(args.num_seqs)]
+    schema = None
+    if args.json_schema:
+        # a long string of tokens of ~1-8 characters: it cannot close before max_tokens
+        schema = StructuredOutputsParams(json={"type": "object", "required": ["text"], "properties": {
+            "text": {"type": "string", "minLength": 16 * args.max_output_len}}})
+        print(f"grammar compile: {large_schema_compile_ms(llm):.0f} ms for a schema of 200 fields")
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, detokenize=False,
-                             max_tokens=rng.randint(args.min_output_len, args.max_output_len))
+                             max_tokens=rng.randint(args.min_output_len, args.max_output_len),
+                             structured_outputs=schema)
               for _ in range(args.num_seqs)]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16, detokenize=False), use_tqdm=False)  # warm-up
 
@@ -77,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     backend = llm.engine.runner.backend.name
     graphs = "eager" if llm.engine.runner.graphs is None else "cuda-graphs"
     graphs += ", async scheduling" if config.async_scheduling else ", sync scheduling"
+    graphs += ", json_schema" if schema else ""
     print(f"throughput: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:.0f} tok/s "
           f"({args.num_seqs} seqs, {os.path.basename(args.model or args.config)}, {backend}, {graphs}, "
           f"block {config.block_size}, kv {config.kv_cache_dtype}, tp {config.tensor_parallel_size}, "
@@ -86,6 +101,22 @@ def main(argv: list[str] | None = None) -> None:
         with StepTrace(llm.engine, args.trace):
             llm.generate(prompts, params, use_tqdm=False)
     llm.close()
+
+
+def large_schema_compile_ms(llm: LLM) -> float:
+    """Milliseconds to compile a 200-field object schema (nested objects, enums, bounds, arrays)."""
+    from nanoserve.engine.grammar import compile_spec
+
+    kinds = [{"type": "string", "maxLength": 64}, {"type": "integer", "minimum": 0, "maximum": 10_000},
+             {"type": "number", "minimum": -1, "maximum": 1}, {"enum": ["red", "green", "blue"]},
+             {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+             {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "boolean"}},
+              "required": ["x", "y"]}]
+    fields = {f"field_{i}": kinds[i % len(kinds)] for i in range(200)}
+    spec = StructuredOutputsParams(json={"type": "object", "properties": fields, "required": list(fields)[::2]})
+    start = time.perf_counter()
+    compile_spec(llm.engine.grammars.compiler, spec)
+    return (time.perf_counter() - start) * 1e3
 
 
 if __name__ == "__main__":

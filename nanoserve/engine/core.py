@@ -89,6 +89,7 @@ class EngineCore:
             if stop:
                 return
             outputs = engine.step() if engine.has_unfinished_requests() else []
+            failed += [RequestFailed(ids, why) for ids, why in engine.take_failures()]
             stats = engine.stats()
             if outputs or failed or stats != last_stats:
                 self.send(EngineOutputs(outputs, stats, failed))

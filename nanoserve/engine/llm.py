@@ -93,7 +93,7 @@ class LLM:
                 states[request_id] = (result, state)
             self.engine.add_request(request_ids[0], ids, params, fork_ids=request_ids[1:])
         bar = tqdm(total=len(states), desc="Generating", disable=not use_tqdm)
-        while self.engine.has_unfinished_requests():
+        while self._raise_failures(states) or self.engine.has_unfinished_requests():
             for step in self.engine.step():
                 result, state = states[step.request_id]
                 result.num_cached_tokens = max(result.num_cached_tokens, step.num_cached_tokens)
@@ -104,3 +104,13 @@ class LLM:
                     bar.update(1)
         bar.close()
         return results
+
+    def _raise_failures(self, request_ids) -> bool:
+        """Raise ValueError for a request the engine dropped (a grammar that cannot compile), after
+        aborting the rest of this call's requests; else False."""
+        failures = self.engine.take_failures()
+        if failures:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise ValueError(failures[0][1])
+        return False

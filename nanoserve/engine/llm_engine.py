@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
@@ -17,6 +19,9 @@ from nanoserve.engine.sequence import Sequence
 from nanoserve.runner.batch import PENDING_TOKEN, SequenceWork
 from nanoserve.runner.model_runner import ModelRunner, PendingSample
 from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # xgrammar loads with the first structured-output request, not with the engine
+    from nanoserve.engine.grammar import GrammarManager
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +70,13 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0  # ever, for the stats
         self.num_computed_tokens = 0
+        self._grammars: GrammarManager | None = None  # built with the first structured-output request
+        # structured-output requests whose grammar is still compiling: not scheduled until it is,
+        # so they wait without holding anyone else up; (sequence, its grammar's future)
+        self.awaiting_grammar: list[tuple[Sequence, concurrent.futures.Future]] = []
+        # (request ids, why) of requests dropped because their grammar failed to compile; the core
+        # reports them as RequestFailed (the front end validates specs first, so this is rare)
+        self.failures: list[tuple[list[str], str]] = []
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     fork_ids: list[str] | tuple[str, ...] = ()) -> None:
@@ -76,9 +88,9 @@ class LLMEngine:
         for rid in (request_id, *fork_ids):
             if rid in self.sequences or rid in self.pending_forks:
                 raise ValueError(f"Request id {rid!r} is already in use")
-        self._enqueue(request_id, prompt_token_ids, params)
-        if fork_ids:
+        if fork_ids:  # before queueing: a request that fails at once must take its forks with it
             self.pending_forks[request_id] = list(fork_ids)
+        self._enqueue(request_id, prompt_token_ids, params)
 
     def _enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  front: bool = False) -> None:
@@ -88,10 +100,58 @@ class LLMEngine:
         seq.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         self.sequences[request_id] = seq
+        if params.structured_outputs is not None:
+            future = self.grammars.compile(params.structured_outputs)
+            if not future.done():  # forks find their parent's grammar compiled and keep their place
+                self.awaiting_grammar.append((seq, future))
+                return
+            if not self._attach_grammar(seq, future):
+                return
         if front:
             self.scheduler.waiting.appendleft(seq)
         else:
             self.scheduler.add(seq)
+
+    @property
+    def grammars(self) -> GrammarManager:
+        # built on first use: its vocabulary scan takes a while for a large tokenizer, and most
+        # deployments never see a structured-output request
+        if self._grammars is None:
+            from nanoserve.engine.grammar import GrammarManager
+            self._grammars = GrammarManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        return self._grammars
+
+    def _attach_grammar(self, seq: Sequence, future: concurrent.futures.Future) -> bool:
+        """Give the sequence its matcher; False (the request failed and is reported) when it cannot compile."""
+        try:
+            seq.grammar = self.grammars.matcher(future.result(), seq.stop_token_ids)
+            return True
+        except ValueError as exc:
+            logger.warning("Request %s failed: %s", seq.request_id, exc)
+            del self.sequences[seq.request_id]
+            self.failures.append(([seq.request_id, *self.pending_forks.pop(seq.request_id, [])], str(exc)))
+            return False
+
+    def take_failures(self) -> list[tuple[list[str], str]]:
+        """(request ids, why) of the requests dropped since the last call; they produce no outputs."""
+        failures, self.failures = self.failures, []
+        return failures
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar finished compiling."""
+        if self.awaiting_grammar:
+            if not self.scheduler.has_work and self.in_flight is None:
+                # nothing else to run: wait for a compile instead of spinning (briefly, so adds and
+                # aborts from the inbox are still taken promptly)
+                concurrent.futures.wait([f for _, f in self.awaiting_grammar], timeout=0.01,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            still = []
+            for seq, future in self.awaiting_grammar:
+                if not future.done():
+                    still.append((seq, future))
+                elif self._attach_grammar(seq, future):
+                    self.scheduler.add(seq)
+            self.awaiting_grammar = still
 
     def _start_forks(self, parent: Sequence) -> None:
         forks = self.pending_forks.pop(parent.request_id, [])
@@ -108,14 +168,19 @@ class LLMEngine:
         if seq is None:
             return False
         self._start_forks(seq)  # siblings are requests of their own and live on
+        if any(s is seq for s, _ in self.awaiting_grammar):
+            self.awaiting_grammar = [(s, f) for s, f in self.awaiting_grammar if s is not seq]
+            return True
         return self.scheduler.abort(request_id) is not None
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any; the engine serves nothing afterwards."""
+        if self._grammars is not None:
+            self._grammars.close()
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work or self.in_flight is not None
+        return self.scheduler.has_work or self.in_flight is not None or bool(self.awaiting_grammar)
 
     @property
     def num_running(self) -> int:
@@ -123,8 +188,10 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences queued, siblings (n > 1) that wait for their first's prompt included."""
-        return len(self.scheduler.waiting) + sum(map(len, self.pending_forks.values()))
+        """Sequences queued, siblings (n > 1) that wait for their first's prompt and requests that
+        wait for their grammar included."""
+        return (len(self.scheduler.waiting) + sum(map(len, self.pending_forks.values()))
+                + len(self.awaiting_grammar))
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -145,6 +212,7 @@ class LLMEngine:
 
         With async scheduling the next batch is launched before this one's sampled ids are read,
         so the host's bookkeeping overlaps the device's work and outputs arrive one step later."""
+        self._admit_compiled()
         if self.config.async_scheduling and not self._needs_token_history():
             launched = self._launch()
             outputs = self._complete(self.in_flight) if self.in_flight else []
@@ -156,8 +224,9 @@ class LLMEngine:
         return outputs + (self._complete(launched) if launched else [])
 
     def _needs_token_history(self) -> bool:
-        # penalties read every past token on the host: the last step's ids must be back first
-        return any(seq.params.uses_penalties for seq in self.scheduler.running)
+        # penalties read every past token on the host, and a grammar's mask for the next token
+        # needs the last one accepted: the last step's ids must be back first
+        return any(seq.params.uses_penalties or seq.grammar is not None for seq in self.scheduler.running)
 
     @staticmethod
     def _prompt_logprobs(seq: Sequence) -> int | None:
@@ -174,7 +243,11 @@ class LLMEngine:
                              seq.params if seq.num_computed_tokens + n == seq.num_tokens else None,
                              self._banned(seq), seq.pending_row, self._prompt_logprobs(seq))
                 for seq, n in zip(step.seqs, step.num_new_tokens)]
-        launched = InFlightStep(self.runner.launch(work))
+        token_mask = None
+        if self._grammars is not None:
+            sampling = [seq for seq, w in zip(step.seqs, work) if w.params is not None]
+            token_mask = self._grammars.bitmask([seq.grammar for seq in sampling])
+        launched = InFlightStep(self.runner.launch(work, token_mask))
         self.num_computed_tokens += sum(step.num_new_tokens)
         for seq, n, w in zip(step.seqs, step.num_new_tokens, work):
             if w.prompt_logprobs is not None:
@@ -212,6 +285,10 @@ class LLMEngine:
             if seq.request_id in self.pending_forks:
                 self._start_forks(seq)
             reason = self._finish_reason(seq, token, position + 1 - seq.num_prompt_tokens)
+            if seq.grammar is not None:
+                seq.grammar.accept_token(token)
+                if reason is None and seq.grammar.is_terminated():
+                    reason = "stop"  # the grammar is complete (it ends on a stop token even with ignore_eos)
             if reason is not None:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, reason)

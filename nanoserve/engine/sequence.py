@@ -40,6 +40,10 @@ class Sequence:
         self.max_tokens = params.max_tokens
         self.pending_row = -1  # row of the launched step whose sampled id is still on the device
         self.stop_token_ids: frozenset[int] = frozenset(params.stop_token_ids)  # eos added by the engine
+        # structured outputs: xgrammar's matcher over the output tokens so far (set by the engine
+        # once the grammar compiled). It advances with each sampled token and never rolls back:
+        # preemption recomputes the KV cache but keeps the tokens, so the matcher stays right
+        self.grammar = None
         # by position; the first token has none (nothing predicts it)
         self.prompt_logprobs: list | None = [None] * self.num_prompt_tokens \
             if params.prompt_logprobs is not None else None

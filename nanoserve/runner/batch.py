@@ -33,7 +33,6 @@ class SequenceWork:
     # logprob of that token and this many top alternatives (prompt logprobs)
     prompt_logprobs: int | None = None
 
-
     def for_workers(self) -> SequenceWork:
         """What a tensor-parallel worker needs of this work: the tokens this step computes (and the
         next, a prompt-logprob target), not the whole history, which grows every step."""
@@ -59,6 +58,17 @@ class TokenWindow:
         if isinstance(key, slice):
             return self.tokens[key.start - self.offset:key.stop - self.offset]
         return self.tokens[key - self.offset]
+
+
+@dataclass
+class TokenMask:
+    """Which tokens the constrained sampling rows of a step may draw (structured outputs).
+
+    Built by the engine from its grammar matchers; the sampler sets every other logit of those
+    rows to -inf. Rows not listed are not touched."""
+
+    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32 on the host; bit t of a row set = token t allowed
+    rows: list[int]        # the sampling row (index among the step's sampling rows) of each bitmask row
 
 
 PENDING_TOKEN = -1  # stands in the engine's token lists for a sampled id not yet read back

@@ -9,7 +9,7 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.runner.attention import select_backend
-from nanoserve.runner.batch import SampleOutput, SequenceWork
+from nanoserve.runner.batch import SampleOutput, SequenceWork, TokenMask
 from nanoserve.runner.inputs import build_inputs
 from nanoserve.runner.layers.ops import EAGER_OPS, compiled_ops
 from nanoserve.runner.kv_cache import KVCache, blocks_for_cpu, blocks_for_gpu, profile_work
@@ -106,17 +106,18 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
-    def run(self, work: list[SequenceWork]) -> SampleOutput:
+    def run(self, work: list[SequenceWork], token_mask: TokenMask | None = None) -> SampleOutput:
         """Compute every sequence's new tokens; sample one token for each row that asks."""
-        return self.launch(work).result()
+        return self.launch(work, token_mask).result()
 
-    def launch(self, work: list[SequenceWork]) -> PendingSample:
+    def launch(self, work: list[SequenceWork], token_mask: TokenMask | None = None) -> PendingSample:
         """Queue a step on the device and return without waiting for it.
 
-        Rows with `prev_row` set read their input token from what the previous launch sampled."""
+        Rows with `prev_row` set read their input token from what the previous launch sampled.
+        `token_mask` limits what the constrained sampling rows may draw (rank 0 alone samples)."""
         if self.tp.size > 1:
             self.tp.broadcast([w.for_workers() for w in work])  # rank 0's step; the workers run the same one
-        return self._step(work)
+        return self._step(work, token_mask)
 
     def serve_steps(self) -> None:
         """A worker's loop: run each step rank 0 broadcasts, until it broadcasts None."""
@@ -143,7 +144,7 @@ class ModelRunner:
         self.prev_rows = sum(w.params is not None for w in work)
 
     @torch.inference_mode()
-    def _step(self, work: list[SequenceWork]) -> PendingSample:
+    def _step(self, work: list[SequenceWork], token_mask: TokenMask | None = None) -> PendingSample:
         if self.tp.size > 1:
             self._share_prev_tokens(work)
         prompt = None
@@ -163,7 +164,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # every rank: the LM head gathers across ranks
         if self.tp.rank != 0:
             return PendingSample(None, None, 0)  # rank 0 alone samples
-        tokens, logprobs = draw(logits, rows)
+        tokens, logprobs = draw(logits, rows, token_mask)
         self.prev_tokens = tokens
         return PendingSample(tokens, logprobs, len(rows), prompt)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanoserve.runner.batch import SampleOutput, SequenceWork
+from nanoserve.runner.batch import SampleOutput, SequenceWork, TokenMask
 from nanoserve.runner.inputs import PromptLogprobRows
 
 # JSON has no -inf; OpenAI clients expect a large negative number instead
@@ -114,14 +114,29 @@ def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SequenceWork]) -> SampleOutput:
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:
+    """-inf, in place, wherever a constrained row's grammar forbids the token; other rows untouched."""
+    import xgrammar as xgr  # only steps with a constrained row need it
+
+    # xgrammar reads bitmask row i for logits row i: spread the compact rows over the batch (a few
+    # bytes per row, all ones = allowed) rather than copy the constrained logits out and back
+    compact = mask.bitmask.to(logits.device, non_blocking=True)
+    bitmask = torch.full((logits.shape[0], compact.shape[1]), -1, dtype=compact.dtype, device=logits.device)
+    bitmask[mask.rows] = compact
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=mask.rows)
+
+
+def sample(logits: torch.Tensor, rows: list[SequenceWork], token_mask: TokenMask | None = None) -> SampleOutput:
     """One token per row: argmax for temperature 0, else a draw from the filtered distribution."""
-    tokens, logprobs = draw(logits, rows)
+    tokens, logprobs = draw(logits, rows, token_mask)
     return SampleOutput(tokens.tolist(), logprobs if logprobs is not None else [None] * len(rows))
 
 
-def draw(logits: torch.Tensor, rows: list[SequenceWork]) -> tuple[torch.Tensor, list | None]:
-    """The sampled ids, left on the device, and the rows' logprobs (read now) when any row asks."""
+def draw(logits: torch.Tensor, rows: list[SequenceWork],
+         token_mask: TokenMask | None = None) -> tuple[torch.Tensor, list | None]:
+    """The sampled ids, left on the device, and the rows' logprobs (read now) when any row asks.
+
+    Logprobs are those of the model, before penalties and the grammar's mask (as vLLM reports them)."""
     st = SamplingTensors.build(rows, logits.shape[1], logits.device)
     adjusted = any(w.params.uses_penalties or w.params.logit_bias or w.banned_token_ids for w in rows)
     if adjusted or st.num_logprobs >= 0:
@@ -129,6 +144,8 @@ def draw(logits: torch.Tensor, rows: list[SequenceWork]) -> tuple[torch.Tensor, 
     raw_logprobs = logits.log_softmax(dim=-1) if st.num_logprobs >= 0 else None
     if adjusted:
         apply_penalties(logits, rows)
+    if token_mask is not None:
+        apply_token_mask(logits, token_mask)
     if logits.is_cuda and st.top_k is None and st.top_p is None and st.min_p is None:
         tokens = _fused_draw(logits, st)
     elif st.all_greedy:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 import jinja2
@@ -12,15 +13,21 @@ from nanoserve.engine.async_engine import RequestStream, RequestUpdate
 from nanoserve.server.errors import APIError
 from nanoserve.server.logprobs import chat_logprobs
 from nanoserve.server.metrics import RequestTimer
-from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage
+from nanoserve.server.chat_output import ChoiceReader
+from nanoserve.server.conversation import template_inputs
+from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage, Tool
+from nanoserve.server.reasoning import REASONING_PARSERS
 from nanoserve.server.response import OpenAIResponse
 from nanoserve.server.state import ServerState, off_the_loop_if_long, sampling_error
+from nanoserve.server.structured import constrain, requested_spec
+from nanoserve.server.tools import ToolPlan, plan_tools
 from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_body, sse_response
 
 router = APIRouter()
 
 
-def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                tools: list[Tool] | None = None, template_kwargs: dict | None = None) -> list[int]:
     """Token ids of the conversation as the model's chat template writes it."""
     tok = state.tokenizer
     # the template only adds text: contents past the bound cannot fit once rendered either
@@ -28,10 +35,10 @@ def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_
     if not tok.chat_template:
         raise APIError("This model has no chat template, so it cannot serve /v1/chat/completions; "
                        "use /v1/completions with a prompt instead", param="messages")
-    conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in messages]
+    conversation, extra = template_inputs(messages, tools, template_kwargs)
     try:
-        text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                       **extra)
     except jinja2.TemplateError as exc:  # e.g. "roles must alternate user/assistant"
         raise APIError(f"The chat template refused these messages: {exc}", param="messages") from None
     # the template already wrote every special token the model expects (BOS included)
@@ -43,26 +50,32 @@ class ChatCompletion(OpenAIResponse):
 
     id_prefix, body_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, state: ServerState, req: ChatCompletionRequest, model: str) -> None:
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, model: str, tools: ToolPlan) -> None:
         super().__init__(state, req, model)
-        self.prompt = req.truncate(render_chat(state, req.messages))
+        self.prompt = req.truncate(render_chat(state, req.messages, True, req.tools, req.chat_template_kwargs))
         self.prompt_lens = [len(self.prompt)]
         self.top_n = req.top_logprobs or 0
+        reasoning = state.settings.reasoning_parser
+        self.readers = [ChoiceReader(tools, REASONING_PARSERS[reasoning]() if reasoning else None)
+                        for _ in range(req.n)]
 
     def logprobs(self, token_ids: list[int], logprobs: list | None) -> dict | None:
         return chat_logprobs(self.state.texts, token_ids, logprobs or [], self.top_n) if self.req.logprobs else None
 
     async def collect(self, stream: RequestStream, timer: RequestTimer) -> dict:
         await self.drain(stream, timer)
-        choices = [{"index": c, "message": {"role": "assistant", "content": out.text},
-                    "logprobs": self.logprobs(out.token_ids, out.logprobs), "finish_reason": out.finish_reason}
-                   for c, out in enumerate(stream.outputs)]
+        choices = []
+        for c, out in enumerate(stream.outputs):
+            message, finish_reason = self.readers[c].message(out.text, out.finish_reason)
+            choices.append({"index": c, "message": message, "logprobs": self.logprobs(out.token_ids, out.logprobs),
+                            "finish_reason": finish_reason})
         return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
 
     def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
         def render(u: RequestUpdate, ids: list[int], lps: list) -> dict:
-            return {"index": u.index, "delta": {"content": u.text} if u.text else {},
-                    "logprobs": self.logprobs(ids, lps), "finish_reason": u.finish_reason}
+            delta, finish_reason = self.readers[u.index].delta(u.text, u.finish_reason)
+            return {"index": u.index, "delta": delta, "logprobs": self.logprobs(ids, lps),
+                    "finish_reason": finish_reason}
 
         # the role comes first, in a delta of its own for every choice
         opening = [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -90,10 +103,18 @@ async def create_chat_completion(request: Request) -> Response:
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     try:
-        params = req.sampling_params(max_tokens(req), (req.top_logprobs or 0) if req.logprobs else None)
+        params = req.sampling_params(max_tokens(req), (req.top_logprobs or 0) if req.logprobs else None,
+                                     state.sampling_defaults)
     except ValueError as exc:
         raise sampling_error(exc) from None
-    chat = await off_the_loop_if_long(sum(len(m.text()) for m in req.messages), ChatCompletion, state, req, model)
+    settings = state.settings
+    tools = plan_tools(req, settings.tool_call_parser, settings.enable_auto_tool_choice)
+    asked = ("tool_choice", tools.spec) if tools.spec is not None else requested_spec(req)
+    params = await constrain(state.tokenizer, state.engine.config.hf_config.vocab_size, params, asked)
+    if tools.parser is not None and tools.parser.needs_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)  # its calls start with a special token
+    chat = await off_the_loop_if_long(sum(len(m.text()) for m in req.messages), ChatCompletion, state, req, model,
+                                      tools)
     stream = state.start(chat.id, [chat.prompt], params)
     timer.request_id = chat.id
     timer.prompt(len(chat.prompt))

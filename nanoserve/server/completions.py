@@ -16,6 +16,7 @@ from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.protocol import CompletionRequest
 from nanoserve.server.response import OpenAIResponse
 from nanoserve.server.state import ServerState, off_the_loop_if_long, sampling_error, texts_length
+from nanoserve.server.structured import constrain, requested_spec
 from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_body, sse_response
 
 router = APIRouter()
@@ -122,6 +123,18 @@ def refuse_unsupported(req: CompletionRequest) -> None:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
 
 
+# what the OpenAI API and vLLM generate when a completion request gives no max_tokens
+DEFAULT_MAX_TOKENS = 16
+
+
+def default_max_tokens(state: ServerState, req: CompletionRequest, prompts: list[list[int]]) -> int:
+    """The request's max_tokens, else 16 or whatever less the context leaves the longest prompt."""
+    if req.max_tokens is not None:
+        return req.max_tokens
+    room = state.engine.config.max_model_len - max(map(len, prompts))
+    return max(1, min(DEFAULT_MAX_TOKENS, room))  # no room at all: the prompt check names the problem
+
+
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
@@ -132,11 +145,13 @@ async def create_completion(request: Request) -> Response:
     state.limits.check_request(num_prompts(req.prompt), req.n, req.stop, req.stop_token_ids)
     completion = await off_the_loop_if_long(texts_length(req.prompt), Completion, state, req, model)
     try:
-        params = req.sampling_params(req.max_tokens, req.logprobs)
+        params = req.sampling_params(default_max_tokens(state, req, completion.prompts), req.logprobs,
+                                     state.sampling_defaults)
         if completion.scores_prompt:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     except ValueError as exc:
         raise sampling_error(exc) from None
+    params = await constrain(state.tokenizer, state.engine.config.hf_config.vocab_size, params, requested_spec(req))
     stream = state.start(completion.id, completion.prompts, params)
     timer.request_id = completion.id
     timer.prompt(sum(map(len, completion.prompts)))

@@ -19,7 +19,7 @@ from starlette.responses import Response
 logger = logging.getLogger(__name__)
 
 # request fields of the OpenAI API that this server knows of but does not implement
-UNSUPPORTED_FIELDS = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+UNSUPPORTED_FIELDS = {"functions", "function_call",
                       "audio", "modalities", "prediction", "web_search_options", "reasoning_effort"}
 
 

@@ -1,6 +1,8 @@
-"""The small routes: models, health, version, metrics, tokenize, detokenize."""
+"""The small routes: models, health, version, metrics, tokenize, detokenize, tokenizer_info."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
@@ -71,7 +73,8 @@ async def tokenize(request: Request) -> Response:
         state.prompt_size.check(len(req.prompt), "prompt")
         tokens = await run_in_threadpool(state.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
     else:
-        tokens = await run_in_threadpool(render_chat, state, req.messages, req.add_generation_prompt)
+        tokens = await run_in_threadpool(render_chat, state, req.messages, req.add_generation_prompt, req.tools,
+                                         req.chat_template_kwargs)
     return json_response({"count": len(tokens), "max_model_len": state.engine.config.max_model_len,
                           "tokens": tokens})
 
@@ -83,3 +86,27 @@ async def detokenize(request: Request) -> Response:
     state.model_name(req.model)
     state.check_token_ids(req.tokens, "tokens")
     return json_response({"prompt": state.tokenizer.decode(req.tokens)})
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> Response:
+    """The tokenizer's config as vLLM serves it, so that clients (lm-evaluation-harness) need no hub."""
+    tok = _state(request).tokenizer
+    config = {k: v for k, v in (getattr(tok, "init_kwargs", None) or {}).items()
+              if k not in ("tokenizer_object", "added_tokens_decoder", "tokenizer_file", "vocab_file", "merges_file")}
+    config["name_or_path"] = tok.name_or_path
+    config["tokenizer_class"] = type(tok).__name__
+    if tok.chat_template:
+        config["chat_template"] = tok.chat_template
+    return json_response(_json_safe(config))
+
+
+def _json_safe(value: Any) -> Any:
+    """Special tokens are objects in init_kwargs: their text is what a client can use."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)

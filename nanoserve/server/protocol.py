@@ -1,16 +1,20 @@
 """Request bodies of the OpenAI API (and vLLM's extensions), validated strictly.
 
 Strict mode refuses "5" for an integer and true for a number; unknown fields are refused as
-the OpenAI API refuses them. Ranges follow the OpenAI API; vLLM's extra fields (top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens, stop_token_ids, truncate_prompt_tokens,
-stream_options.continuous_usage_stats) are accepted.
+the OpenAI API refuses them. JSON null in an optional field means "the default", as the OpenAI
+API reads it (its client sends null whenever a caller passes None). Ranges follow the OpenAI
+API; vLLM's extra fields (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
+stop_token_ids, truncate_prompt_tokens, stream_options.continuous_usage_stats, the
+structured-output fields) are accepted.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nanoserve.sampling_params import MAX_INT, MIN_REPETITION_PENALTY, SEED_RANGE, SamplingParams
 from nanoserve.server.errors import APIError
@@ -22,10 +26,45 @@ MAX_LOGPROBS = 20
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # a required field keeps its null, so that it is refused by name; null in a field this
+        # server does not know (e.g. `functions`) asks for nothing, so it is no reason to refuse
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if v is not None or (k in fields and fields[k].is_required())}
+        return data
+
 
 class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk, not only the last
+
+
+class JSONSchemaFormat(Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # xgrammar always holds the output to the schema, strict or not
+
+
+class ResponseFormat(Strict):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(Strict):
+    """vLLM's `structured_outputs` request field: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class SamplingFields(Strict):
@@ -50,18 +89,34 @@ class SamplingFields(Strict):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # vLLM's: keep only the last k prompt tokens
+    # structured outputs (server/structured.py): OpenAI's field, vLLM's, and vLLM's older ones
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # OpenAI's bookkeeping: accepted and ignored, none of them changes the output
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults` (the model's generation_config.json) fill the sampling fields the request leaves out."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        given = lambda name, fallback: next(  # noqa: E731 - the request's value, the model's, or ours
+            v for v in (getattr(self, name), (defaults or {}).get(name), fallback) if v is not None)
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if not self.top_k else self.top_k,  # 0 and -1 both mean "off", as in vLLM
-            min_p=self.min_p or 0.0, seed=self.seed,
+            n=self.n, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
+            top_k=given("top_k", -1) or -1,  # 0 and -1 both mean "off", as in vLLM
+            min_p=given("min_p", 0.0), seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0, logit_bias=self._logit_bias(),
+            repetition_penalty=given("repetition_penalty", 1.0), logit_bias=self._logit_bias(),
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
@@ -100,7 +155,7 @@ class CompletionRequest(SamplingFields):
     # token ids first: pydantic takes the first member that matches, and a list of ids is the
     # common case of load generators and harnesses (5x faster to validate than trying str first)
     prompt: list[int] | str | list[str] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # None: whatever is left of the context
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # None: 16, as in the OpenAI API (the endpoint fills it in)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
@@ -112,10 +167,26 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Strict):
+    """A call in an assistant message of the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None           # tool messages: the call this answers
+    reasoning_content: str | None = None      # assistant messages, as this server returns them
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -123,8 +194,33 @@ class ChatMessage(Strict):
         return self.content or ""
 
 
+class FunctionDefinition(Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # the arguments follow the schema whenever the grammar enforces it
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool | None = None  # False: at most one call (enforced when tool_choice is required)
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template (enable_thinking)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # the OpenAI API's newer name for max_tokens
     logprobs: bool = False
@@ -135,6 +231,8 @@ class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from nanoserve.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError,
                                           RequestStream, RequestUpdate)
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.server.defaults import sampling_defaults
 from nanoserve.server.errors import APIError
 from nanoserve.server.limits import PromptSize, ServerLimits
 from nanoserve.server.logprobs import TokenTexts
@@ -31,6 +32,10 @@ class ServerSettings:
     log_requests: bool = True  # one log line per finished request
     engine_death_grace_s: float = 30.0  # /health answers 503 this long after the engine died, then the server exits
     chat_template: str | None = None  # Jinja text that replaces the tokenizer's own
+    generation_config: str = "auto"  # where default temperature etc. come from (see server/defaults.py)
+    tool_call_parser: str | None = None  # reads tool calls out of the text (server/tool_parsers)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" needs it, as in vLLM
+    reasoning_parser: str | None = None  # splits reasoning_content from content (server/reasoning.py)
     limits: ServerLimits = field(default_factory=ServerLimits)
 
 
@@ -42,6 +47,8 @@ class ServerState:
         if settings.chat_template is not None:
             self.tokenizer.chat_template = settings.chat_template
         self.texts = TokenTexts(engine.tokenizer)
+        self.sampling_defaults = sampling_defaults(engine.config.model, settings.generation_config)
+        self.metrics = ServerMetrics(lambda: engine.stats)
         self.limits = settings.limits
         self.prompt_size = PromptSize(list(engine.tokenizer.get_vocab()), engine.config.max_model_len)
         self.metrics = ServerMetrics(lambda: engine.stats, settings.log_requests)

@@ -229,3 +229,20 @@ def test_logprobs_are_of_the_raw_logits_with_sorted_top_n():
             assert lp == pytest.approx(raw[i, t].item(), abs=1e-5)
     assert out.token_ids[0] == 7  # sampled from the biased logits, reported against the raw ones
 
+
+
+def test_token_mask_constrains_only_its_rows():
+    from nanoserve.runner.batch import TokenMask
+
+    logits = torch.randn(3, VOCAB)
+    allowed = [7, 33]
+    bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+    for t in allowed:
+        bitmask[0, t // 32] |= 1 << (t % 32)
+    rows = [row(SamplingParams(temperature=0.0)) for _ in range(3)]
+    out = sample(logits.clone(), rows, TokenMask(bitmask, [1])).token_ids
+    assert out[1] == allowed[int(logits[1, allowed].argmax())]
+    assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
+    sampled = [sample(logits.clone(), [row(SamplingParams(temperature=1.0))] * 3, TokenMask(bitmask, [0, 2]))
+               .token_ids for _ in range(20)]
+    assert all(s[0] in allowed and s[2] in allowed for s in sampled)

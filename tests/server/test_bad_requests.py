@@ -125,7 +125,10 @@ CASES = [
      "top_logprobs", "20"),
     ("max_tokens disagrees with max_completion_tokens", "/v1/chat/completions", chat(max_completion_tokens=5), {},
      400, "max_completion_tokens", "disagree"),
-    ("tools", "/v1/chat/completions", chat(tools=[{"type": "function"}]), {}, 400, "tools", "not supported"),
+    ("tool without a function", "/v1/chat/completions", chat(tools=[{"type": "function"}]), {}, 400,
+     "tools.0.function", "Missing"),
+    ("functions (the old API)", "/v1/chat/completions", chat(functions=[{"name": "f"}]), {}, 400, "functions",
+     "not supported"),
     ("chat over the context", "/v1/chat/completions", chat(messages=[{"role": "user", "content": LONG}]), {}, 400,
      "prompt", "64"),
     ("tokenize with prompt and messages", "/tokenize", {"prompt": "x", "messages": CHAT["messages"]}, {}, 400,
@@ -207,9 +210,9 @@ def test_after_every_bad_request_the_server_still_serves_correctly(server, offli
     server.wait_idle()  # and no request left a KV block behind
 
 
-def test_max_tokens_defaults_to_the_rest_of_the_context(server):
-    body = {"prompt": "A list", "temperature": 0, "ignore_eos": True}
-    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=120).json()
+def test_chat_max_tokens_defaults_to_the_rest_of_the_context(server):
+    body = {"messages": [{"role": "user", "content": "A list"}], "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=server.headers, timeout=120).json()
     assert r["choices"][0]["finish_reason"] == "length"
     assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == CONTEXT
 

@@ -82,16 +82,20 @@ def test_chat_template_flag_replaces_the_tokenizers_template(server_model, tmp_p
     assert body["tokens"] == offline.tokenizer.encode("[user] A list is\n", add_special_tokens=False)
 
 
-@pytest.mark.parametrize("source", ["--config", "--model"])
-def test_bench_throughput_runs_the_workload_and_counts_every_token(source):
+@pytest.mark.parametrize("source, extra", [("--config", ()), ("--model", ()), ("--model", ("--json-schema",))],
+                         ids=["--config", "--model", "--json-schema"])
+def test_bench_throughput_runs_the_workload_and_counts_every_token(source, extra):
     from nanoserve import DEFAULT_MODEL
 
     target = f"{DEFAULT_MODEL}/config.json" if source == "--config" else DEFAULT_MODEL
     out = run_cli("bench", "throughput", source, target, "--device", "cpu", "--num-seqs", "4",
                   "--min-input-len", "5", "--max-input-len", "20", "--min-output-len", "3", "--max-output-len", "8",
                   "--max-token-id", "4000", "--max-model-len", "256", "--max-num-batched-tokens", "256",
-                  "--max-num-seqs", "8")
+                  "--max-num-seqs", "8", *extra)
     assert out.returncode == 0, out.stderr[-2000:]
+    if extra:  # constrained, every request still runs to its max_tokens (counted in the line below)
+        assert re.search(r"^grammar compile: \d+ ms for a schema of 200 fields", out.stdout, re.M)
+        assert "json_schema" in out.stdout
     match = re.search(r"^throughput: (\d+) output tokens in [\d.]+ s = \d+ tok/s \(4 seqs", out.stdout, re.M)
     assert match and 12 <= int(match.group(1)) <= 32  # 4 requests of 3 to 8 tokens, each counted
 

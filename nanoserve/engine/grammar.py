@@ -1,0 +1,113 @@
+"""Structured outputs in the engine: grammars compiled off the step loop, one matcher per sequence.
+
+xgrammar compiles a spec (JSON schema, regex, choice, EBNF) into a CompiledGrammar for this
+tokenizer; a GrammarMatcher per sequence walks it token by token and, before each sample, fills
+the row of a bitmask of the tokens allowed next. The runner only ever sees that bitmask.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import xgrammar as xgr  # imported by the engine only once a request asks for structured outputs
+from transformers import PreTrainedTokenizerBase
+
+from nanoserve.runner.batch import TokenMask
+from nanoserve.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# an untrained or confused model can emit whitespace between JSON tokens forever: cap each run
+# (pretty-printed JSON of a few levels of indentation still fits)
+JSON_MAX_WHITESPACE = 24
+CACHE_SIZE = 1024  # compiled specs kept (xgrammar also caches by its own byte limit)
+
+
+def new_compiler(tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int] | None = None,
+                 max_threads: int = 2) -> xgr.GrammarCompiler:
+    """A compiler for this tokenizer; `vocab_size` is the model's (its logits may be wider than the tokenizer)."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    return xgr.GrammarCompiler(info, max_threads=max_threads)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    # JSON string literals are valid EBNF literals in xgrammar's dialect (same escapes)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    """The compiled grammar; ValueError naming what xgrammar could not compile and why."""
+    kind = next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(spec, k))
+    try:
+        if spec.json is not None:
+            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            return compiler.compile_json_schema(schema, any_whitespace=spec.any_whitespace,
+                                                max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        if spec.json_object:
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace,
+                                                strict_mode=False, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        if spec.regex is not None:
+            return compiler.compile_regex(spec.regex)
+        if spec.choice is not None:
+            return compiler.compile_grammar(choice_grammar(spec.choice))
+        return compiler.compile_grammar(spec.grammar)
+    except Exception as exc:  # xgrammar raises RuntimeError, ValueError or its own InvalidJSONError
+        raise ValueError(f"The {kind} given for structured outputs cannot be compiled: {_reason(exc)}") from None
+
+
+def _reason(exc: Exception) -> str:
+    # "[07:45:10] /project/cpp/json_schema_converter.cc:5082: Unsupported type "foo"" -> the last part
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip()) or type(exc).__name__
+
+
+class GrammarManager:
+    """Compiles specs on a thread pool, caches them by spec, and builds each step's bitmask.
+
+    The engine asks `compile(spec)` when a request arrives and schedules the request only once the
+    future is done, so a slow compile delays that request alone."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int],
+                 max_workers: int = 2) -> None:
+        self.vocab_size = vocab_size
+        self.compiler = new_compiler(tokenizer, vocab_size, stop_token_ids)
+        self.pool = ThreadPoolExecutor(max_workers, thread_name_prefix="nanoserve-grammar")
+        self.compiled: OrderedDict[tuple, Future] = OrderedDict()
+        # fills many rows' masks on xgrammar's own threads (C++, outside the GIL): at a few tens of
+        # microseconds per row for a large vocabulary, 256 rows one by one would outlast a GPU step
+        self.batch = xgr.BatchGrammarMatcher()
+
+    def compile(self, spec: StructuredOutputsParams) -> Future:
+        """A future of the CompiledGrammar; raises ValueError from result() when it cannot compile."""
+        key = spec.key
+        future = self.compiled.get(key)
+        if future is None:
+            future = self.compiled[key] = self.pool.submit(compile_spec, self.compiler, spec)
+            if len(self.compiled) > CACHE_SIZE:
+                self.compiled.popitem(last=False)
+        else:
+            self.compiled.move_to_end(key)
+        return future
+
+    @staticmethod
+    def matcher(compiled: xgr.CompiledGrammar, stop_token_ids: frozenset[int]) -> xgr.GrammarMatcher:
+        """A matcher at the grammar's start. It ends on the request's own stop tokens, where it has any."""
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None)
+
+    def bitmask(self, matchers: list[xgr.GrammarMatcher | None]) -> TokenMask | None:
+        """The allowed next tokens of each sampling row that has a matcher; None when no row has one."""
+        rows = [r for r, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        if len(rows) == 1:
+            matchers[rows[0]].fill_next_token_bitmask(bitmask, 0)
+        else:
+            self.batch.batch_fill_next_token_bitmask([matchers[r] for r in rows], bitmask)
+        return TokenMask(bitmask, rows)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

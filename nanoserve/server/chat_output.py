@@ -1,0 +1,85 @@
+"""One chat choice's text turned into an OpenAI message: reasoning, content and tool calls,
+whole or as stream deltas. Reasoning is split first; tool calls are read from what remains."""
+
+from __future__ import annotations
+
+from nanoserve.server.reasoning import Qwen3ReasoningParser
+from nanoserve.server.tool_parsers import Parsed, PartialCall
+from nanoserve.server.tool_parsers.base import scan_call_list
+from nanoserve.server.tools import ToolPlan, tool_call_id
+
+
+class ChoiceReader:
+    """Reads one choice. `message()` for a whole response; `delta()` for each streamed update."""
+
+    def __init__(self, plan: ToolPlan, reasoning: Qwen3ReasoningParser | None) -> None:
+        self.plan, self.reasoning = plan, reasoning
+        self.text = ""
+        self.sent_reasoning, self.sent_content = 0, 0
+        self.ids: list[str] = []       # per streamed call: its id, sent with its name
+        self.sent_args: list[str] = []
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, Parsed]:
+        reasoning, content = self.reasoning.parse(text, final) if self.reasoning else (None, text)
+        mode = self.plan.mode
+        if mode == "auto":
+            return reasoning, self.plan.parser.parse(content, final)
+        if mode == "named":
+            return reasoning, Parsed("", [PartialCall(self.plan.function, content, final)])
+        if mode == "required":
+            body = content.lstrip()
+            calls, _ = scan_call_list(body[1:] if body.startswith("[") else "")
+            return reasoning, Parsed("", calls)
+        return reasoning, Parsed(content)
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The whole message and the finish reason ("tool_calls" when the model called)."""
+        reasoning, parsed = self.parse(text, final=True)
+        calls = [c for c in parsed.calls if c.complete]
+        message: dict = {"role": "assistant", "content": parsed.content or None}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if not calls:
+            if self.plan.active:  # no whole call: whatever was written is the answer
+                message["content"] = (self.reasoning.parse(text, True)[1] if self.reasoning else text) or None
+            return message, finish_reason
+        message["tool_calls"] = [{"id": tool_call_id(self.plan.parser), "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        return message, self.finish_reason(finish_reason, called=True)
+
+    def finish_reason(self, reason: str | None, called: bool) -> str | None:
+        # OpenAI answers "stop" when the caller named the function, "tool_calls" when the model chose to call
+        return "tool_calls" if reason == "stop" and called and self.plan.mode != "named" else reason
+
+    def delta(self, new_text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """What this update adds to the streamed message, and the finish reason to send with it."""
+        self.text += new_text
+        reasoning, parsed = self.parse(self.text, final=finish_reason is not None)
+        delta: dict = {}
+        if reasoning is not None and len(reasoning) > self.sent_reasoning:
+            delta["reasoning_content"] = reasoning[self.sent_reasoning:]
+            self.sent_reasoning = len(reasoning)
+        if len(parsed.content) > self.sent_content:
+            delta["content"] = parsed.content[self.sent_content:]
+            self.sent_content = len(parsed.content)
+        tool_deltas = self._call_deltas(parsed.calls)
+        if tool_deltas:
+            delta["tool_calls"] = tool_deltas
+        return delta, self.finish_reason(finish_reason, called=bool(self.ids))
+
+    def _call_deltas(self, calls: list[PartialCall]) -> list[dict]:
+        """OpenAI's order: a call's index, id and name first, then fragments of its arguments."""
+        out = []
+        for i, call in enumerate(calls):
+            if call.name is None:
+                break  # a call is announced by its name; the ones after it wait
+            if i == len(self.ids):
+                self.ids.append(tool_call_id(self.plan.parser))
+                self.sent_args.append("")
+                out.append({"index": i, "id": self.ids[i], "type": "function",
+                            "function": {"name": call.name, "arguments": ""}})
+            sent = self.sent_args[i]
+            if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
+                out.append({"index": i, "function": {"arguments": call.arguments[len(sent):]}})
+                self.sent_args[i] = call.arguments
+        return out

@@ -1,0 +1,50 @@
+"""Request messages as chat templates expect them: tool calls with their arguments as objects
+(templates write them with `tojson`), tool results with their call id, extra template variables."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from nanoserve.server.errors import APIError
+from nanoserve.server.protocol import ChatMessage, Tool
+
+# apply_chat_template's own arguments: a request may not set them through chat_template_kwargs
+RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
+                            "continue_final_message", "return_dict", "chat_template", "tokenizer_kwargs"}
+
+
+def template_message(m: ChatMessage) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name:
+        message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content is not None:
+        message["reasoning_content"] = m.reasoning_content
+    return message
+
+
+def _arguments(text: str) -> Any:
+    # Llama's and Mistral's templates write arguments with `tojson`: a JSON string would be quoted twice
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def template_inputs(messages: list[ChatMessage], tools: list[Tool] | None,
+                    kwargs: dict[str, Any] | None) -> tuple[list[dict], dict[str, Any]]:
+    """(conversation, the other keyword arguments of apply_chat_template)."""
+    extra = dict(kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(extra))
+    if reserved:
+        raise APIError(f"chat_template_kwargs may not set {reserved}: give those as request fields",
+                       param="chat_template_kwargs")
+    if tools:
+        extra["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    return [template_message(m) for m in messages], extra

@@ -1,0 +1,119 @@
+"""What every tool-call parser shares: a parse of the text so far into content and calls.
+
+A parser reads the whole output text each time (outputs are short next to the cost of a step)
+and returns what it can already tell: the content before any call and, per call, its name once
+complete and its arguments as far as they are written. Streaming sends the difference from the
+last parse, so a parse must only ever grow: text that may yet turn out to open a call is held
+back from the content until it is known.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+_decoder = json.JSONDecoder()
+
+
+@dataclass
+class PartialCall:
+    """One tool call as far as the text shows it."""
+
+    name: str | None = None  # set once the name string is complete
+    arguments: str = ""      # the arguments object's text as written so far (JSON once complete)
+    complete: bool = False   # the whole call object is closed
+
+
+@dataclass
+class Parsed:
+    content: str = ""
+    calls: list[PartialCall] = field(default_factory=list)
+
+
+class ToolParser:
+    """Subclasses implement `parse(text, final)`; `final` False means more text may follow."""
+
+    name = ""
+    # special tokens the format uses: the detokenizer must keep them (e.g. Mistral's [TOOL_CALLS])
+    needs_special_tokens = False
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        raise NotImplementedError
+
+
+def held_back(text: str, marker: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `marker` (may start it)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+
+
+def scan_call(text: str) -> tuple[PartialCall, int | None]:
+    """A call object `{"name": ..., "arguments": {...}}` at the start of `text` (after whitespace),
+    as far as it is written; and the index just past it once it is closed, else None."""
+    call = PartialCall()
+    start = len(text) - len(text.lstrip())
+    try:
+        obj, end = _decoder.raw_decode(text, start)
+    except ValueError:
+        obj, end = None, None
+    if isinstance(obj, dict):
+        call.name = str(obj.get("name")) if obj.get("name") is not None else None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        call.arguments = _raw_arguments(text[start:end]) or json.dumps(args, ensure_ascii=False)
+        call.complete = call.name is not None
+        return call, end
+    name = _NAME.search(text, start)
+    if name:
+        call.name = json.loads(f'"{name.group(1)}"')
+    args = _ARGS.search(text, start)
+    if args:
+        call.arguments = _partial_arguments(text[args.end():])
+    return call, None
+
+
+def _raw_arguments(obj_text: str) -> str | None:
+    """The arguments object of a closed call, as the model wrote it (streamed text adds up to it)."""
+    match = _ARGS.search(obj_text)
+    if not match:
+        return None
+    try:
+        _, end = _decoder.raw_decode(obj_text, match.end())
+    except ValueError:
+        return None
+    return obj_text[match.end():end]
+
+
+def _partial_arguments(tail: str) -> str:
+    """What is written of an arguments object that is not closed yet (all of it is its own)."""
+    try:
+        _, end = _decoder.raw_decode(tail)
+        return tail[:end]
+    except ValueError:
+        return tail.rstrip()  # trailing whitespace may come before a closing brace: keep it for later
+
+
+def scan_call_list(text: str, separator: str = ",") -> tuple[list[PartialCall], bool]:
+    """Call objects one after another (`{...}, {...}` or `{...}; {...}`); and whether the text holds
+    nothing else after them so far (False: something that is not a call follows)."""
+    calls: list[PartialCall] = []
+    pos = 0
+    while True:
+        rest = text[pos:].lstrip()
+        if rest.startswith(separator) and calls:
+            rest = rest[len(separator):].lstrip()
+        if not rest:
+            return calls, True
+        if not rest.startswith("{"):
+            return calls, False
+        call, end = scan_call(rest)
+        calls.append(call)
+        if end is None:
+            return calls, True
+        pos = len(text) - len(rest) + end

@@ -1,0 +1,25 @@
+"""Hermes format (Qwen2.5, Qwen3, Hermes): `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`,
+one block per call, after optional content."""
+
+from __future__ import annotations
+
+from nanoserve.server.tool_parsers.base import Parsed, ToolParser, held_back, scan_call
+
+START, END = "<tool_call>", "</tool_call>"
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        first = text.find(START)
+        if first < 0:
+            keep = len(text) if final else len(text) - held_back(text, START)
+            return Parsed(text[:keep])
+        parsed = Parsed(text[:first])  # as streamed: the same content whole or in deltas
+        for block in text[first:].split(START)[1:]:
+            body = block.split(END, 1)[0]
+            call, _ = scan_call(body)
+            call.complete = call.complete and (END in block or final)
+            parsed.calls.append(call)
+        return parsed

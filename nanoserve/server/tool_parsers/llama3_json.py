@@ -1,0 +1,25 @@
+"""Llama 3.1 / 3.2 JSON format: the reply is `{"name": ..., "parameters": {...}}` (several joined
+by `; `), optionally after `<|python_tag|>`; a reply that starts otherwise is content."""
+
+from __future__ import annotations
+
+from nanoserve.server.tool_parsers.base import Parsed, ToolParser, held_back, scan_call_list
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+class Llama3JsonToolParser(ToolParser):
+    name = "llama3_json"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        body = text.lstrip()
+        if body.startswith(PYTHON_TAG):
+            body = body[len(PYTHON_TAG):]
+        elif not final and held_back(body, PYTHON_TAG) == len(body):
+            return Parsed()  # nothing, or the start of the tag: too early to tell
+        if not body.lstrip().startswith("{"):
+            return Parsed(text if final or body.strip() else "")
+        calls, only_calls = scan_call_list(body, ";")
+        if final and (not only_calls or not all(c.complete for c in calls)):
+            return Parsed(text)  # JSON that is not (only) calls is an answer
+        return Parsed("", calls)

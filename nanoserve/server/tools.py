@@ -1,0 +1,84 @@
+"""Tool calling on /v1/chat/completions: what tool_choice asks of the model and how it is held to it.
+
+- none: the model answers in text (the template still lists the tools, as in vLLM).
+- auto: the model may call; `--tool-call-parser` reads the calls out of its text.
+- required / a named function: structured decoding enforces a call, so that even a model that
+  never learnt the format produces one whose arguments validate against the function's schema
+  (required: a JSON array of {"name", "parameters"}; named: the arguments object itself).
+"""
+
+from __future__ import annotations
+
+import random
+import string
+import uuid
+from dataclasses import dataclass
+
+from nanoserve.sampling_params import StructuredOutputsParams
+from nanoserve.server.errors import APIError
+from nanoserve.server.protocol import ChatCompletionRequest, Tool
+from nanoserve.server.tool_parsers import TOOL_PARSERS, ToolParser
+
+ANY_ARGUMENTS = {"type": "object"}
+
+
+@dataclass
+class ToolPlan:
+    """How one request's output is read for tool calls."""
+
+    mode: str = "none"                 # none / auto / required / named
+    parser: ToolParser | None = None   # auto: reads calls out of free text
+    function: str | None = None        # named: the one function called
+    spec: StructuredOutputsParams | None = None  # required / named: the grammar that enforces it
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+
+def plan_tools(req: ChatCompletionRequest, parser_name: str | None, auto_enabled: bool) -> ToolPlan:
+    """The request's tool plan; 400 for a tool_choice it cannot honour, naming the fix."""
+    tools, choice = req.tools or [], req.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return ToolPlan()
+    if not tools:
+        if choice == "auto":
+            return ToolPlan()
+        raise APIError("tool_choice needs 'tools': give the functions the model may call", param="tool_choice")
+    if req.response_format is not None and req.response_format.type != "text" and choice != "auto":
+        raise APIError("tool_choice 'required' or a named function already constrains the output; "
+                       "drop response_format", param="response_format")
+    if choice == "auto":
+        if not (auto_enabled and parser_name):
+            raise APIError('"auto" tool choice needs the server started with --enable-auto-tool-choice and '
+                           "--tool-call-parser NAME; or ask for tool_choice 'required' or a named function",
+                           param="tool_choice")
+        return ToolPlan("auto", TOOL_PARSERS[parser_name]())
+    if choice == "required":
+        return ToolPlan("required", spec=StructuredOutputsParams(json=calls_schema(tools, req.parallel_tool_calls)))
+    named = {t.function.name: t for t in tools}.get(choice.function.name)
+    if named is None:
+        raise APIError(f"tool_choice names the function {choice.function.name!r}, which is not among the tools "
+                       f"{[t.function.name for t in tools]}", param="tool_choice")
+    return ToolPlan("named", function=named.function.name,
+                    spec=StructuredOutputsParams(json=named.function.parameters or ANY_ARGUMENTS))
+
+
+def calls_schema(tools: list[Tool], parallel: bool | None) -> dict:
+    """A JSON array of calls, each naming one of the tools and carrying arguments valid for it."""
+    one_call = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                                   "parameters": t.function.parameters or ANY_ARGUMENTS},
+                 "required": ["name", "parameters"]} for t in tools]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}}
+    if parallel is False:
+        schema["maxItems"] = 1
+    return schema
+
+
+def tool_call_id(parser: ToolParser | None) -> str:
+    # Mistral's template refuses history whose call ids are not 9 alphanumerics
+    if parser is not None and parser.name == "mistral":
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+    return f"call_{uuid.uuid4().hex[:24]}"

@@ -1,0 +1,119 @@
+"""The engine's grammars: compiled off the step loop, a matcher per sequence, correct under
+preemption, pipelined scheduling and n > 1."""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import Future
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.config import DEFAULT_MODEL
+from nanoserve.engine.grammar import GrammarManager, compile_spec
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.sampling_params import StructuredOutputsParams
+
+REGEX = r"(ab|cd)[0-9]{2,4}(-[a-z]{1,12}){2,3}"
+PROMPTS = ["The function returns", "A list is", "In Python, a class"]
+
+
+def constrained(n: int = 1, temperature: float = 0.0, seed: int | None = None, regex: str = REGEX) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=seed, n=n, max_tokens=80,
+                          structured_outputs=StructuredOutputsParams(regex=regex))
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(DEFAULT_MODEL, device="cpu", num_kvcache_blocks=256, block_size=16) as model:
+        yield model
+
+
+def texts(model: LLM, params: SamplingParams) -> list[list[str]]:
+    return [[c.text for c in out.outputs] for out in model.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_spec_key_is_equal_for_equal_schemas_in_any_key_order():
+    a = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    b = StructuredOutputsParams(json={"properties": {"a": {"type": "integer"}}, "type": "object"})
+    assert a.key == b.key != StructuredOutputsParams(regex="a").key
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+
+
+def test_compile_errors_name_the_problem(llm):
+    manager = GrammarManager(llm.tokenizer, 4096, [0])
+    with pytest.raises(ValueError, match='regex .*parenthesis'):
+        compile_spec(manager.compiler, StructuredOutputsParams(regex="(a"))
+    first = manager.compile(StructuredOutputsParams(choice=["x", "y"]))
+    assert manager.compile(StructuredOutputsParams(choice=["x", "y"])) is first  # the cache
+    assert first.result() is not None
+    manager.close()
+
+
+def test_every_choice_matches_and_n_forks_each_walk_their_own_grammar(llm):
+    outs = texts(llm, constrained(n=3, temperature=1.0, seed=1))
+    assert all(re.fullmatch(REGEX, t) for choices in outs for t in choices)
+    assert any(len(set(choices)) > 1 for choices in outs)
+
+
+def test_greedy_constrained_output_is_the_same_under_preemption_and_pipelining(llm):
+    params = constrained(n=2, regex=r"[a-z ]{40,60}\.")
+    reference = texts(llm, params)
+    assert all(re.fullmatch(r"[a-z ]{40,60}\.", t) for choices in reference for t in choices)
+    # 16 blocks of 4 tokens: six sequences of some 20 tokens cannot all hold their blocks at once
+    with LLM(DEFAULT_MODEL, device="cpu", num_kvcache_blocks=16, block_size=4, max_model_len=64,
+             async_scheduling=True) as tight:
+        assert texts(tight, params) == reference
+        assert tight.engine.scheduler.num_preemptions > 0
+
+
+def test_a_request_waits_for_its_grammar_without_holding_others_up(llm, monkeypatch):
+    engine: LLMEngine = llm.engine
+    compiling: Future = Future()
+    monkeypatch.setattr(engine.grammars, "compile", lambda spec: compiling)
+    engine.add_request("slow", llm.tokenizer.encode("A list"), constrained())
+    engine.add_request("plain", llm.tokenizer.encode("A dict"), SamplingParams(temperature=0.0, max_tokens=3))
+    seen: dict[str, list[int]] = {"slow": [], "plain": []}
+    for _ in range(5):
+        for out in engine.step():
+            seen[out.request_id] += out.new_token_ids
+    assert len(seen["plain"]) == 3 and seen["slow"] == [] and engine.num_waiting == 1
+    monkeypatch.undo()
+    compiling.set_result(compile_spec(engine.grammars.compiler, constrained().structured_outputs))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id] += out.new_token_ids
+    assert re.fullmatch(REGEX, llm.tokenizer.decode(seen["slow"][:-1]))
+
+
+def test_a_request_whose_grammar_fails_in_the_engine_is_reported_with_its_forks(llm, monkeypatch):
+    engine: LLMEngine = llm.engine
+    broken: Future = Future()
+    broken.set_exception(ValueError("The regex given for structured outputs cannot be compiled: no"))
+    monkeypatch.setattr(engine.grammars, "compile", lambda spec: broken)
+    engine.add_request("bad", llm.tokenizer.encode("A list"), constrained(), fork_ids=["bad-1"])
+    assert engine.take_failures() == [(["bad", "bad-1"], "The regex given for structured outputs cannot be "
+                                                         "compiled: no")]
+    assert not engine.has_unfinished_requests() and engine.step() == []
+    with pytest.raises(ValueError, match="cannot be compiled"):  # the offline API raises it
+        llm.generate("A list", constrained(n=2), use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_prefix_cache_hit_gives_the_same_constrained_output(llm):
+    prompt = "A dictionary maps keys to values, and a list holds items in order; both are containers."
+    first, second = (llm.generate(prompt, constrained(), use_tqdm=False)[0] for _ in range(2))
+    assert second.num_cached_tokens > 0 and first.num_cached_tokens == 0
+    assert second.text == first.text and re.fullmatch(REGEX, first.text)
+
+
+@pytest.mark.parametrize("spec", [StructuredOutputsParams(json={"type": "object", "properties": {"a": {"enum": [1]}}}),
+                                  StructuredOutputsParams(json='{"type": "array"}', any_whitespace=False),
+                                  StructuredOutputsParams(choice=["x", "y"]), StructuredOutputsParams(json_object=True)])
+def test_the_spec_travels_to_the_engine_process_in_its_add_message(spec):
+    from nanoserve.engine.messages import AddRequest, input_decoder, input_encoder
+
+    sent = AddRequest("r1", [1, 2, 3], SamplingParams(max_tokens=5, structured_outputs=spec))
+    received = input_decoder.decode(input_encoder.encode(sent))
+    assert received.params.structured_outputs == spec and received.params.structured_outputs.key == spec.key

@@ -1,0 +1,98 @@
+"""What real clients send: nulls for every optional field, OpenAI's bookkeeping fields, no max_tokens."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from nanoserve import SamplingParams
+from nanoserve.server.conversation import template_inputs
+from nanoserve.server.defaults import sampling_defaults
+from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+PROMPT = "A list is"
+MESSAGES = [{"role": "user", "content": "What is a dict?"}]
+BOOKKEEPING = {"metadata": {"team": "a"}, "store": False, "service_tier": "auto", "prompt_cache_key": "k1",
+               "safety_identifier": "user-7", "user": "u"}
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_openai_client_passing_none_everywhere_gets_the_defaults(client, offline):
+    ref = offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, n=None, stream=None,
+                                      echo=None, logprobs=None, stop=None, seed=None, top_p=None, user=None,
+                                      presence_penalty=None, frequency_penalty=None, logit_bias=None,
+                                      best_of=None, suffix=None, stream_options=None)
+    assert whole.choices[0].text == ref.text and len(whole.choices) == 1
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, n=None,
+                                          stream=None, logprobs=None, top_logprobs=None, tools=None,
+                                          tool_choice=None, response_format=None, parallel_tool_calls=None,
+                                          max_completion_tokens=None, seed=None, stop=None, metadata=None)
+    assert chat.choices[0].message.content and chat.choices[0].logprobs is None
+
+
+def test_raw_json_nulls_are_the_defaults(server):
+    body = {"prompt": PROMPT, "max_tokens": 4, "n": None, "stream": None, "echo": None, "ignore_eos": None,
+            "min_tokens": None, "skip_special_tokens": None, "include_stop_str_in_output": None, "top_k": None}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+    # a required field is still required: null names it
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": None}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_bookkeeping_fields_are_accepted_and_change_nothing(client, offline):
+    ref = offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0]
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, extra_body=BOOKKEEPING)
+    assert out.choices[0].text == ref.text
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
+                                          **BOOKKEEPING)
+    assert chat.choices[0].finish_reason == "length"
+
+
+def test_completion_without_max_tokens_generates_16_tokens(client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+
+
+def test_tokenizer_info_serves_the_tokenizer_config(server):
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=10).json()
+    assert info["tokenizer_class"] and info["eos_token"] == "<|endoftext|>"
+    assert "<|im_start|>" in info["chat_template"] and info["model_max_length"] == 2048
+
+
+def test_message_name_reaches_the_chat_template(offline):
+    conversation, extra = template_inputs([ChatMessage(role="user", content="hi", name="alice"),
+                                           ChatMessage(role="user", content="x")], None, None)
+    text = offline.tokenizer.apply_chat_template(
+        conversation, tokenize=False, **extra,
+        chat_template="{% for m in messages %}[{{ m.name or '-' }}] {{ m.content }}\n{% endfor %}")
+    assert text == "[alice] hi\n[-] x\n"
+
+
+def test_generation_config_supplies_defaults_the_request_can_override(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 9}))
+    defaults = sampling_defaults(str(tmp_path), "auto")
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1}
+    assert sampling_defaults(str(tmp_path), "vllm") == {}
+    req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "top_p": 0.5})
+    params = req.sampling_params(None, None, defaults)
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.6, 0.5, 20, 1.1)
+    assert CompletionRequest.model_validate({"prompt": "x"}).sampling_params(4, None, {}).temperature == 1.0
+    with pytest.raises(ValueError, match="generation-config"):
+        sampling_defaults(str(tmp_path), "nonsense")
+
+
+def test_bundled_generation_config_sets_no_max_new_tokens():
+    from nanoserve.config import DEFAULT_MODEL
+    with open(f"{DEFAULT_MODEL}/generation_config.json") as f:
+        assert "max_new_tokens" not in json.load(f)

@@ -1,0 +1,220 @@
+"""Tool calling, reasoning and LangChain against a real server: the bundled model prompted with
+Qwen3's chat template (tests/assets), `--tool-call-parser hermes --reasoning-parser qwen3`.
+
+The model never learnt to call tools; `required` and named tool_choice make it call anyway
+(structured decoding), and guided_regex stands in for a trained model where a test needs the
+model to write a call or a <think> block on its own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.server.conftest import ServerProcess
+
+QWEN3_TEMPLATE = Path(__file__).resolve().parents[1] / "assets" / "chat_templates" / "qwen3.jinja"
+MAX_TOKENS = 300
+
+
+class GetWeather(BaseModel):
+    """The weather in a city."""
+
+    city: str = Field(max_length=20)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+class Add(BaseModel):
+    """Add two integers."""
+
+    a: int = Field(ge=-1000, le=1000)
+    b: int = Field(ge=-1000, le=1000)
+
+
+def tool(model: type[BaseModel]) -> dict:
+    return {"type": "function", "function": {"name": model.__name__, "description": model.__doc__,
+                                             "parameters": model.model_json_schema()}}
+
+
+TOOLS = [tool(GetWeather), tool(Add)]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_server(server_model, tmp_path_factory):
+    proc = ServerProcess(server_model, tmp_path_factory.mktemp("tools"), "--num-kvcache-blocks", "256",
+                         "--block-size", "16", "--chat-template", str(QWEN3_TEMPLATE), "--enable-auto-tool-choice",
+                         "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(tool_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def streamed_message(chunks) -> tuple[str, list[dict], str | None, str]:
+    """(content, tool calls, finish reason, reasoning) reassembled from stream chunks."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            d = choice.delta
+            content += d.content or ""
+            reasoning += getattr(d, "reasoning_content", None) or (d.model_extra or {}).get("reasoning_content") or ""
+            for tc in d.tool_calls or []:
+                if tc.index not in calls:
+                    assert tc.id and tc.function.name  # OpenAI's order: id and name first
+                    calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish, reasoning
+
+
+def check_call(name: str, arguments: str) -> BaseModel:
+    return {"GetWeather": GetWeather, "Add": Add}[name].model_validate_json(arguments)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "Add"}}],
+                         ids=["required", "named"])
+def test_enforced_tool_choice_gives_a_valid_call_whole_and_streamed(client, choice):
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=MAX_TOKENS,
+                  temperature=0, parallel_tool_calls=False)
+    whole = client.chat.completions.create(**kwargs)
+    message = whole.choices[0].message
+    assert len(message.tool_calls) == 1 and message.tool_calls[0].id and message.tool_calls[0].type == "function"
+    call = message.tool_calls[0].function
+    check_call(call.name, call.arguments)
+    assert whole.choices[0].finish_reason == ("tool_calls" if choice == "required" else "stop")
+    content, calls, finish, _ = streamed_message(client.chat.completions.create(**kwargs, stream=True))
+    assert [(c["name"], c["arguments"]) for c in calls] == [(call.name, call.arguments)]
+    assert finish == whole.choices[0].finish_reason and not content
+
+
+def test_required_with_three_sampled_choices_each_call_validly(client):
+    # one call each (parallel_tool_calls false): sampled freely, this model would keep adding calls
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                         max_tokens=MAX_TOKENS, temperature=1.0, seed=4, n=3,
+                                         parallel_tool_calls=False)
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            check_call(call.function.name, call.function.arguments)
+
+
+HERMES_CALL = r'<tool_call>\n\{"name": "GetWeather", "arguments": \{"city": "[A-Z][a-z]{2,8}", "unit": "celsius"\}\}\n</tool_call>'
+
+
+def test_auto_reads_the_call_a_model_writes_whole_and_streamed(client):
+    # guided_regex makes the untrained model write what Qwen3 writes when it calls a tool
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=0,
+                  extra_body={"guided_regex": HERMES_CALL, "chat_template_kwargs": {"enable_thinking": False}})
+    whole = client.chat.completions.create(**kwargs)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "GetWeather" and check_call("GetWeather", call.function.arguments).unit == "celsius"
+    assert not whole.choices[0].message.content
+    content, calls, finish, _ = streamed_message(client.chat.completions.create(**kwargs, stream=True))
+    assert [(c["name"], c["arguments"]) for c in calls] == [("GetWeather", call.function.arguments)]
+    assert finish == "tool_calls" and not content
+
+
+def test_auto_without_a_call_is_plain_content(client):
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=12, temperature=0)
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content
+    assert out.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_reasoning_is_split_from_content(client, stream):
+    body = dict(model="tiny", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=stream,
+                extra_body={"guided_regex": r"<think>[a-z ]{5,30}</think>[a-z ]{3,20}"})
+    if stream:
+        content, _, finish, reasoning = streamed_message(client.chat.completions.create(**body))
+    else:
+        message = client.chat.completions.create(**body).choices[0].message
+        content, reasoning = message.content, message.model_extra["reasoning_content"]
+    assert reasoning and "<think>" not in reasoning and "</think>" not in reasoning
+    assert content and "think" not in content
+
+
+def test_chat_template_kwargs_and_tool_history_reach_the_template(tool_server):
+    def tokenize(body: dict) -> str:
+        r = httpx.post(f"{tool_server.url}/tokenize", json={"model": "tiny", **body}, timeout=30)
+        assert r.status_code == 200, r.text
+        return httpx.post(f"{tool_server.url}/detokenize", json={"tokens": r.json()["tokens"]}, timeout=30)\
+            .json()["prompt"]
+    off = tokenize({"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}})
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not tokenize({"messages": MESSAGES}).endswith("</think>\n\n")
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "GetWeather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
+    text = tokenize({"messages": history, "tools": TOOLS})
+    assert '<tool_call>\n{"name": "GetWeather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' in text
+    assert "<tool_response>\n21 degrees\n</tool_response>" in text and '"name": "Add"' in text
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"tool_choice": "required"}, "needs 'tools'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+])
+def test_tool_requests_it_cannot_honour_are_400s(tool_server, body, words):
+    r = httpx.post(f"{tool_server.url}/v1/chat/completions",
+                   json={"messages": MESSAGES, "max_tokens": 4, **body}, timeout=30)
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_auto_tool_choice_needs_the_server_flags(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, "tools": TOOLS},
+                   timeout=30)
+    assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "messages": MESSAGES, "max_tokens": 4, "tools": TOOLS, "tool_choice": "none"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"].get("tool_calls") is None
+
+
+# ---- LangChain, offline against 127.0.0.1
+
+@pytest.fixture(scope="module")
+def chat_model(tool_server):
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(model="tiny", base_url=f"{tool_server.url}/v1", api_key="unused", temperature=0,
+                      max_tokens=MAX_TOKENS, max_retries=0, timeout=300)
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_structured_output_gives_a_validated_object(chat_model, method):
+    result = chat_model.with_structured_output(GetWeather, method=method).invoke("Weather in Paris?")
+    assert isinstance(result, GetWeather)
+
+
+def test_langchain_structured_output_json_mode_gives_json(chat_model):
+    # json_mode asks only for a JSON object (LangChain does not send the schema): a dict schema
+    schema = {"title": "Answer", "description": "Any JSON object", "type": "object"}
+    result = chat_model.with_structured_output(schema, method="json_mode").invoke("The answer is")
+    assert isinstance(result, dict)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "Add"])
+def test_langchain_bind_tools_calls_and_streams_the_same_call(chat_model, tool_choice):
+    bound = chat_model.bind_tools([GetWeather, Add], tool_choice=tool_choice, parallel_tool_calls=False)
+    message = bound.invoke("Add 2 and 3")
+    assert len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    check_call(call["name"], json.dumps(call["args"]))
+    if tool_choice == "Add":
+        assert call["name"] == "Add"
+    streamed = None
+    for chunk in bound.stream("Add 2 and 3"):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]

@@ -1,0 +1,157 @@
+"""Tool-call parsers on real chat-template renderings (Qwen3, Llama 3.1, Mistral v0.3; see
+tests/assets/chat_templates/NOTICE.md): the calls a template writes into history are the calls
+its parser reads back, whole and streamed in any split."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from nanoserve.config import DEFAULT_MODEL
+from nanoserve.server.chat_output import ChoiceReader
+from nanoserve.server.conversation import template_inputs
+from nanoserve.server.protocol import ChatMessage, Tool
+from nanoserve.server.reasoning import Qwen3ReasoningParser
+from nanoserve.server.tool_parsers import TOOL_PARSERS
+from nanoserve.server.tools import ToolPlan
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "assets" / "chat_templates"
+TOOLS = [Tool.model_validate({"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}),
+    Tool.model_validate({"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {
+            "type": "number"}}}}})]
+CALLS = [("get_weather", {"city": "Paris, \"FR\"", "days": 3}), ("add", {"a": 1.5, "b": -2})]
+# (template file, parser, how many calls the template can write in one turn, what ends the turn)
+FORMATS = [("qwen3.jinja", "hermes", 2, "<|im_end|>"), ("llama3.1.jinja", "llama3_json", 1, "<|eot_id|>"),
+           ("mistral-v0.3.jinja", "mistral", 2, "</s>")]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+
+
+def render(tokenizer, template: str, messages: list[dict], generation_prompt: bool) -> str:
+    conversation, extra = template_inputs([ChatMessage.model_validate(m) for m in messages], TOOLS, None)
+    return tokenizer.apply_chat_template(conversation, chat_template=(TEMPLATES / template).read_text(),
+                                         add_generation_prompt=generation_prompt, tokenize=False,
+                                         bos_token="<s>", eos_token="</s>", **extra)
+
+
+def history(n_calls: int) -> list[dict]:
+    calls = [{"id": f"call{i}abcd", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+             for i, (n, a) in enumerate(CALLS[:n_calls])]
+    return [{"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": calls}]
+
+
+def assistant_turn(tokenizer, template: str, n_calls: int, end: str) -> str:
+    """What the model writes for these calls: the template's rendering of the assistant turn."""
+    messages = history(n_calls)
+    before = render(tokenizer, template, messages[:1], True)
+    whole = render(tokenizer, template, messages, False)
+    assert whole.startswith(before)
+    return whole[len(before):].rstrip().removesuffix(end)
+
+
+def reasoning_for(parser: str) -> Qwen3ReasoningParser | None:
+    # Qwen3's template writes the last assistant turn with its (empty) <think> block, as the model does
+    return Qwen3ReasoningParser() if parser == "hermes" else None
+
+
+@pytest.mark.parametrize("template, parser, n_calls, end", FORMATS, ids=[f[1] for f in FORMATS])
+def test_parser_reads_back_the_calls_its_template_writes(tokenizer, template, parser, n_calls, end):
+    text = assistant_turn(tokenizer, template, n_calls, end)
+    if reasoning_for(parser):
+        assert text.startswith("<think>\n\n</think>\n\n")
+        text = reasoning_for(parser).parse(text, True)[1]
+    parsed = TOOL_PARSERS[parser]().parse(text, final=True)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == CALLS[:n_calls], text
+    assert all(c.complete for c in parsed.calls) and not parsed.content.strip()
+
+
+@pytest.mark.parametrize("template, parser, n_calls, end", FORMATS, ids=[f[1] for f in FORMATS])
+def test_streamed_calls_in_any_split_reassemble_to_the_whole_parse(tokenizer, template, parser, n_calls, end):
+    text = assistant_turn(tokenizer, template, n_calls, end)
+    plan = ToolPlan("auto", TOOL_PARSERS[parser]())
+    whole, finish = ChoiceReader(plan, reasoning_for(parser)).message(text, "stop")
+    assert finish == "tool_calls"
+    expected = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
+    for seed in range(5):
+        rng, reader, pos = random.Random(seed), ChoiceReader(plan, reasoning_for(parser)), 0
+        calls: dict[int, dict] = {}
+        while pos < len(text):
+            step = rng.randint(1, 7)
+            last = pos + step >= len(text)
+            delta, finish = reader.delta(text[pos:pos + step], "stop" if last else None)
+            pos += step
+            for d in delta.get("tool_calls", []):
+                if d["index"] not in calls:  # OpenAI's order: id, type and name come first
+                    assert d["id"] and d["type"] == "function" and d["function"]["arguments"] == ""
+                    calls[d["index"]] = {"name": d["function"]["name"], "arguments": ""}
+                else:
+                    assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+                    calls[d["index"]]["arguments"] += d["function"]["arguments"]
+            assert not delta.get("content", "").strip()
+        assert finish == "tool_calls"
+        assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == expected
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_text_without_calls_is_content(parser):
+    text = "The weather in Paris is mild; take a coat {maybe}."
+    reader = ChoiceReader(ToolPlan("auto", TOOL_PARSERS[parser]()), None)
+    message, finish = reader.message(text, "stop")
+    assert message == {"role": "assistant", "content": text} and finish == "stop"
+    streamed = ChoiceReader(ToolPlan("auto", TOOL_PARSERS[parser]()), None)
+    pieces = [streamed.delta(text[i:i + 3], "stop" if i + 3 >= len(text) else None)[0] for i in range(0, len(text), 3)]
+    assert "".join(p.get("content", "") for p in pieces) == text
+
+
+def test_content_before_the_calls_is_kept():
+    text = 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    message, _ = ChoiceReader(ToolPlan("auto", TOOL_PARSERS["hermes"]()), None).message(text, "stop")
+    assert message["content"] == "Let me check.\n" and message["tool_calls"][0]["function"]["arguments"] == \
+        '{"a": 1, "b": 2}'
+    mistral = 'Sure. [TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}]'
+    message, _ = ChoiceReader(ToolPlan("auto", TOOL_PARSERS["mistral"]()), None).message(mistral, "stop")
+    assert message["content"] == "Sure. " and message["tool_calls"][0]["function"]["name"] == "add"
+
+
+def test_llama3_json_reads_the_python_tag_and_several_calls():
+    text = '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; {"name": "get_weather", "parameters": {"city": "X"}}'
+    parsed = TOOL_PARSERS["llama3_json"]().parse(text, final=True)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("add", {"a": 1}), ("get_weather",
+                                                                                             {"city": "X"})]
+    assert TOOL_PARSERS["llama3_json"]().parse('{"answer": 42}', final=True).content == '{"answer": 42}'
+
+
+@pytest.mark.parametrize("template, parser, n_calls, end", FORMATS, ids=[f[1] for f in FORMATS])
+def test_tool_results_reach_the_template_as_it_expects(tokenizer, template, parser, n_calls, end):
+    messages = history(n_calls) + [{"role": "tool", "tool_call_id": f"call{i}abcd", "content": f"result-{i}"}
+                                   for i in range(n_calls)]
+    text = render(tokenizer, template, messages, True)
+    marker = {"hermes": "<tool_response>\nresult-0\n</tool_response>",
+              # (Llama 3.1's template writes any string result with tojson: quoted, as Meta ships it)
+              "llama3_json": '<|start_header_id|>ipython<|end_header_id|>\n\n"result-0"<|eot_id|>',
+              "mistral": '[TOOL_RESULTS] {"content": result-0, "call_id": "call0abcd"}[/TOOL_RESULTS]'}[parser]
+    assert marker in text, text
+    assert '"Paris, \\"FR\\""' in text  # the arguments, written once as JSON (not a quoted JSON string)
+
+
+def test_qwen3_reasoning_is_split_whole_and_streamed():
+    parser = Qwen3ReasoningParser()
+    text = "<think>\nweigh it up\n</think>\n\nThe answer."
+    assert parser.parse(text, True) == ("\nweigh it up\n", "\n\nThe answer.")
+    assert parser.parse("No thinking here.", True) == (None, "No thinking here.")
+    reader = ChoiceReader(ToolPlan(), parser)
+    deltas = [reader.delta(text[i:i + 2], "stop" if i + 2 >= len(text) else None)[0] for i in range(0, len(text), 2)]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nweigh it up\n"
+    assert "".join(d.get("content", "") for d in deltas) == "\n\nThe answer."
