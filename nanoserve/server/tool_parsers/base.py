@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 _decoder = json.JSONDecoder()
@@ -31,15 +32,16 @@ class Parsed:
     calls: list[PartialCall] = field(default_factory=list)
 
 
-class ToolParser:
+class ToolParser(ABC):
     """Subclasses implement `parse(text, final)`; `final` False means more text may follow."""
 
     name = ""
     # special tokens the format uses: the detokenizer must keep them (e.g. Mistral's [TOOL_CALLS])
     needs_special_tokens = False
 
+    @abstractmethod
     def parse(self, text: str, final: bool) -> Parsed:
-        raise NotImplementedError
+        """The content and calls that `text` shows so far; each later parse only grows it."""
 
 
 def held_back(text: str, marker: str) -> int:
