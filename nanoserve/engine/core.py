@@ -8,7 +8,6 @@ Per step it sends one EngineOutputs message: every request's new tokens and a st
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -22,22 +21,12 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.messages import (AbortRequests, AddRequest, EngineDied, EngineOutputs, EngineReady,
                                        RequestFailed, Shutdown, input_decoder, output_encoder)
+from nanoserve.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _PARENT_CHECK_MS = 1000  # how often an idle core checks that its front end still lives
 _STALLED_WAIT_MS = 1     # how long a core whose step did nothing waits before trying again
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Have the kernel SIGKILL this process when its parent dies, however the parent died.
-
-    Without it, a front end killed with SIGKILL would leave an engine holding the GPU."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before the request above took effect
-        os._exit(1)
 
 
 class EngineCore:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import socket
 
 from nanoserve.config import EngineConfig
+from nanoserve.lifetime import die_with_parent
 from nanoserve.runner.parallel import TensorParallel, init_process_group
 
 logger = logging.getLogger(__name__)
@@ -28,7 +30,7 @@ def start_workers(config: EngineConfig) -> tuple[TensorParallel, list[multiproce
     size = config.tensor_parallel_size
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked into a child
-    workers = [context.Process(target=_worker_main, args=(config, rank, init_method), daemon=True,
+    workers = [context.Process(target=_worker_main, args=(config, rank, init_method, os.getpid()), daemon=True,
                                name=f"nanoserve-tp{rank}") for rank in range(1, size)]
     for worker in workers:
         worker.start()
@@ -36,9 +38,10 @@ def start_workers(config: EngineConfig) -> tuple[TensorParallel, list[multiproce
     return init_process_group(0, size, init_method, config.device), workers
 
 
-def _worker_main(config: EngineConfig, rank: int, init_method: str) -> None:
+def _worker_main(config: EngineConfig, rank: int, init_method: str, parent_pid: int) -> None:
     from nanoserve.runner.model_runner import ModelRunner
 
+    die_with_parent(parent_pid)  # a SIGKILLed engine must not leave its workers on the GPU
     tp = init_process_group(rank, config.tensor_parallel_size, init_method, config.device)
     runner = ModelRunner(config, tp=tp)
     runner.serve_steps()

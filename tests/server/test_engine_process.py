@@ -8,10 +8,11 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
-from tests.server.conftest import SERVER_ARGS, ServerProcess, alive, engine_process
+from tests.server.conftest import SERVER_ARGS, ServerProcess, alive, children, engine_process
 
 
 def _stream_until_end(url: str, index: int, started: threading.Barrier, ends: dict) -> None:
@@ -70,5 +71,19 @@ def test_sigkill_of_the_front_end_takes_the_engine_process_with_it(server_model,
         while alive(engine) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not alive(engine), "the engine process outlived its front end"
+    finally:
+        proc.stop()
+
+
+def test_sigkill_of_the_engine_takes_its_tensor_parallel_worker_with_it(server_model, tmp_path):
+    proc = ServerProcess(server_model, tmp_path, *SERVER_ARGS, "--tensor-parallel-size", "2")
+    try:
+        engine = engine_process(proc.proc.pid)
+        (worker,) = [pid for pid in children(engine) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        os.kill(engine, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(worker), "the tensor-parallel worker outlived its engine"
     finally:
         proc.stop()
