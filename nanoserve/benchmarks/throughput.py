@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
                     block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
                     tensor_parallel_size=args.tensor_parallel_size, device=args.device)
     config = (EngineConfig(model=args.model, **settings) if args.model
-              else config_from_file(args.config, **settings))
+              else config_from_file(args.config, full_vocab_tokenizer=args.json_schema, **settings))
     llm = LLM(config=config)
     rng = Random(args.seed)
     prompts = [[rng.randint(0, args.max_token_id) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
