@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on every route but /health "
                             "(default: $NANOSERVE_API_KEY)")
     serve.add_argument("--max-queue-len", type=int, default=1024,
-                       help="answer 503 when more requests than this are waiting")
+                       help="sequences (prompts x n) that may wait beside the --max-num-seqs running; "
+                            "past that a request gets 503 with a Retry-After from the queue's drain rate")
     serve.add_argument("--allowed-origins", nargs="+", default=[],
                        help="enable CORS for these origins ('*' for any); off by default")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
