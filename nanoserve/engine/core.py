@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 
+import msgspec
 import torch
 import zmq
 
@@ -94,6 +95,9 @@ class EngineCore:
                 message = input_decoder.decode(self.inputs.recv(zmq.NOBLOCK, copy=False))
             except zmq.Again:
                 return failed, False
+            except msgspec.DecodeError:  # a front end's bug must not stop the engine for everyone
+                logger.exception("Dropped a message the engine core could not decode")
+                continue
             if isinstance(message, AddRequest):
                 try:
                     self.engine.add_request(message.request_id, message.prompt_token_ids, message.params,
