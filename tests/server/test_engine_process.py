@@ -87,3 +87,18 @@ def test_sigkill_of_the_engine_takes_its_tensor_parallel_worker_with_it(server_m
         assert not alive(worker), "the tensor-parallel worker outlived its engine"
     finally:
         proc.stop()
+
+
+def test_an_engine_that_cannot_load_its_model_makes_serve_exit_non_zero_naming_why(server_model, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    folder = tmp_path / "no-weights"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(server_model) / name, folder / name)
+    done = subprocess.run([sys.executable, "-m", "nanoserve.cli", "serve", str(folder), "--host", "127.0.0.1",
+                           "--port", "0", "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "No *.safetensors files" in done.stderr
