@@ -27,20 +27,27 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class EngineCollector(Collector):
-    """Reads the engine's last published stats snapshot whenever /metrics is scraped."""
+    """Reads the engine's last published stats snapshot whenever /metrics is scraped.
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    Once the engine is dead nothing runs, waits or holds a block: those gauges read 0 rather than
+    the last snapshot, and `engine_alive` says why; the counters keep their totals."""
+
+    def __init__(self, stats: Callable[[], EngineStats], alive: Callable[[], bool] = lambda: True) -> None:
         self.stats = stats
+        self.alive = alive
 
     def collect(self) -> Iterator[Metric]:
-        s = self.stats()
-        yield GaugeMetricFamily("nanoserve:num_requests_running", "Requests in the running batch", s.num_running)
-        yield GaugeMetricFamily("nanoserve:num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting)
+        alive, s = self.alive(), self.stats()
+        now = s if alive else EngineStats(num_blocks=s.num_blocks, num_free_blocks=s.num_blocks)
+        yield GaugeMetricFamily("nanoserve:engine_alive", "1 while the engine core serves, 0 once it died",
+                                int(alive))
+        yield GaugeMetricFamily("nanoserve:num_requests_running", "Requests in the running batch", now.num_running)
+        yield GaugeMetricFamily("nanoserve:num_requests_waiting", "Requests waiting to be scheduled", now.num_waiting)
         yield GaugeMetricFamily("nanoserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)",
-                                s.kv_cache_usage)
+                                now.kv_cache_usage)
         yield GaugeMetricFamily("nanoserve:kv_cache_blocks_in_use", "KV-cache blocks held by requests",
-                                s.blocks_in_use)
-        yield GaugeMetricFamily("nanoserve:kv_cache_blocks_total", "KV-cache blocks in the pool", s.num_blocks)
+                                now.blocks_in_use)
+        yield GaugeMetricFamily("nanoserve:kv_cache_blocks_total", "KV-cache blocks in the pool", now.num_blocks)
         rate = s.prefix_hit_tokens / s.prefix_queried_tokens if s.prefix_queried_tokens else 0.0
         yield GaugeMetricFamily("nanoserve:prefix_cache_hit_rate",
                                 "Prompt tokens found in the prefix cache / prompt tokens looked up, since start", rate)
@@ -55,10 +62,11 @@ class EngineCollector(Collector):
 class ServerMetrics:
     """The registry of one server and the request-level metrics it records, once per request."""
 
-    def __init__(self, stats: Callable[[], EngineStats], log_requests: bool = True) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], log_requests: bool = True,
+                 alive: Callable[[], bool] = lambda: True) -> None:
         self.log_requests = log_requests  # one log line per finished request
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(stats))
+        self.registry.register(EngineCollector(stats, alive))
         r = self.registry
         self.prompt_tokens = Counter("nanoserve:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("nanoserve:generation_tokens", "Tokens generated", registry=r)

@@ -48,10 +48,9 @@ class ServerState:
             self.tokenizer.chat_template = settings.chat_template
         self.texts = TokenTexts(engine.tokenizer)
         self.sampling_defaults = sampling_defaults(engine.config.model, settings.generation_config)
-        self.metrics = ServerMetrics(lambda: engine.stats)
         self.limits = settings.limits
         self.prompt_size = PromptSize(list(engine.tokenizer.get_vocab()), engine.config.max_model_len)
-        self.metrics = ServerMetrics(lambda: engine.stats, settings.log_requests)
+        self.metrics = ServerMetrics(lambda: engine.stats, settings.log_requests, lambda: engine.error is None)
         self.created = int(time.time())
 
     def model_name(self, requested: str | None) -> str:

@@ -52,6 +52,9 @@ def test_killing_the_engine_fails_every_stream_within_5s_then_the_server_exits_n
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
         late = httpx.post(f"{proc.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=5)
         assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+        metrics = proc.metrics()  # nothing runs any more: no stale gauges from before the death
+        assert metrics["nanoserve:engine_alive"] == 0 and metrics["nanoserve:num_requests_running"] == 0
+        assert metrics["nanoserve:kv_cache_blocks_in_use"] == 0
         assert proc.proc.poll() is None  # still up, to say so
         # after the grace period it exits non-zero, for its supervisor to restart it
         assert proc.proc.wait(30) != 0
