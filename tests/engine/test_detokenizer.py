@@ -105,3 +105,21 @@ def test_request_state_reports_stop_and_ignores_tokens_after_it(tokenizer):
     assert out.text == "The quick "
     late = state.update(StepOutput("r", ids[-1:], None, True, "length", 2, 0))
     assert late.text == "The quick " and late.text_delta == "" and late.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("decoder", ["stream", "window"])
+def test_random_tokens_detokenize_to_the_full_decode_with_either_decoder(tokenizer, decoder):
+    """DecodeStream for fast tokenizers; a short re-decoded window for those without a Rust backend."""
+    import random
+
+    from nanoserve.engine.detokenizer import _WindowDecoder
+
+    rng = random.Random(3)
+    for _ in range(50):
+        prompt = tokenizer.encode("The list")
+        ids = [rng.randrange(len(tokenizer)) for _ in range(25)]
+        detok = IncrementalDetokenizer(tokenizer, prompt)
+        if decoder == "window":
+            detok.decoder = _WindowDecoder(tokenizer, prompt[-5:], True)
+        deltas = feed(detok, ids)
+        assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
