@@ -43,6 +43,21 @@ class RequestResult:
     latency: float = 0.0
     chunk_gaps: list[float] = field(default_factory=list)
     error: str | None = None
+    start: float = field(default_factory=time.perf_counter)  # perf_counter() when the request was sent
+    last: float = 0.0                                        # ... and when its latest chunk came
+
+    def chunk(self) -> None:
+        """A chunk with choices arrived now: the first sets TTFT, each later one adds a gap."""
+        now = time.perf_counter()
+        if not self.ttft:
+            self.ttft = now - self.start
+        else:
+            self.chunk_gaps.append(now - self.last)
+        self.last = now
+
+    def done(self) -> RequestResult:
+        self.latency = time.perf_counter() - self.start
+        return self
 
 
 def build_workload(args: argparse.Namespace) -> list[tuple[float, list[int], int]]:
@@ -65,7 +80,6 @@ def _body(model: str, prompt: list[int], max_tokens: int, temperature: float) ->
 async def raw_request(client: httpx.AsyncClient, body: dict) -> RequestResult:
     """One streamed request, timed per SSE event; only error and usage events are parsed."""
     result = RequestResult()
-    start = last = time.perf_counter()
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -75,7 +89,6 @@ async def raw_request(client: httpx.AsyncClient, body: dict) -> RequestResult:
                 async for line in response.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    now = time.perf_counter()
                     if '"usage":{' in line or '"error":' in line:
                         event = json.loads(line[6:])
                         if "error" in event:
@@ -84,41 +97,29 @@ async def raw_request(client: httpx.AsyncClient, body: dict) -> RequestResult:
                             result.output_tokens = event["usage"]["completion_tokens"]
                         if not event.get("choices"):
                             continue
-                    if not result.ttft:
-                        result.ttft = now - start
-                    else:
-                        result.chunk_gaps.append(now - last)
-                    last = now
+                    result.chunk()
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
-    result.latency = time.perf_counter() - start
-    return result
+    return result.done()
 
 
 async def openai_request(client, body: dict) -> RequestResult:
     import openai
 
     result = RequestResult()
-    start = last = time.perf_counter()
     try:
         stream = await client.completions.create(
             model=body["model"], prompt=body["prompt"], max_tokens=body["max_tokens"],
             temperature=body["temperature"], stream=True, stream_options={"include_usage": True},
             extra_body={"ignore_eos": True})
         async for chunk in stream:
-            now = time.perf_counter()
             if chunk.choices:
-                if not result.ttft:
-                    result.ttft = now - start
-                else:
-                    result.chunk_gaps.append(now - last)
-                last = now
+                result.chunk()
             if chunk.usage is not None:
                 result.output_tokens = chunk.usage.completion_tokens
     except openai.APIError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
-    result.latency = time.perf_counter() - start
-    return result
+    return result.done()
 
 
 async def _client_run(args: argparse.Namespace, model: str, share: list[tuple[float, list[int], int]],

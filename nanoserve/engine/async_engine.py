@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 
 import zmq
@@ -70,7 +71,7 @@ class AsyncEngine:
         self._engine = engine
         self._streams: dict[str, RequestStream] = {}  # engine request id -> its stream, while unfinished
         self._stats = EngineStats()
-        self._finished_times: list[float] = []  # recent request completions, for Retry-After
+        self._finished_times: deque[float] = deque(maxlen=4096)  # recent request completions, for Retry-After
         self._dir = tempfile.mkdtemp(prefix="nanoserve-")
         self._context = zmq.asyncio.Context()
         self._inputs = self._context.socket(zmq.PUSH)
@@ -105,9 +106,9 @@ class AsyncEngine:
         self._outputs.bind(output_address)
         self._reader = asyncio.create_task(self._read_outputs())
         if self._engine is not None:
-            core = EngineCore(self._engine, input_address, output_address)
-            self._thread = threading.Thread(target=self._run_thread, args=(core,), name="nanoserve-engine",
-                                            daemon=True)
+            core = EngineCore(input_address, output_address)
+            self._thread = threading.Thread(target=self._run_thread, args=(core, self._engine),
+                                            name="nanoserve-engine", daemon=True)
             self._thread.start()
             self._engine = None  # the thread owns it now
         else:
@@ -121,9 +122,9 @@ class AsyncEngine:
         return self.ready
 
     @staticmethod
-    def _run_thread(core: EngineCore) -> None:
+    def _run_thread(core: EngineCore, engine: LLMEngine) -> None:
         try:
-            core.run()
+            core.run(engine)
         except BaseException:  # noqa: BLE001 - already logged and reported as EngineDied by the core
             pass
 
@@ -255,8 +256,6 @@ class AsyncEngine:
                                                                  "output"))
         if done:
             self._send(AbortRequests(done))
-        if len(self._finished_times) > 4096:
-            del self._finished_times[:2048]
 
     def _fail(self, request_ids: list[str], exc: BaseException) -> None:
         streams = {self._streams.get(rid) for rid in request_ids} - {None}
@@ -266,9 +265,7 @@ class AsyncEngine:
 
     def fail_all(self, exc: BaseException) -> None:
         """End every open request with `exc`; the engine goes on (the shutdown deadline uses it)."""
-        for stream in set(self._streams.values()):
-            stream.fail(exc)
-            stream.close()
+        self._fail(list(self._streams), exc)
 
     def _process_exited(self) -> None:
         asyncio.get_running_loop().remove_reader(self._process.sentinel)

@@ -2,7 +2,7 @@
 
 `serve` runs it in a process of its own (`run_engine_process`), so that the device never waits
 on HTTP work and HTTP work never waits on the device. Tests may run the same loop on a thread
-of their own process (`EngineCore(...).run()`), where they can make a step fail on purpose.
+of their own process (`EngineCore(...).run(engine)`), where they can make a step fail on purpose.
 Per step it sends one EngineOutputs message: every request's new tokens and a stats snapshot.
 """
 
@@ -31,12 +31,9 @@ _STALLED_WAIT_MS = 1     # how long a core whose step did nothing waits before t
 
 
 class EngineCore:
-    """Steps `engine` while it has work; blocks on the input socket while it has none."""
+    """Steps an engine while it has work; blocks on the input socket while it has none."""
 
-    def __init__(self, engine: LLMEngine, input_address: str, output_address: str,
-                 parent_pid: int | None = None, load_seconds: float = 0.0) -> None:
-        self.engine = engine
-        self.load_seconds = load_seconds
+    def __init__(self, input_address: str, output_address: str, parent_pid: int | None = None) -> None:
         self.parent_pid = parent_pid
         self.context = zmq.Context()
         self.inputs = self.context.socket(zmq.PULL)
@@ -48,25 +45,33 @@ class EngineCore:
     def send(self, message) -> None:
         self.outputs.send(output_encoder.encode(message), copy=False)
 
-    def run(self) -> None:
+    def died(self, exc: BaseException) -> None:
+        """Tell the front end the core is gone, and why (for its log), then close the sockets."""
+        self.send(EngineDied(f"{type(exc).__name__}: {exc}"))
+        self.close()
+
+    def close(self) -> None:
+        self.inputs.close(linger=0)
+        self.outputs.close(linger=1000)
+        self.context.term()
+
+    def run(self, engine: LLMEngine, load_seconds: float = 0.0) -> None:
         """Report ready, then loop until told to shut down; any error is sent as EngineDied, then raised."""
-        config = self.engine.config
-        self.send(EngineReady(self.engine.block_manager.num_blocks, config.block_size, config.device,
-                              str(config.dtype).removeprefix("torch."), self.load_seconds,
-                              self.engine.runner.graph_capture_seconds))
+        self.engine = engine
+        config = engine.config
+        self.send(EngineReady(engine.block_manager.num_blocks, config.block_size, config.device,
+                              str(config.dtype).removeprefix("torch."), load_seconds,
+                              engine.runner.graph_capture_seconds))
         try:
-            if self.engine.config.device.startswith("cuda:"):
+            if config.device.startswith("cuda:"):
                 # the current device is per thread: make it the engine's, not cuda:0 by default
-                torch.cuda.set_device(torch.device(self.engine.config.device))
+                torch.cuda.set_device(torch.device(config.device))
             self._loop()
         except BaseException as exc:
             logger.exception("The engine core failed; every request in flight fails with it")
-            self.send(EngineDied(f"{type(exc).__name__}: {exc}"))
+            self.died(exc)
             raise
-        finally:
-            self.inputs.close(linger=0)
-            self.outputs.close(linger=1000)
-            self.context.term()
+        self.close()
 
     def _loop(self) -> None:
         engine, last_stats = self.engine, None
@@ -119,21 +124,16 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     start = time.perf_counter()
-    core = None
+    core = EngineCore(input_address, output_address, parent_pid)
     try:
         engine = LLMEngine(config, show_progress=True)
-        core = EngineCore(engine, input_address, output_address, parent_pid, time.perf_counter() - start)
-        core.run()
+    except BaseException as exc:  # the front end still has to hear of it
+        logger.exception("The engine failed to start")
+        core.died(exc)
+        sys.exit(1)
+    try:
+        core.run(engine, time.perf_counter() - start)
     except BaseException:
-        if core is None:  # failed while loading: the front end still has to hear of it
-            logger.exception("The engine failed to start")
-            context = zmq.Context()
-            socket = context.socket(zmq.PUSH)
-            socket.connect(output_address)
-            socket.send(output_encoder.encode(EngineDied(f"{sys.exc_info()[0].__name__}: {sys.exc_info()[1]}")))
-            socket.close(linger=2000)
-            context.term()
         sys.exit(1)
     finally:
-        if core is not None:
-            core.engine.close()
+        engine.close()

@@ -11,12 +11,27 @@ from transformers import PreTrainedTokenizerBase
 _CONTEXT_TOKENS = 5
 
 
-class _StreamDecoder:
+class _Decoder:
+    """What both decoders share: a full decode, and the text that tokens add after a prefix of them."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> None:
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def _text_after(self, ids: list[int], start: int) -> str:
+        """The text of ids[start:], decoded with ids[:start] as left context."""
+        return self._decode(ids)[len(self._decode(ids[:start])):]
+
+
+class _StreamDecoder(_Decoder):
     """O(1) per token through the tokenizers library's DecodeStream (fast tokenizers)."""
 
     def __init__(self, backend: Tokenizer, tokenizer: PreTrainedTokenizerBase, context: list[int],
                  skip_special_tokens: bool) -> None:
-        self.backend, self.tokenizer, self.skip = backend, tokenizer, skip_special_tokens
+        super().__init__(tokenizer, skip_special_tokens)
+        self.backend = backend
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         # a prompt that ends inside a character would leak that character's bytes into the output
         while context and self._decode(context).endswith("\ufffd"):
@@ -25,9 +40,6 @@ class _StreamDecoder:
             self.stream.step(backend, token)
         self.recent: list[int] = list(context)  # the last tokens fed, for the final flush
         self.unshown = 0                        # of those, how many produced no text yet
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
     def add(self, token: int) -> str:
         self.recent.append(token)
@@ -44,21 +56,17 @@ class _StreamDecoder:
         """The text of tokens that ended inside a character, as the tokenizer renders them."""
         if not self.unshown:
             return ""
-        shown = self.recent[:-self.unshown]
-        self.unshown = 0
-        return self._decode(self.recent)[len(self._decode(shown)):]
+        shown, self.unshown = len(self.recent) - self.unshown, 0
+        return self._text_after(self.recent, shown)
 
 
-class _WindowDecoder:
+class _WindowDecoder(_Decoder):
     """For tokenizers without a Rust backend: re-decode a short window around each new token."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, context: list[int], skip_special_tokens: bool) -> None:
-        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        super().__init__(tokenizer, skip_special_tokens)
         self.tokens = list(context)
         self.prefix_offset, self.read_offset = 0, len(self.tokens)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
     def add(self, token: int) -> str:
         self.tokens.append(token)
@@ -73,9 +81,9 @@ class _WindowDecoder:
     def flush(self) -> str:
         if self.read_offset == len(self.tokens):
             return ""
-        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        window, start = self.tokens[self.prefix_offset:], self.read_offset - self.prefix_offset
         self.read_offset = len(self.tokens)
-        return self._decode(self.tokens[self.prefix_offset:])[len(prefix):]
+        return self._text_after(window, start)
 
 
 class IncrementalDetokenizer:

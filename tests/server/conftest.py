@@ -94,11 +94,25 @@ def alive(pid: int) -> bool:
         return False
 
 
+def spawned_children(pid: int) -> list[int]:
+    """The multiprocessing children of `pid` (the engine core, tensor-parallel workers), not its
+    resource tracker."""
+    return [child for child in children(pid) if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text()]
+
+
 def engine_process(server_pid: int) -> int:
-    """The engine core: the server's multiprocessing child (not its resource tracker)."""
-    found = [pid for pid in children(server_pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+    """The engine core: the server's one multiprocessing child."""
+    found = spawned_children(server_pid)
     assert len(found) == 1, f"expected one engine process under the server, found {found}"
     return found[0]
+
+
+def gone_within(pids: list[int], seconds: float) -> bool:
+    """Whether every process in `pids` has exited (a zombie counts as gone) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(alive(pid) for pid in pids)
 
 
 def free_port() -> int:

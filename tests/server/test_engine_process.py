@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server.conftest import SERVER_ARGS, ServerProcess, alive, children, engine_process
+from tests.server.conftest import SERVER_ARGS, ServerProcess, engine_process, gone_within, spawned_children
 
 
 def _stream_until_end(url: str, index: int, started: threading.Barrier, ends: dict) -> None:
@@ -70,10 +70,7 @@ def test_sigkill_of_the_front_end_takes_the_engine_process_with_it(server_model,
         assert body["choices"] and body["id"] not in proc.log_tail(200_000)  # no request log lines
         proc.proc.kill()
         proc.proc.wait(10)
-        deadline = time.monotonic() + 5
-        while alive(engine) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not alive(engine), "the engine process outlived its front end"
+        assert gone_within([engine], 5), "the engine process outlived its front end"
     finally:
         proc.stop()
 
@@ -82,12 +79,9 @@ def test_sigkill_of_the_engine_takes_its_tensor_parallel_worker_with_it(server_m
     proc = ServerProcess(server_model, tmp_path, *SERVER_ARGS, "--tensor-parallel-size", "2")
     try:
         engine = engine_process(proc.proc.pid)
-        (worker,) = [pid for pid in children(engine) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        (worker,) = spawned_children(engine)
         os.kill(engine, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while alive(worker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not alive(worker), "the tensor-parallel worker outlived its engine"
+        assert gone_within([worker], 5), "the tensor-parallel worker outlived its engine"
     finally:
         proc.stop()
 

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from nanoserve import SamplingParams
-from tests.server.conftest import ServerProcess, alive, children, engine_process
+from tests.server.conftest import ServerProcess, engine_process, gone_within, spawned_children
 
 
 @pytest.fixture
@@ -82,10 +80,8 @@ def test_tensor_parallel_server_answers_like_offline_and_stops_its_worker(server
     proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "512", "--block-size", "16",
                          "--max-num-seqs", "64", "--tensor-parallel-size", "2")
     try:
-        # the worker is a multiprocessing spawn child of the engine process (its resource tracker, another
-        # child, is not counted)
         engine = engine_process(proc.proc.pid)
-        workers = [pid for pid in children(engine) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        workers = spawned_children(engine)
         assert len(workers) == 1, "no tensor-parallel worker process under the server"
         ref = offline.generate("A list is", SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]
         body = httpx.post(f"{proc.url}/v1/completions", json={"prompt": "A list is", "max_tokens": 16,
@@ -94,10 +90,7 @@ def test_tensor_parallel_server_answers_like_offline_and_stops_its_worker(server
     finally:
         code = proc.stop()
     assert code == 0
-    deadline = time.monotonic() + 10  # an orphan that has exited may wait a moment to be reaped
-    while (alive(workers[0]) or alive(engine)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(workers[0]) and not alive(engine)
+    assert gone_within([workers[0], engine], 10)  # an orphan that has exited may wait a moment to be reaped
 
 
 def test_requests_cut_by_the_shutdown_deadline_get_an_error_and_the_exit_code_says_so(server_model, tmp_path):
