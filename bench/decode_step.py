@@ -55,6 +55,30 @@ def time_step(runner: ModelRunner, work: list[SequenceWork], repeats: int) -> fl
     return statistics.median(times)
 
 
+def profile_step(runner: ModelRunner, work: list[SequenceWork], steps: int = 20, top: int = 14) -> None:
+    """Kernels per step and where the GPU time goes, from torch.profiler over `steps` steps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        runner.run(work)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner.run(work)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy: dict[str, list[float]] = {}
+    for e in events:
+        busy.setdefault(e.name[:90], []).append(e.time_range.elapsed_us())
+    total = sum(sum(t) for t in busy.values()) / steps
+    span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / steps
+    print(f"  {len(events) / steps:.0f} GPU ops per step (kernels, copies, memsets), busy {total:.0f} us "
+          f"of {span:.0f} us per step")
+    for name, times in sorted(busy.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"  {sum(times) / steps:8.1f} us/step {len(times) / steps:6.1f}/step  {name}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="bench/configs/qwen3-0.6b.json")
@@ -64,6 +88,8 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--profile", action="store_true",
+                        help="also print kernels per step and the GPU time by kernel (torch.profiler)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -95,6 +121,8 @@ def main() -> None:
             seconds = time_step(runner, work, args.repeats)
             floor = (weight_bytes + batch * (context + 1) * token_kv_bytes) / bandwidth
             print(f"{batch:>6} {context:>8} {seconds * 1e3:>9.3f} {floor * 1e3:>9.3f} {floor / seconds:>10.2f} ({seconds / floor:.2f}x floor)")
+            if args.profile:
+                profile_step(runner, work)
 
 
 if __name__ == "__main__":
