@@ -13,6 +13,7 @@ import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
 import xgrammar as xgr  # imported by the engine only once a request asks for structured outputs
 from transformers import PreTrainedTokenizerBase
 
@@ -71,8 +72,10 @@ class GrammarManager:
     future is done, so a slow compile delays that request alone."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int],
-                 max_workers: int = 2) -> None:
+                 max_workers: int = 2, pin_memory: bool = False) -> None:
         self.vocab_size = vocab_size
+        # a pageable upload would wait for the device to finish the forward pass it follows
+        self.pin_memory = pin_memory
         self.compiler = new_compiler(tokenizer, vocab_size, stop_token_ids)
         self.pool = ThreadPoolExecutor(max_workers, thread_name_prefix="nanoserve-grammar")
         self.compiled: OrderedDict[tuple, Future] = OrderedDict()
@@ -102,7 +105,9 @@ class GrammarManager:
         rows = [r for r, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        # all ones: every token allowed until the matcher fills its row
+        bitmask = torch.full((len(rows), xgr.get_bitmask_shape(1, self.vocab_size)[1]), -1, dtype=torch.int32,
+                             pin_memory=self.pin_memory)
         if len(rows) == 1:
             matchers[rows[0]].fill_next_token_bitmask(bitmask, 0)
         else:

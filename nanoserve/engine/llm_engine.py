@@ -17,7 +17,7 @@ from nanoserve.engine.messages import EngineStats, StepOutput
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.runner.batch import PENDING_TOKEN, SequenceWork
-from nanoserve.runner.model_runner import ModelRunner, PendingSample
+from nanoserve.runner.model_runner import ModelRunner, PendingSample, StepLogits
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # xgrammar loads with the first structured-output request, not with the engine
@@ -44,9 +44,13 @@ def eos_token_ids(model: str, tokenizer: PreTrainedTokenizerBase) -> set[int]:
 
 @dataclass
 class InFlightStep:
-    """A launched step: its sampling sequences in row order, and where each one's token goes."""
+    """A launched step: its sampling sequences in row order, and where each one's token goes.
 
-    pending: PendingSample
+    `pending` is None while the forward pass runs unsampled: a step with grammar rows samples only
+    once the previous step's tokens have advanced their matchers."""
+
+    forward: StepLogits
+    pending: PendingSample | None = None
     sequences: list[Sequence] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # index of the placeholder in token_ids
     scored: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk start) with prompt logprobs
@@ -118,7 +122,8 @@ class LLMEngine:
         # deployments never see a structured-output request
         if self._grammars is None:
             from nanoserve.engine.grammar import GrammarManager
-            self._grammars = GrammarManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+            self._grammars = GrammarManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
+                                            pin_memory=self.runner.device.type == "cuda")
         return self._grammars
 
     def _attach_grammar(self, seq: Sequence, future: concurrent.futures.Future) -> bool:
@@ -216,6 +221,8 @@ class LLMEngine:
         if self.config.async_scheduling and not self._needs_token_history():
             launched = self._launch()
             outputs = self._complete(self.in_flight) if self.in_flight else []
+            if launched is not None and launched.pending is None:
+                self._sample(launched, launched.sequences)  # its matchers have now seen the tokens just read
             self.in_flight = launched
             return outputs
         outputs = self._complete(self.in_flight) if self.in_flight else []
@@ -224,9 +231,21 @@ class LLMEngine:
         return outputs + (self._complete(launched) if launched else [])
 
     def _needs_token_history(self) -> bool:
-        # penalties read every past token on the host, and a grammar's mask for the next token
-        # needs the last one accepted: the last step's ids must be back first
-        return any(seq.params.uses_penalties or seq.grammar is not None for seq in self.scheduler.running)
+        # penalties read every past token on the host: the last step's ids must be back first
+        return any(seq.params.uses_penalties for seq in self.scheduler.running)
+
+    def _sample(self, launched: InFlightStep, sampling: list[Sequence]) -> None:
+        """Queue the sampling of a launched forward pass (`sampling`: its rows' sequences), under
+        the grammar rows' masks.
+
+        The masks are filled here, while the device still runs the forward. A sequence that has
+        finished or left since the launch samples unconstrained: its token is dropped anyway."""
+        mask = None
+        if self._grammars is not None and any(seq.grammar is not None for seq in sampling):
+            mask = self._grammars.bitmask([seq.grammar if self.sequences.get(seq.request_id) is seq else None
+                                           for seq in sampling])
+        launched.pending = self.runner.sample(launched.forward, mask)
+        launched.forward = None
 
     @staticmethod
     def _prompt_logprobs(seq: Sequence) -> int | None:
@@ -243,11 +262,11 @@ class LLMEngine:
                              seq.params if seq.num_computed_tokens + n == seq.num_tokens else None,
                              self._banned(seq), seq.pending_row, self._prompt_logprobs(seq))
                 for seq, n in zip(step.seqs, step.num_new_tokens)]
-        token_mask = None
-        if self._grammars is not None:
-            sampling = [seq for seq, w in zip(step.seqs, work) if w.params is not None]
-            token_mask = self._grammars.bitmask([seq.grammar for seq in sampling])
-        launched = InFlightStep(self.runner.launch(work, token_mask))
+        launched = InFlightStep(self.runner.forward(work))
+        sampling = [seq for seq, w in zip(step.seqs, work) if w.params is not None]
+        if self.in_flight is None or not any(seq.grammar is not None for seq in sampling):
+            # every matcher has seen every token: sample now (before the placeholders go in)
+            self._sample(launched, sampling)
         self.num_computed_tokens += sum(step.num_new_tokens)
         for seq, n, w in zip(step.seqs, step.num_new_tokens, work):
             if w.prompt_logprobs is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,15 @@ from nanoserve.runner.parallel import SINGLE, TensorParallel
 from nanoserve.runner.sampler import draw, score_prompt
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepLogits:
+    """A queued forward pass: the logits of its sampling rows (None when none samples)."""
+
+    logits: torch.Tensor | None
+    rows: list[SequenceWork]
+    prompt: list | None  # prompt logprobs, per asking sequence
 
 
 class PendingSample:
@@ -115,14 +125,22 @@ class ModelRunner:
 
         Rows with `prev_row` set read their input token from what the previous launch sampled.
         `token_mask` limits what the constrained sampling rows may draw (rank 0 alone samples)."""
+        return self.sample(self.forward(work), token_mask)
+
+    def forward(self, work: list[SequenceWork]) -> StepLogits:
+        """Queue a step's forward pass (through the logits) without sampling it.
+
+        `sample` must follow before the next `forward`: that launch reads the ids this one samples.
+        Between the two the host may prepare what sampling needs (a grammar's mask) while the
+        device computes."""
         if self.tp.size > 1:
             self.tp.broadcast([w.for_workers() for w in work])  # rank 0's step; the workers run the same one
-        return self._step(work, token_mask)
+        return self._forward(work)
 
     def serve_steps(self) -> None:
         """A worker's loop: run each step rank 0 broadcasts, until it broadcasts None."""
         while (work := self.tp.broadcast()) is not None:
-            self._step(work)
+            self.sample(self._forward(work))
 
     def close(self) -> None:
         """Stop the tensor-parallel workers and leave the process group (rank 0 and workers alike)."""
@@ -144,7 +162,7 @@ class ModelRunner:
         self.prev_rows = sum(w.params is not None for w in work)
 
     @torch.inference_mode()
-    def _step(self, work: list[SequenceWork], token_mask: TokenMask | None = None) -> PendingSample:
+    def _forward(self, work: list[SequenceWork]) -> StepLogits:
         if self.tp.size > 1:
             self._share_prev_tokens(work)
         prompt = None
@@ -158,15 +176,21 @@ class ModelRunner:
                 # read back now: only steps that carry such prompts pay this sync
                 prompt = score_prompt(self.model.compute_logits, hidden, inputs.prompt_logprob_rows)
             hidden, rows = hidden[inputs.logits_indices], inputs.sample_rows
-        if not rows:
+        # every rank: the LM head gathers across ranks
+        logits = self.model.compute_logits(hidden) if rows else None
+        return StepLogits(logits, rows, prompt)
+
+    @torch.inference_mode()
+    def sample(self, step: StepLogits, token_mask: TokenMask | None = None) -> PendingSample:
+        """Queue the sampling of a forward's logits; the ids stay on the device for the next launch."""
+        if not step.rows:
             self.prev_tokens = None
-            return PendingSample(None, None, 0, prompt)
-        logits = self.model.compute_logits(hidden)  # every rank: the LM head gathers across ranks
+            return PendingSample(None, None, 0, step.prompt)
         if self.tp.rank != 0:
             return PendingSample(None, None, 0)  # rank 0 alone samples
-        tokens, logprobs = draw(logits, rows, token_mask)
+        tokens, logprobs = draw(step.logits, step.rows, token_mask)
         self.prev_tokens = tokens
-        return PendingSample(tokens, logprobs, len(rows), prompt)
+        return PendingSample(tokens, logprobs, len(step.rows), step.prompt)
 
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:

@@ -42,7 +42,7 @@ class SamplingTensors:
         def tensor(values: list, dtype: torch.dtype, needed: bool = True) -> torch.Tensor | None:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True) if needed else None
 
-        seeds = [(i, hash((p.seed, len(w.token_ids) - w.num_prompt_tokens)) & 0x7FFF_FFFF_FFFF)
+        seeds = [(i, hash((p.seed, w.start + w.num_new - w.num_prompt_tokens)) & 0x7FFF_FFFF_FFFF)
                  for i, (w, p) in enumerate(zip(rows, params)) if p.seed is not None and p.temperature > 0]
         sampled = [not g for g in greedy]
         return SamplingTensors(
@@ -68,9 +68,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[SequenceWork]) -> None:
         seen = torch.zeros(sub.shape, dtype=torch.bool, device=device)
         for r, i in enumerate(penalized):
             w = rows[i]
-            out = torch.tensor(w.token_ids[w.num_prompt_tokens:], dtype=torch.int64, device=device)
+            # the tokens before the one being sampled (the engine may have appended its placeholder)
+            known = w.token_ids[:w.start + w.num_new]
+            out = torch.tensor(known[w.num_prompt_tokens:], dtype=torch.int64, device=device)
             counts[r].index_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
-            seen[r, torch.tensor(w.token_ids, dtype=torch.int64, device=device)] = True
+            seen[r, torch.tensor(known, dtype=torch.int64, device=device)] = True
         params = [rows[i].params for i in penalized]
         rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
         freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
@@ -119,11 +121,14 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:
     import xgrammar as xgr  # only steps with a constrained row need it
 
     # xgrammar reads bitmask row i for logits row i: spread the compact rows over the batch (a few
-    # bytes per row, all ones = allowed) rather than copy the constrained logits out and back
+    # bytes per row, all ones = allowed) rather than copy the constrained logits out and back.
+    # Host tensors go up from pinned memory: a pageable upload would wait for the forward pass.
+    pin = logits.is_cuda
+    rows = torch.tensor(mask.rows, dtype=torch.int64, pin_memory=pin).to(logits.device, non_blocking=True)
     compact = mask.bitmask.to(logits.device, non_blocking=True)
     bitmask = torch.full((logits.shape[0], compact.shape[1]), -1, dtype=compact.dtype, device=logits.device)
-    bitmask[mask.rows] = compact
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=mask.rows)
+    bitmask.index_copy_(0, rows, compact)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
 
 
 def sample(logits: torch.Tensor, rows: list[SequenceWork], token_mask: TokenMask | None = None) -> SampleOutput:

@@ -243,6 +243,7 @@ def test_token_mask_constrains_only_its_rows():
     out = sample(logits.clone(), rows, TokenMask(bitmask, [1])).token_ids
     assert out[1] == allowed[int(logits[1, allowed].argmax())]
     assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
-    sampled = [sample(logits.clone(), [row(SamplingParams(temperature=1.0))] * 3, TokenMask(bitmask, [0, 2]))
+    sampled = [sample(logits.clone(), [row(SamplingParams(temperature=1.0))] * 3,
+                      TokenMask(bitmask.repeat(2, 1), [0, 2]))
                .token_ids for _ in range(20)]
     assert all(s[0] in allowed and s[2] in allowed for s in sampled)
