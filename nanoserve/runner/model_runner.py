@@ -96,6 +96,12 @@ class ModelRunner:
         self.prev_rows = 0  # how many ids the last launch sampled (what a worker receives)
         self.backend = select_backend(config.attention_backend, config.device, config.block_size,
                                       config.kv_cache_dtype)
+        uses_graphs = self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs
+        if uses_graphs:
+            # timed under graph replay, where decode runs; eager launches would add Triton's
+            # Python launch cost to every step, so enforce_eager keeps cuBLAS throughout
+            from nanoserve.runner.layers.skinny_choice import use_skinny_gemm_where_faster
+            use_skinny_gemm_where_faster(self.model, config.max_num_seqs, self.device)
         if self.device.type == "cuda":
             peak = self.profile_peak_bytes()
             num_blocks = config.num_kvcache_blocks or blocks_for_gpu(config, peak)
@@ -105,7 +111,7 @@ class ModelRunner:
             num_blocks = self.tp.min(num_blocks)  # every rank holds the same block ids
         self.kv_cache = KVCache(config, num_blocks, self.device)
         self._bind(self.kv_cache)
-        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
+        if uses_graphs:
             from nanoserve.runner.cuda_graph import DecodeGraphs
             start = time.perf_counter()
             self.graphs = DecodeGraphs(self.model, config, show_progress)

@@ -1,5 +1,9 @@
 """Linear layers whose weight packs several checkpoint tensors (q/k/v, gate/up), and the row-split
-output projections of tensor parallelism."""
+output projections of tensor parallelism.
+
+Both run cuBLAS (F.linear) unless the runner found at startup that the skinny Triton kernel
+(small_gemm.py) beats it for this weight at this many rows: then `skinny_rows` holds the row
+buckets where it does. It stays empty on the CPU and with enforce_eager."""
 
 from __future__ import annotations
 
@@ -8,6 +12,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.runner.parallel import SINGLE, TensorParallel
+
+
+def row_bucket(rows: int) -> int:
+    """The power of two >= rows: the row counts skinny GEMM is timed and configured at."""
+    return 1 << (rows - 1).bit_length()
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            skinny_rows: frozenset[int]) -> torch.Tensor:
+    """x W^T (+ bias): the skinny Triton kernel where it won at startup for x's rows, else cuBLAS."""
+    if skinny_rows and x.dim() == 2 and x.shape[0] and row_bucket(x.shape[0]) in skinny_rows:
+        # imported here: Triton loads only where skinny GEMM is on (CUDA)
+        from nanoserve.runner.layers.small_gemm import skinny_linear
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class PackedLinear(nn.Linear):
@@ -26,6 +45,7 @@ class PackedLinear(nn.Linear):
             start += size
         for param in self.parameters():
             param.weight_loader = self.load_part
+        self.skinny_rows: frozenset[int] = frozenset()
 
     def load_part(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
         total, first, size = self.sources[shard]
@@ -33,6 +53,9 @@ class PackedLinear(nn.Linear):
             raise ValueError(f"checkpoint shard {shard!r} has {loaded.shape[0]} rows, expected {total}")
         start = self.offsets[shard]
         param.data[start:start + size].copy_(loaded[first:first + size])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return project(x, self.weight, self.bias, self.skinny_rows)
 
 
 class RowParallelLinear(nn.Linear):
@@ -43,6 +66,7 @@ class RowParallelLinear(nn.Linear):
         self.first, local = tp.split(in_features)
         super().__init__(local, out_features, bias=False)
         self.weight.weight_loader = self.load
+        self.skinny_rows: frozenset[int] = frozenset()
 
     def load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape[0] != param.shape[0] or loaded.shape[1] != param.shape[1] * self.tp.size:
@@ -51,4 +75,4 @@ class RowParallelLinear(nn.Linear):
         param.data.copy_(loaded[:, self.first:self.first + param.shape[1]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(project(x, self.weight, None, self.skinny_rows))

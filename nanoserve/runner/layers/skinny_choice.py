@@ -1,0 +1,121 @@
+"""Startup choice, per linear weight shape and row bucket, between cuBLAS and the skinny Triton
+kernel (small_gemm.py): Triton only where it measured faster, so it can never cost speed.
+
+Both run the way decode runs them: CUDA-graph replay, which pays kernel time and the gaps
+between kernels (the split-K sum kernel's included) but no Python launch cost. Each graph calls
+the layer over copies of the weight that together overflow L2, as a model's layers do; timing one
+weight over and over would measure L2, not HBM. Triton must win by MARGIN: a near tie is noise.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.runner.layers.linear import PackedLinear, RowParallelLinear, row_bucket
+
+logger = logging.getLogger(__name__)
+
+MARGIN = 0.05
+MAX_CHOICE_ROWS = 32   # past this cuBLAS tiles fill the device well on their own
+CALLS = 50             # calls per timed graph
+REPLAYS = 5            # timed replays; their median counts
+ROTATION_L2S = 2       # the weight copies of one timing add up to this many L2 caches
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    top = row_bucket(min(max(max_rows, 1), MAX_CHOICE_ROWS))
+    return [1 << i for i in range(top.bit_length())]
+
+
+def rotated_weights(n: int, k: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Copies of an [n, k] weight that together overflow L2 (one when it alone does)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+    size = n * k * torch.finfo(dtype).bits // 8
+    copies = max(1, min(64, -(-ROTATION_L2S * l2 // size)))
+    return [torch.randn(n, k, dtype=dtype, device=device) for _ in range(copies)]
+
+
+def graph_us_per_call(fn: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor],
+                      calls: int = CALLS, replays: int = REPLAYS) -> float:
+    """Microseconds per fn(weight) inside a replayed CUDA graph of `calls` calls that cycle
+    through `weights`; the median of `replays` replays."""
+    fn(weights[0])   # compiles and warms up outside the capture
+    torch.cuda.synchronize()
+    calls = max(calls, len(weights))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(weights[i % len(weights)])
+    graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(replays)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3 / calls
+
+
+@torch.inference_mode()
+def choose_skinny(weight_shapes: Iterable[tuple[int, int]], max_rows: int, device: torch.device,
+                  dtype: torch.dtype, margin: float = MARGIN) -> set[tuple[int, int, int]]:
+    """The (N, K, row bucket) where skinny_linear beats F.linear by `margin` on this device."""
+    from nanoserve.runner.layers.small_gemm import skinny_linear
+
+    wins = set()
+    for n, k in sorted(set(weight_shapes)):
+        weights = rotated_weights(n, k, dtype, device)
+        for rows in row_buckets(max_rows):
+            x = torch.randn(rows, k, dtype=dtype, device=device)
+            cublas = graph_us_per_call(lambda w: F.linear(x, w), weights)
+            triton = graph_us_per_call(lambda w: skinny_linear(x, w), weights)
+            logger.debug("%dx%d rows %d: cuBLAS %.1f us, Triton %.1f us", n, k, rows, cublas, triton)
+            if triton < (1 - margin) * cublas:
+                wins.add((n, k, rows))
+        del weights
+    torch.cuda.empty_cache()   # the copies and graph pools: give them back before sizing the KV cache
+    return wins
+
+
+def skinny_layers(model: nn.Module) -> list[PackedLinear | RowParallelLinear]:
+    return [m for m in model.modules() if isinstance(m, (PackedLinear, RowParallelLinear))]
+
+
+def enable_skinny_gemm(model: nn.Module, wins: set[tuple[int, int, int]]) -> int:
+    """Point each linear layer at its weight shape's winning row buckets; how many got any."""
+    enabled = 0
+    for layer in skinny_layers(model):
+        n, k = layer.weight.shape
+        layer.skinny_rows = frozenset(rows for wn, wk, rows in wins if (wn, wk) == (n, k))
+        enabled += bool(layer.skinny_rows)
+    return enabled
+
+
+def describe(wins: set[tuple[int, int, int]]) -> str:
+    """'4096x1024 at rows 1,2,4; 1024x2048 at rows 1' (N x K of each weight shape)."""
+    rows: dict[tuple[int, int], list[int]] = {}
+    for n, k, r in sorted(wins):
+        rows.setdefault((n, k), []).append(r)
+    return "; ".join(f"{n}x{k} at rows {','.join(map(str, r))}" for (n, k), r in rows.items()) or "no shape"
+
+
+def use_skinny_gemm_where_faster(model: nn.Module, max_rows: int, device: torch.device) -> None:
+    """Time, choose and enable skinny GEMM for `model`'s linear layers; one log line."""
+    layers = skinny_layers(model)
+    if not layers:
+        return
+    start = time.perf_counter()
+    shapes = {tuple(layer.weight.shape) for layer in layers}
+    wins = choose_skinny(shapes, max_rows, device, layers[0].weight.dtype)
+    enabled = enable_skinny_gemm(model, wins)
+    logger.info("skinny GEMM: Triton for %s (%d of %d linear layers), cuBLAS elsewhere; "
+                "chosen in %.1f s", describe(wins), enabled, len(layers),
+                time.perf_counter() - start)

@@ -1,0 +1,215 @@
+"""y = x W^T (+ bias) for a few rows of x, in Triton: the decode-time linear layers.
+
+With 1-32 rows a linear layer is a pass over its weight; the rows of x are nearly free. Each
+program streams one [BLOCK_N, K-range] slab of the weight once and multiplies every row of x by
+it, accumulating in float32. One or two rows use CUDA cores (multiply, sum over K at the end);
+more use tl.dot with the weight as the left operand and the rows padded to 16: the padding costs
+tensor-core cycles only, which a pass over memory leaves idle.
+
+When the output has too few column blocks to fill the device, the programs also split K. Each
+split writes a float32 partial [split, rows, N] and a second kernel sums them in split order
+(and adds the bias): two launches, deterministic, no zeroed buffer. fp32 atomics into a zeroed
+buffer would need three (memset, matmul, cast to the output dtype) and sum in a varying order.
+
+CUDA-graph safe: no host syncs; the config depends on (rows, N, K) and the device only, and the
+partials come from torch's allocator (the graph pool during capture).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.runner.layers.linear import row_bucket
+
+MAX_ROWS = 64
+WAVES = 2            # programs per SM to aim for before shrinking tiles or splitting K stops
+MAX_SPLITS = 16
+FMA_TILE = 8192      # weight elements x rows per loop step in the CUDA-core path (registers)
+SMEM_BUDGET = 96 * 1024   # bytes of pipelined tiles a tl.dot program may hold in shared memory
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_m: int     # rows of x per program: 1 or 2 on CUDA cores, >= 16 for tl.dot
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _fma_steps(x_ptr, w_rows, M, K, k_start, k_end, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """One or two rows on CUDA cores: products add up elementwise in [BLOCK_N, BLOCK_K] and are
+    summed over K once at the end, so the loop is loads and FMAs only. Plain 2D tiles with x
+    broadcast along N keep the weight load coalesced (a 3D rows x N x K product would not)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)   # the second row; dead code for one row
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + offs_k
+        if EVEN_K:
+            w = tl.load(w_rows + ks[None, :]).to(tl.float32)
+            x0 = tl.load(x_ptr + ks).to(tl.float32)
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < k_end, other=0.0).to(tl.float32)
+            x0 = tl.load(x_ptr + ks, mask=ks < k_end, other=0.0).to(tl.float32)
+        acc0 += w * x0[None, :]
+        if BLOCK_M == 2:
+            # a lone row reads itself again here; the duplicate sums are never stored
+            x1 = tl.load(x_ptr + tl.minimum(M - 1, 1) * K + ks, mask=ks < k_end,
+                         other=0.0).to(tl.float32)
+            acc1 += w * x1[None, :]
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    return tl.where(rows == 0, tl.sum(acc0, 1)[None, :], tl.sum(acc1, 1)[None, :])
+
+
+@triton.jit
+def _dot_steps(x_ptr, w_rows, M, K, k_start, k_end, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               PRECISION: tl.constexpr):
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    x_rows = x_ptr + offs_m[:, None] * K
+    mask_m = offs_m[:, None] < M
+    # W x^T: the weight is the tall operand, x^T the narrow one
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + offs_k
+        if EVEN_K:
+            w = tl.load(w_rows + ks[None, :])
+            x = tl.load(x_rows + ks[None, :], mask=mask_m, other=0.0)
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < k_end, other=0.0)
+            x = tl.load(x_rows + ks[None, :], mask=mask_m & (ks[None, :] < k_end), other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+    return tl.trans(acc)
+
+
+# M changes with the batch: unspecialized, one compile serves every row count of a bucket
+@triton.jit(do_not_specialize=["M"])
+def _skinny_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # rows past N re-read row N-1 so weight loads need no N mask; their sums are never stored
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if BLOCK_M >= 16:
+        acc = _dot_steps(x_ptr, w_rows, M, K, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                         PRECISION)
+    else:
+        acc = _fma_steps(x_ptr, w_rows, M, K, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT:
+        part = out_ptr + split * M * N
+        tl.store(part + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["MN"])
+def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):   # split order, every call: the result is deterministic
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4   # the interpreter: small enough that test shapes exercise split-K
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def skinny_config(rows: int, n: int, k: int, sms: int, elem_bytes: int = 2) -> SkinnyConfig:
+    """Tiles for `rows` x [n, k]: the widest column block that still gives WAVES programs per SM,
+    else the narrowest, with K split until the programs fill the device."""
+    bucket = row_bucket(rows)
+    target = WAVES * sms
+    k_pow2 = max(16, triton.next_power_of_2(k))
+    if bucket <= 2:
+        # CUDA cores: a tile of FMA_TILE products, its rows long enough for coalesced loads
+        widths = [w for w in (16, 8, 4) if FMA_TILE // (w * bucket) >= 256] or [4]
+        block_n = next((w for w in widths if triton.cdiv(n, w) >= target), widths[-1])
+        block_m, block_k = bucket, min(k_pow2, FMA_TILE // (block_n * bucket))
+        warps, stages = 8, 2   # 8 warps: the float32 sums of a tile take 32 registers a thread
+    else:
+        block_m, block_k = max(16, bucket), min(256, k_pow2)
+        block_n = next((w for w in (64, 32, 16) if triton.cdiv(n, w) >= target), 16)
+        warps = 4
+        # as many stages in flight as fit SMEM_BUDGET (leaves room for two programs an SM)
+        stage_bytes = (block_n + block_m) * block_k * elem_bytes
+        stages = max(2, min(4, SMEM_BUDGET // stage_bytes))
+    while k % block_k and block_k > 256:
+        block_k //= 2   # whole blocks if a shorter one divides K: no masked half-empty last step
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while (tiles * split * 2 <= target and split * 2 <= MAX_SPLITS
+           and split * 2 <= triton.cdiv(k, block_k)):
+        split *= 2
+    return SkinnyConfig(block_m, block_n, block_k, split, warps, stages)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: SkinnyConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) in x's dtype, float32 sums; M <= MAX_ROWS.
+
+    `config` overrides the tile heuristic (tests, benchmarks)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or not weight.is_contiguous() or weight.dtype != x.dtype:
+        raise ValueError(f"skinny_linear needs a contiguous weight [N, {k}] of x's dtype "
+                         f"{x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    if m > MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}; use F.linear")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    x = x.contiguous()
+    cfg = config or skinny_config(m, n, k, num_sms(x.device), x.element_size())
+    if cfg.block_m < m or (cfg.block_m > 2 and cfg.block_m < 16):
+        raise ValueError(f"{cfg} cannot take {m} rows: block_m is 1, 2 or >= 16 and >= rows")
+    # every split but the last starts on a block boundary
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = cfg.split_k > 1
+    part = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device) if split else out
+    has_bias = bias is not None
+    _skinny_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+        x, weight, bias if has_bias else weight, part, m, n, k, k_per_split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0, SPLIT=split, HAS_BIAS=has_bias,
+        # float32 inputs keep full precision (tf32 would cost ~1e-3 relative error)
+        PRECISION="ieee" if x.dtype == torch.float32 else None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            part, bias if has_bias else part, out, m * n, n, SPLIT_K=cfg.split_k,
+            HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
+        )
+    return out

@@ -1,0 +1,152 @@
+"""The skinny Triton GEMM against torch in float32, under the Triton interpreter: every row count
+1..32, widths and depths that are not multiples of the tiles, split-K on and off, both the
+CUDA-core (1-2 rows) and tl.dot paths, bias or none; and the linear layers, whose CPU path stays
+F.linear.
+
+Tolerance: float32 within 1e-5 relative (only the order of the float32 sums differs); bf16 and
+fp16 within two roundings of the output (2^-7 relative for bf16, 2^-10 for fp16) of the float32
+result of the same rounded inputs: the output is rounded once, the rest is summation order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoserve.runner.layers.linear import PackedLinear, RowParallelLinear, row_bucket
+from nanoserve.runner.layers.skinny_choice import describe, enable_skinny_gemm, row_buckets
+
+if torch.cuda.is_available():
+    pytest.skip("the GPU version of this check lives in tests/gpu", allow_module_level=True)
+
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+from nanoserve.runner.layers import small_gemm  # noqa: E402
+from nanoserve.runner.layers.small_gemm import SkinnyConfig, skinny_config, skinny_linear  # noqa: E402
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2**-7, 1e-3), torch.float16: (2**-10, 1e-3)}
+
+
+@pytest.fixture(autouse=True)
+def bf16_dot_in_interpreter(monkeypatch):
+    """Triton's interpreter multiplies bf16 tl.dot operands as their uint16 bit patterns (its
+    create_dot widens fp8 only); widen bf16 to float32 first, which is exact, as a GPU's bf16
+    products are. The CUDA-core path and everything around the dot run unpatched."""
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, *args):
+        widen = lambda t: self.cast_impl(t, tl.float32) if t.dtype.scalar == tl.bfloat16 else t  # noqa: E731
+        return original(self, widen(a), widen(b), *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+def check(rows: int, n: int, k: int, dtype: torch.dtype, config: SkinnyConfig | None = None,
+          bias: bool = False, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed * 1000 + rows * 7 + n + k)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    want = x.float() @ w.float().T + (b.float() if bias else 0)
+    got = skinny_linear(x, w, b, config)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    rtol, atol = TOL[dtype]
+    # sums of k products of unit normals: scale the absolute part by their spread
+    torch.testing.assert_close(got.float(), want, rtol=rtol, atol=atol * k ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", list(range(1, 18)) + [24, 32])
+def test_every_row_count_matches_torch_with_the_default_tiles(dtype, rows) -> None:
+    for n, k in ((48, 160), (36, 300)):   # 300: a ragged last K block; 36: a ragged N block
+        check(rows, n, k, dtype, seed=1)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+def test_float16_matches_torch(rows) -> None:
+    check(rows, 36, 300, torch.float16, bias=True, seed=5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [
+    SkinnyConfig(1, 4, 64, 1), SkinnyConfig(1, 8, 128, 3), SkinnyConfig(1, 16, 32, 8),
+    SkinnyConfig(2, 4, 64, 1), SkinnyConfig(2, 8, 64, 4),
+    SkinnyConfig(16, 16, 32, 1), SkinnyConfig(16, 32, 64, 3), SkinnyConfig(32, 64, 16, 16),
+], ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}")
+@pytest.mark.parametrize("n,k", [(64, 256), (37, 200)])
+def test_split_k_and_tile_shapes_match_torch(dtype, config, n, k) -> None:
+    for rows in sorted({1, config.block_m // 2 or 1, config.block_m}):
+        check(rows, n, k, dtype, config, bias=rows % 2 == 1, seed=2)
+
+
+@pytest.mark.parametrize("config", [SkinnyConfig(1, 16, 32, 8), SkinnyConfig(16, 16, 16, 16)])
+def test_splits_past_the_end_of_k_add_nothing(config) -> None:
+    """72 columns over 8 or 16 splits of whole blocks: the last splits get no K at all."""
+    check(config.block_m, 20, 72, torch.float32, config, bias=True, seed=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_is_added_once_with_and_without_split(dtype) -> None:
+    for config in (SkinnyConfig(1, 8, 64, 1), SkinnyConfig(1, 8, 64, 4), SkinnyConfig(16, 16, 64, 4)):
+        check(3 if config.block_m == 16 else 1, 48, 256, dtype, config, bias=True, seed=3)
+
+
+def test_zero_rows_give_an_empty_output() -> None:
+    assert skinny_linear(torch.empty(0, 64), torch.randn(32, 64)).shape == (0, 32)
+
+
+def test_bad_inputs_are_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="contiguous weight"):
+        skinny_linear(torch.randn(2, 64), torch.randn(64, 32).T)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        skinny_linear(torch.randn(65, 64), torch.randn(32, 64))
+    with pytest.raises(ValueError, match="cannot take 4 rows"):
+        skinny_linear(torch.randn(4, 64), torch.randn(32, 64), config=SkinnyConfig(2, 8, 64, 1))
+
+
+def test_tiles_fill_the_device_and_split_k_only_when_columns_are_few() -> None:
+    # Qwen3-0.6B's layers on 132 SMs
+    for rows in (1, 2, 4, 8, 16, 32):
+        for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):
+            cfg = skinny_config(rows, n, k, 132)
+            programs = -(-n // cfg.block_n) * cfg.split_k
+            assert programs >= 132, (rows, n, k, cfg)
+            assert cfg.block_m >= rows and (cfg.block_m <= 2 or cfg.block_m >= 16)
+    assert skinny_config(1, 24576, 4096, 132).split_k == 1
+    assert skinny_config(16, 1024, 2048, 132).split_k > 1
+
+
+def test_layers_keep_f_linear_on_the_cpu() -> None:
+    torch.manual_seed(0)
+    packed = PackedLinear(64, {"a": (32, 0, 32), "b": (48, 0, 48)}, bias=True)
+    row = RowParallelLinear(80, 64)
+    for layer in (packed, row):
+        assert layer.skinny_rows == frozenset()
+        x = torch.randn(3, layer.in_features)
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_layers_use_the_skinny_kernel_in_winning_buckets_only(monkeypatch) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(PackedLinear(64, {"a": (32, 0, 32)}, bias=True), RowParallelLinear(32, 64))
+    assert enable_skinny_gemm(model, {(32, 64, 1), (32, 64, 4), (64, 48, 2)}) == 1
+    packed, row = model
+    assert packed.skinny_rows == {1, 4} and row.skinny_rows == frozenset()
+    calls = []
+    monkeypatch.setattr(small_gemm, "skinny_linear",
+                        lambda x, *args: calls.append(x.shape[0]) or skinny_linear(x, *args))
+    for rows in (1, 3, 4, 5):   # 3 falls in bucket 4; 5 in bucket 8, which cuBLAS keeps
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(packed(x), F.linear(x, packed.weight, packed.bias),
+                                   rtol=1e-5, atol=1e-5)
+    row(torch.randn(1, 32))
+    assert calls == [1, 3, 4]
+
+
+def test_row_buckets_are_the_powers_of_two_up_to_the_batch() -> None:
+    assert [row_bucket(r) for r in (1, 2, 3, 4, 5, 16, 17)] == [1, 2, 4, 4, 8, 16, 32]
+    assert row_buckets(1) == [1] and row_buckets(12) == [1, 2, 4, 8, 16]
+    assert row_buckets(256) == [1, 2, 4, 8, 16, 32]
+    assert describe({(32, 64, 4), (32, 64, 1)}) == "32x64 at rows 1,4" and describe(set()) == "no shape"
