@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
+from nanoserve.runner.layers.linear import building_graphs
 from nanoserve.runner.inputs import decode_columns, fill_pending_tokens, write_block_tables
 
 MAX_GRAPH_BATCH = 512
@@ -121,14 +122,15 @@ class DecodeGraphs:
     def _capture(self, show_progress: bool) -> None:
         self.buffers.reset_for_capture()
         pool = None
-        for batch in tqdm(reversed(self.sizes), total=len(self.sizes), desc="Capturing CUDA graphs",
-                          disable=not show_progress):
-            self._forward(batch)  # warm-up: autotuning and lazy init stay out of the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[batch] = self._forward(batch)
-            pool = graph.pool()
-            self.graphs[batch] = graph
+        with building_graphs():   # the linear layers' skinny kernels run in graphs only
+            for batch in tqdm(reversed(self.sizes), total=len(self.sizes), desc="Capturing CUDA graphs",
+                              disable=not show_progress):
+                self._forward(batch)  # warm-up: autotuning and lazy init stay out of the graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[batch] = self._forward(batch)
+                pool = graph.pool()
+                self.graphs[batch] = graph
         torch.cuda.synchronize()
 
     def fits(self, work: list[SequenceWork]) -> bool:

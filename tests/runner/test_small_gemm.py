@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoserve.runner.layers.linear import PackedLinear, RowParallelLinear, row_bucket
-from nanoserve.runner.layers.skinny_choice import describe, enable_skinny_gemm, row_buckets
+from nanoserve.runner.layers.linear import PackedLinear, RowParallelLinear, building_graphs, row_bucket
+from nanoserve.runner.layers.skinny_choice import agrees_with_cublas, describe, enable_skinny_gemm, row_buckets
 
 if torch.cuda.is_available():
     pytest.skip("the GPU version of this check lives in tests/gpu", allow_module_level=True)
@@ -128,7 +128,7 @@ def test_layers_keep_f_linear_on_the_cpu() -> None:
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
-def test_layers_use_the_skinny_kernel_in_winning_buckets_only(monkeypatch) -> None:
+def test_layers_use_the_skinny_kernel_in_winning_buckets_while_graphs_are_built(monkeypatch) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(PackedLinear(64, {"a": (32, 0, 32)}, bias=True), RowParallelLinear(32, 64))
     assert enable_skinny_gemm(model, {(32, 64, 1), (32, 64, 4), (64, 48, 2)}) == 1
@@ -137,11 +137,16 @@ def test_layers_use_the_skinny_kernel_in_winning_buckets_only(monkeypatch) -> No
     calls = []
     monkeypatch.setattr(small_gemm, "skinny_linear",
                         lambda x, *args: calls.append(x.shape[0]) or skinny_linear(x, *args))
-    for rows in (1, 3, 4, 5):   # 3 falls in bucket 4; 5 in bucket 8, which cuBLAS keeps
-        x = torch.randn(rows, 64)
-        torch.testing.assert_close(packed(x), F.linear(x, packed.weight, packed.bias),
-                                   rtol=1e-5, atol=1e-5)
-    row(torch.randn(1, 32))
+    packed(torch.randn(1, 64))
+    assert calls == []   # an eager step (no graphs being built): cuBLAS, whose launch costs less
+    with building_graphs():
+        for rows in (1, 3, 4, 5):   # 3 falls in bucket 4; 5 in bucket 8, which cuBLAS keeps
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(packed(x), F.linear(x, packed.weight, packed.bias),
+                                       rtol=1e-5, atol=1e-5)
+        row(torch.randn(1, 32))
+    assert calls == [1, 3, 4]
+    packed(torch.randn(1, 64))
     assert calls == [1, 3, 4]
 
 
@@ -150,3 +155,20 @@ def test_row_buckets_are_the_powers_of_two_up_to_the_batch() -> None:
     assert row_buckets(1) == [1] and row_buckets(12) == [1, 2, 4, 8, 16]
     assert row_buckets(256) == [1, 2, 4, 8, 16, 32]
     assert describe({(32, 64, 4), (32, 64, 1)}) == "32x64 at rows 1,4" and describe(set()) == "no shape"
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_startup_check_passes_the_kernel_and_catches_a_wrong_one(rows) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    w = torch.randn(80, 96, generator=gen).bfloat16()
+    assert agrees_with_cublas(skinny_linear, x, w)
+
+    def off_by_one_column(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return skinny_linear(x, w.roll(1, dims=0))
+
+    def dropped_tail(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return skinny_linear(x[:, :64].contiguous(), w[:, :64].contiguous())
+
+    assert not agrees_with_cublas(off_by_one_column, x, w)
+    assert not agrees_with_cublas(dropped_tail, x, w)

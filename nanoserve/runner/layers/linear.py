@@ -7,6 +7,9 @@ buckets where it does. It stays empty on the CPU and with enforce_eager."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,10 +22,27 @@ def row_bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
+# Skinny GEMM was timed under graph replay and runs only in graphs. Launched eagerly from Python
+# (a short prompt's prefill) each call would pay Triton's launch cost, far above cuBLAS's.
+_graph_kernels = False
+
+
+@contextlib.contextmanager
+def building_graphs() -> Iterator[None]:
+    """Inside: the linear layers may pick the skinny kernel (graph warm-up and capture)."""
+    global _graph_kernels
+    before, _graph_kernels = _graph_kernels, True
+    try:
+        yield
+    finally:
+        _graph_kernels = before
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             skinny_rows: frozenset[int]) -> torch.Tensor:
-    """x W^T (+ bias): the skinny Triton kernel where it won at startup for x's rows, else cuBLAS."""
-    if skinny_rows and x.dim() == 2 and x.shape[0] and row_bucket(x.shape[0]) in skinny_rows:
+    """x W^T (+ bias): the skinny Triton kernel where it won at startup for x's rows, while CUDA
+    graphs are being built; else cuBLAS."""
+    if _graph_kernels and skinny_rows and x.dim() == 2 and x.shape[0] and row_bucket(x.shape[0]) in skinny_rows:
         # imported here: Triton loads only where skinny GEMM is on (CUDA)
         from nanoserve.runner.layers.small_gemm import skinny_linear
         return skinny_linear(x, weight, bias)

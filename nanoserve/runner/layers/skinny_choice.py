@@ -64,10 +64,23 @@ def graph_us_per_call(fn: Callable[[torch.Tensor], torch.Tensor], weights: list[
     return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3 / calls
 
 
+def agrees_with_cublas(skinny: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+                       weight: torch.Tensor, tolerance: float = 2**-6) -> bool:
+    """skinny(x, weight) equals F.linear's result within `tolerance` of its largest value.
+
+    Both sum in float32 and round once, so they differ by an output rounding (2^-8 relative in
+    bf16); a kernel that reads a wrong tile is off by the size of the output itself. Checked on the
+    device at startup, for each kernel variant the runner would use there."""
+    ref = F.linear(x, weight).float()
+    got = skinny(x, weight).float()
+    return bool((got - ref).abs().max() <= tolerance * ref.abs().max())
+
+
 @torch.inference_mode()
 def choose_skinny(weight_shapes: Iterable[tuple[int, int]], max_rows: int, device: torch.device,
                   dtype: torch.dtype, margin: float = MARGIN) -> set[tuple[int, int, int]]:
-    """The (N, K, row bucket) where skinny_linear beats F.linear by `margin` on this device."""
+    """The (N, K, row bucket) where skinny_linear gives F.linear's result and beats it by `margin`
+    on this device."""
     from nanoserve.runner.layers.small_gemm import skinny_linear
 
     wins = set()
@@ -75,6 +88,10 @@ def choose_skinny(weight_shapes: Iterable[tuple[int, int]], max_rows: int, devic
         weights = rotated_weights(n, k, dtype, device)
         for rows in row_buckets(max_rows):
             x = torch.randn(rows, k, dtype=dtype, device=device)
+            if not agrees_with_cublas(skinny_linear, x, weights[0]):
+                logger.warning("skinny GEMM disagrees with cuBLAS at %dx%d, %d rows, on this device: "
+                               "cuBLAS kept there", n, k, rows)
+                continue
             cublas = graph_us_per_call(lambda w: F.linear(x, w), weights)
             triton = graph_us_per_call(lambda w: skinny_linear(x, w), weights)
             logger.debug("%dx%d rows %d: cuBLAS %.1f us, Triton %.1f us", n, k, rows, cublas, triton)
