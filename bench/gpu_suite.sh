@@ -19,7 +19,10 @@ for part in $parts; do
     json) python3 bench/throughput.py --num-seqs 256 --json-schema 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^grammar|Error" ;;
     t1024) python3 bench/throughput.py --num-seqs 1024 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     eager) python3 bench/throughput.py --num-seqs 256 --enforce-eager 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
-    tp2) python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tee "$out/tests-tp.log" | tail -5
+    tp2) timeout 90 python3 scripts/tp_probe.py 2>&1 | tee "$out/tp-probe.log" | tail -12
+         # a stuck test dumps the test process's stacks after 5 minutes
+         timeout 480 python3 -m pytest -q -o faulthandler_timeout=300 -m gpu tests/gpu/test_tensor_parallel_gpu.py \
+           --durations=3 2>&1 | tee "$out/tests-tp.log" | tail -40
          python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json --tensor-parallel-size 2 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     8b) python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     gemv) python3 bench/skinny_gemm.py 2>&1 | tee "$out/skinny_gemm.log" ;;
