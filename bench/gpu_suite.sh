@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [t1024] [eager] [sync] [json] [8b] [tp2] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [8b] [tp2] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,7 @@ for part in $parts; do
   case $part in
     tests) python3 -m pytest -q -m gpu tests/gpu 2>&1 | tee "$out/tests.log" | tail -25 ;;
     throughput) "$0" t256 sync eager t1024 ;;
+    topk) python3 bench/throughput.py --num-seqs 256 --top-k 20 --top-p 0.95 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     t256) python3 bench/throughput.py --num-seqs 256 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     sync) python3 bench/throughput.py --num-seqs 256 --no-async-scheduling 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     served) OUT="$out" bash bench/served_vs_offline.sh offline inf rates single 2>&1 | grep -vE "it/s" ;;

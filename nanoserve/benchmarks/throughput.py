@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--top-k", type=int, default=0, help="0: off (Qwen3's generation config asks for 20)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1.0: off (Qwen3's generation config asks for 0.95)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         schema = StructuredOutputsParams(json={"type": "object", "required": ["text"], "properties": {
             "text": {"type": "string", "minLength": 16 * args.max_output_len}}})
         print(f"grammar compile: {large_schema_compile_ms(llm):.0f} ms for a schema of 200 fields")
-    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, detokenize=False,
+    params = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                             ignore_eos=True, detokenize=False,
                              max_tokens=rng.randint(args.min_output_len, args.max_output_len),
                              structured_outputs=schema)
               for _ in range(args.num_seqs)]

@@ -115,5 +115,14 @@ class GrammarManager:
             self.batch.batch_fill_next_token_bitmask([matchers[r] for r in rows], bitmask)
         return TokenMask(bitmask, rows)
 
+    def advance(self, steps: list[tuple[xgr.GrammarMatcher, int]]) -> None:
+        """Each matcher accepts its sampled token. The token was drawn under that matcher's mask,
+        so it is always accepted."""
+        if len(steps) == 1:
+            steps[0][0].accept_token(steps[0][1])
+        elif steps:
+            matchers, tokens = zip(*steps)
+            self.batch.batch_accept_token(list(matchers), list(tokens))
+
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -292,6 +292,11 @@ class LLMEngine:
         self.num_generated_tokens += len(launched.sequences)
         for (seq, start), entries in zip(launched.scored, sampled.prompt_logprobs):
             seq.prompt_logprobs[start + 1:start + 1 + len(entries)] = entries
+        if self._grammars is not None:
+            # every live constrained row advances its matcher in one call, on xgrammar's threads
+            self._grammars.advance([(seq.grammar, sampled.token_ids[row])
+                                    for row, seq in enumerate(launched.sequences)
+                                    if seq.grammar is not None and self.sequences.get(seq.request_id) is seq])
         outputs = []
         for row, (seq, position) in enumerate(zip(launched.sequences, launched.positions)):
             token = sampled.token_ids[row]
@@ -304,10 +309,8 @@ class LLMEngine:
             if seq.request_id in self.pending_forks:
                 self._start_forks(seq)
             reason = self._finish_reason(seq, token, position + 1 - seq.num_prompt_tokens)
-            if seq.grammar is not None:
-                seq.grammar.accept_token(token)
-                if reason is None and seq.grammar.is_terminated():
-                    reason = "stop"  # the grammar is complete (it ends on a stop token even with ignore_eos)
+            if reason is None and seq.grammar is not None and seq.grammar.is_terminated():
+                reason = "stop"  # the grammar is complete (it ends on a stop token even with ignore_eos)
             if reason is not None:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, reason)

@@ -10,6 +10,7 @@ import torch
 
 from nanoserve.runner.batch import SampleOutput, SequenceWork, TokenMask
 from nanoserve.runner.inputs import PromptLogprobRows
+from nanoserve.runner.top_k_draw import MAX_CANDIDATES, draw_from_top_k
 
 # JSON has no -inf; OpenAI clients expect a large negative number instead
 MIN_LOGPROB = -9999.0
@@ -28,6 +29,7 @@ class SamplingTensors:
     seeds: list[tuple[int, int]]  # (row, per-step seed) of rows with a seed
     num_logprobs: int            # largest top-N asked for; -1 when no row wants logprobs
     top_logprobs: list[int | None]  # per row: how many top alternatives, None = no logprobs
+    max_sampled_top_k: int       # the largest top_k among the rows that draw (0 when none does)
 
     @staticmethod
     def build(rows: list[SequenceWork], vocab_size: int, device: torch.device) -> "SamplingTensors":
@@ -55,6 +57,7 @@ class SamplingTensors:
             seeds=seeds,
             num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
             top_logprobs=[p.logprobs for p in params],
+            max_sampled_top_k=max((k for k, s in zip(top_k, sampled) if s), default=0),
         )
 
 
@@ -155,6 +158,10 @@ def draw(logits: torch.Tensor, rows: list[SequenceWork],
         tokens = _fused_draw(logits, st)
     elif st.all_greedy:
         tokens = logits.argmax(dim=-1)  # any float dtype gives the same index
+    elif st.top_k is not None and st.max_sampled_top_k <= MAX_CANDIDATES:
+        drawn = draw_from_top_k(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.max_sampled_top_k,
+                                dict(st.seeds))
+        tokens = torch.where(st.greedy, logits.argmax(dim=-1), drawn)
     else:
         logits = logits.float()
         scaled = filter_logits(logits / st.temperature[:, None], st)

@@ -247,3 +247,48 @@ def test_token_mask_constrains_only_its_rows():
                       TokenMask(bitmask.repeat(2, 1), [0, 2]))
                .token_ids for _ in range(20)]
     assert all(s[0] in allowed and s[2] in allowed for s in sampled)
+
+
+def test_rows_that_all_have_a_small_top_k_draw_from_their_candidates_only(monkeypatch):
+    """Every sampled row with top_k set (Qwen3's generation config asks for 20): the draw works on
+    each row's k best logits. Same allowed sets as the full path; seeded rows keep their draws
+    whatever the batch around them."""
+    from nanoserve.runner import sampler
+
+    calls = []
+    real = sampler.draw_from_top_k
+    monkeypatch.setattr(sampler, "draw_from_top_k", lambda *a: calls.append(a[5]) or real(*a))
+    vocab = 2000
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(24, vocab, generator=gen) * torch.linspace(0.3, 4.0, 24)[:, None]
+    params = [SamplingParams(top_k=20, top_p=0.95, temperature=0.6), SamplingParams(top_k=3),
+              SamplingParams(top_k=40, min_p=0.2, temperature=1.3), SamplingParams(temperature=0.0)]
+    rows = [row(params[i % 4]) for i in range(24)]
+    seen = [set() for _ in range(24)]
+    for _ in range(30):
+        for i, t in enumerate(sample(logits, rows).token_ids):
+            seen[i].add(t)
+    assert calls and set(calls) == {40}   # the largest top-k of the rows that draw
+    for i in range(24):
+        p = params[i % 4]
+        if p.temperature == 0.0:
+            assert seen[i] == {int(logits[i].argmax())}
+        else:
+            assert seen[i] <= allowed_tokens(logits[i].numpy(), p), f"row {i}"
+    assert any(len(seen[i]) > 1 for i in range(24) if i % 4 != 3)
+
+    target = SamplingParams(temperature=1.0, top_k=8, seed=11)
+    step_logits = torch.randn(6, vocab, generator=gen)
+    others = [SamplingParams(top_k=50, seed=3), SamplingParams(top_k=2, top_p=0.5)]
+
+    def draws(batch: list[SamplingParams], at: int) -> list[int]:
+        picks = []
+        for step in range(6):
+            x = torch.randn(len(batch), vocab) * 3
+            x[at] = step_logits[step]
+            picks.append(sample(x, [row(p, output=[1] * step) for p in batch]).token_ids[at])
+        return picks
+
+    alone = draws([target], 0)
+    assert draws([others[0], target, others[1]], 1) == alone
+    assert len(set(alone)) > 1
