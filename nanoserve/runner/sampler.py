@@ -10,7 +10,7 @@ import torch
 
 from nanoserve.runner.batch import SampleOutput, SequenceWork, TokenMask
 from nanoserve.runner.inputs import PromptLogprobRows
-from nanoserve.runner.top_k_draw import MAX_CANDIDATES, draw_from_top_k
+from nanoserve.runner.top_k_draw import MAX_CANDIDATES, draw_from_top_k, seeded_noise
 
 # JSON has no -inf; OpenAI clients expect a large negative number instead
 MIN_LOGPROB = -9999.0
@@ -169,8 +169,7 @@ def draw(logits: torch.Tensor, rows: list[SequenceWork],
         # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race), with no sort
         noise = torch.empty_like(probs).exponential_()
         for row, seed in st.seeds:
-            gen = torch.Generator(device=probs.device).manual_seed(seed)
-            noise[row] = torch.empty_like(probs[row]).exponential_(generator=gen)
+            noise[row] = seeded_noise(seed, probs.shape[1], probs.device)
         drawn = (probs / noise).argmax(dim=-1)
         tokens = torch.where(st.greedy, logits.argmax(dim=-1), drawn)
     if raw_logprobs is None:
@@ -183,10 +182,13 @@ def _fused_draw(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     from nanoserve.runner.sampling_kernel import gumbel_argmax
 
     seeds = torch.randint(0, 2**31 - 1, (logits.shape[0],), dtype=torch.int64)
-    for row, seed in st.seeds:
-        seeds[row] = seed & 0x7FFF_FFFF
     temperature = st.temperature.masked_fill(st.greedy, 0.0)
-    return gumbel_argmax(logits, temperature, seeds.to(logits.device, non_blocking=True))
+    tokens = gumbel_argmax(logits, temperature, seeds.to(logits.device, non_blocking=True))
+    for row, seed in st.seeds:
+        # drawn as the other paths draw it: which path a step takes depends on the rest of the batch
+        probs = (logits[row].float() / st.temperature[row]).softmax(dim=-1)
+        tokens[row] = (probs / seeded_noise(seed, probs.shape[0], probs.device)).argmax()
+    return tokens
 
 
 def token_logprobs(chosen_ids: torch.Tensor, logprobs: torch.Tensor, top_n: list[int | None]) -> list:

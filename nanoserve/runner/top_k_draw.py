@@ -15,6 +15,15 @@ import torch
 MAX_CANDIDATES = 1024
 
 
+def seeded_noise(seed: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise for each token id of a seeded row, from the row's own generator.
+
+    Every sampling path draws a seeded row with this noise (an exponential race over token ids).
+    Which path a step takes depends on the rest of the batch, and a seeded row must not notice."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=gen)
+
+
 def draw_from_top_k(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor | None, min_p: torch.Tensor | None, k: int,
                     seeded: dict[int, int]) -> torch.Tensor:
@@ -34,11 +43,7 @@ def draw_from_top_k(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
         drop |= (x - x[:, :1]).exp() < min_p[:, None]   # x[:, 0] is the most likely token
     probs = x.masked_fill(drop, float("-inf")).softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_()
-    for row in seeded:
-        # the noise of each token id that the full path draws for this seed: which path a step
-        # takes depends on the rest of the batch, and a seeded row must not notice
-        gen = torch.Generator(device=probs.device).manual_seed(seeded[row])
-        by_token = torch.empty(logits.shape[1], dtype=torch.float32, device=probs.device).exponential_(generator=gen)
-        noise[row] = by_token[ids[row]]
+    for row, seed in seeded.items():
+        noise[row] = seeded_noise(seed, logits.shape[1], probs.device)[ids[row]]
     choice = (probs / noise).argmax(dim=-1, keepdim=True)   # the exponential race: a draw from probs
     return ids.gather(1, choice).squeeze(1)

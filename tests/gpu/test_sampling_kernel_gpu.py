@@ -45,3 +45,27 @@ def test_same_seed_same_token_whatever_the_batch():
         alone = gumbel_argmax(logits[row:row + 1], temperature[:1], seeds[row:row + 1])
         assert alone.item() == batch[row].item()
     assert not torch.equal(gumbel_argmax(logits, temperature, seeds + 1), batch)
+
+
+@pytest.mark.parametrize("seed", [42, 7, 1234])
+def test_a_seeded_row_draws_the_same_token_on_every_sampling_path(seed):
+    """Its batch-mates decide the path (the fused kernel, top-k candidates, the full sort); a
+    seeded row draws the same token on each."""
+    from nanoserve.runner.batch import SequenceWork
+    from nanoserve.runner.sampler import sample
+    from nanoserve.sampling_params import SamplingParams
+
+    def row(params: SamplingParams) -> SequenceWork:
+        return SequenceWork([1, 2, 3], 3, 2, 1, [0], params)
+
+    vocab = 151936
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    target = torch.randn(1, vocab, device="cuda", generator=gen) * 2
+    seeded = SamplingParams(temperature=1.0, seed=seed)
+    picks = {}
+    for path, mate in {"alone": None, "fused": SamplingParams(temperature=0.8),
+                       "top-k": SamplingParams(top_k=20, top_p=0.95), "full": SamplingParams(top_p=0.9)}.items():
+        mates = [] if mate is None else [mate] * 3
+        logits = torch.cat([target, torch.randn(len(mates), vocab, device="cuda", generator=gen)]).bfloat16()
+        picks[path] = sample(logits, [row(seeded)] + [row(m) for m in mates]).token_ids[0]
+    assert len(set(picks.values())) == 1, picks
