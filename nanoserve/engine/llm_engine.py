@@ -218,7 +218,7 @@ class LLMEngine:
         With async scheduling the next batch is launched before this one's sampled ids are read,
         so the host's bookkeeping overlaps the device's work and outputs arrive one step later."""
         self._admit_compiled()
-        if self.config.async_scheduling and not self._needs_token_history():
+        if self.config.async_scheduling:
             launched = self._launch()
             outputs = self._complete(self.in_flight) if self.in_flight else []
             if launched is not None and launched.pending is None:
@@ -229,10 +229,6 @@ class LLMEngine:
         self.in_flight = None
         launched = self._launch()
         return outputs + (self._complete(launched) if launched else [])
-
-    def _needs_token_history(self) -> bool:
-        # penalties read every past token on the host: the last step's ids must be back first
-        return any(seq.params.uses_penalties for seq in self.scheduler.running)
 
     def _sample(self, launched: InFlightStep, sampling: list[Sequence]) -> None:
         """Queue the sampling of a launched forward pass (`sampling`: its rows' sequences), under

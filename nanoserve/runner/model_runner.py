@@ -194,7 +194,8 @@ class ModelRunner:
             return PendingSample(None, None, 0, step.prompt)
         if self.tp.rank != 0:
             return PendingSample(None, None, 0)  # rank 0 alone samples
-        tokens, logprobs = draw(step.logits, step.rows, token_mask)
+        # prev_tokens still holds the previous launch's ids: penalties count the pending ones there
+        tokens, logprobs = draw(step.logits, step.rows, token_mask, self.prev_tokens)
         self.prev_tokens = tokens
         return PendingSample(tokens, logprobs, len(step.rows), step.prompt)
 

@@ -10,6 +10,7 @@ import torch
 
 from nanoserve.runner.batch import SampleOutput, SequenceWork, TokenMask
 from nanoserve.runner.inputs import PromptLogprobRows
+from nanoserve.runner.penalties import apply_penalties
 from nanoserve.runner.top_k_draw import MAX_CANDIDATES, draw_from_top_k, seeded_noise
 
 # JSON has no -inf; OpenAI clients expect a large negative number instead
@@ -61,39 +62,6 @@ class SamplingTensors:
         )
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SequenceWork]) -> None:
-    """Presence, frequency and repetition penalties and logit bias, in place."""
-    device, vocab = logits.device, logits.shape[1]
-    penalized = [i for i, w in enumerate(rows) if w.params.uses_penalties]
-    if penalized:
-        sub = logits[penalized]
-        counts = torch.zeros_like(sub)
-        seen = torch.zeros(sub.shape, dtype=torch.bool, device=device)
-        for r, i in enumerate(penalized):
-            w = rows[i]
-            # the tokens before the one being sampled (the engine may have appended its placeholder)
-            known = w.token_ids[:w.start + w.num_new]
-            out = torch.tensor(known[w.num_prompt_tokens:], dtype=torch.int64, device=device)
-            counts[r].index_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
-            seen[r, torch.tensor(known, dtype=torch.int64, device=device)] = True
-        params = [rows[i].params for i in penalized]
-        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-        # repetition penalty (prompt and output) divides positive logits and multiplies negative ones
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
-        logits[penalized] = sub
-    for i, w in enumerate(rows):
-        if w.params.logit_bias:
-            # an id outside the vocabulary has no logit to move (clamping it would bias the last token)
-            bias = {int(t): b for t, b in w.params.logit_bias.items() if 0 <= int(t) < vocab}
-            ids = torch.tensor(list(bias), dtype=torch.int64, device=device)
-            logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype, device=device))
-        if w.banned_token_ids:
-            logits[i, list(w.banned_token_ids)] = float("-inf")
-
-
 def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Mask everything outside top-k, top-p and min-p to -inf (rows where they are off pass)."""
     if st.top_k is not None or st.top_p is not None:
@@ -140,8 +108,8 @@ def sample(logits: torch.Tensor, rows: list[SequenceWork], token_mask: TokenMask
     return SampleOutput(tokens.tolist(), logprobs if logprobs is not None else [None] * len(rows))
 
 
-def draw(logits: torch.Tensor, rows: list[SequenceWork],
-         token_mask: TokenMask | None = None) -> tuple[torch.Tensor, list | None]:
+def draw(logits: torch.Tensor, rows: list[SequenceWork], token_mask: TokenMask | None = None,
+         prev_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, list | None]:
     """The sampled ids, left on the device, and the rows' logprobs (read now) when any row asks.
 
     Logprobs are those of the model, before penalties and the grammar's mask (as vLLM reports them)."""
@@ -151,7 +119,7 @@ def draw(logits: torch.Tensor, rows: list[SequenceWork],
         logits = logits.float()  # once, for both
     raw_logprobs = logits.log_softmax(dim=-1) if st.num_logprobs >= 0 else None
     if adjusted:
-        apply_penalties(logits, rows)
+        apply_penalties(logits, rows, prev_tokens)
     if token_mask is not None:
         apply_token_mask(logits, token_mask)
     if logits.is_cuda and st.top_k is None and st.top_p is None and st.min_p is None:

@@ -82,7 +82,9 @@ def test_async_scheduling_stops_like_sync_on_the_bundled_model():
     texts = ["The function returns", "A list is", "If the", "Raise", "Return the number of", "import os\n"]
     cases = [SamplingParams(temperature=0.0, max_tokens=40),                      # eos stops
              SamplingParams(temperature=0.0, max_tokens=40, stop=["."]),          # stop strings abort
-             SamplingParams(temperature=0.8, seed=3, max_tokens=20, presence_penalty=0.5),  # history: sync steps
+             # penalties: a pipelined step counts the pending token on the device
+             SamplingParams(temperature=0.8, seed=3, max_tokens=20, presence_penalty=0.5),
+             SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.4),
              SamplingParams(temperature=0.0, max_tokens=30, n=2)]                 # forks
     sync = LLM(dtype="float32", device="cpu")
     pipelined = LLM(dtype="float32", device="cpu", async_scheduling=True)
@@ -93,3 +95,21 @@ def test_async_scheduling_stops_like_sync_on_the_bundled_model():
         assert [o.text for o in got] == [o.text for o in want]
     assert pipelined.engine.block_manager.num_free_blocks == pipelined.engine.block_manager.num_blocks
     assert not pipelined.engine.has_unfinished_requests()
+
+
+def test_penalized_steps_are_pipelined():
+    """Penalties need no token read back: a penalized step is launched before the last one is read."""
+    llm = LLM(dtype="float32", device="cpu", async_scheduling=True)
+    engine, real_step, overlapped = llm.engine, llm.engine.step, []
+
+    def step():
+        outputs = real_step()
+        overlapped.append(engine.in_flight is not None and
+                          any(seq.params.uses_penalties for seq in engine.in_flight.sequences))
+        return outputs
+
+    engine.step = step
+    llm.generate(["The function returns", "A list is"],
+                 SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.2),
+                 use_tqdm=False)
+    assert sum(overlapped) >= 25

@@ -292,3 +292,23 @@ def test_rows_that_all_have_a_small_top_k_draw_from_their_candidates_only(monkey
     alone = draws([target], 0)
     assert draws([others[0], target, others[1]], 1) == alone
     assert len(set(alone)) > 1
+
+
+def test_a_pending_input_token_is_counted_from_the_previous_launch_on_the_device():
+    """Pipelined steps: a decode row's input token is a placeholder on the host; penalties count
+    the id the previous launch drew for it (row `prev_row` of its sampled ids)."""
+    from nanoserve.runner.penalties import token_counts
+
+    tokens = [40, 41, 3, 3, -1]   # prompt 40 41, outputs 3 3 and a pending one
+    work = SequenceWork(tokens, 2, 4, 1, [0], SamplingParams(temperature=0, presence_penalty=1.0), prev_row=1)
+    counts, seen = token_counts([work], VOCAB, torch.device("cpu"), torch.tensor([7, 9]))
+    assert counts[0, 3] == 2 and counts[0, 9] == 1 and counts[0, 7] == 0 and counts.sum() == 3
+    assert seen[0].nonzero().flatten().tolist() == [3, 9, 40, 41]
+    # the same as if the host had known the id
+    known = SequenceWork([40, 41, 3, 3, 9], 2, 4, 1, [0], work.params)
+    want_counts, want_seen = token_counts([known], VOCAB, torch.device("cpu"), None)
+    assert torch.equal(counts, want_counts) and torch.equal(seen, want_seen)
+    logits = padded([2.0, 1.5, 0.0, 2.2, 0.0, 0.0, 0.0, 0.0, 0.0, 2.4])
+    from nanoserve.runner.sampler import draw
+    tokens_, _ = draw(logits.clone(), [work], prev_tokens=torch.tensor([7, 9]))
+    assert tokens_.tolist() == [0]   # 9 and 3 lose 1.0 each: 2.0 wins
