@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--temperature", type=float, default=0.6)
-    parser.add_argument("--top-k", type=int, default=0, help="0: off (Qwen3's generation config asks for 20)")
+    parser.add_argument("--top-k", type=int, default=-1, help="-1: off (Qwen3's generation config asks for 20)")
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0: off (Qwen3's generation config asks for 0.95)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
