@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [8b] [tp2] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +27,8 @@ for part in $parts; do
          python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json --tensor-parallel-size 2 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     8b) python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     gemv) python3 bench/skinny_gemm.py 2>&1 | tee "$out/skinny_gemm.log" ;;
+    prefill) python3 bench/prefill.py 2>&1 | tee "$out/prefill.log" | grep -vE "it/s|Capturing"
+             python3 bench/prefill.py --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/prefill.log" | grep -vE "it/s|Capturing" ;;
     decode) python3 bench/decode_step.py 2>&1 | tee "$out/decode_step.log" | grep -vE "it/s|Capturing" ;;
     fp8) python3 -m pytest -q -m gpu tests/gpu/test_fp8_kv_cache_gpu.py -s 2>&1 | tee "$out/tests-fp8.log" | tail -5
          python3 bench/attention_kernels.py --kv-cache-dtype fp8 2>&1 | tee "$out/attention-fp8.log" | tail -15

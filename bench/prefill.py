@@ -1,0 +1,99 @@
+"""Time to first token of one prompt alone, against its compute floor, at 1k, 4k and 16k tokens.
+
+    python bench/prefill.py --config bench/configs/qwen3-0.6b.json [--lengths 1024,4096,16384]
+
+A prompt of N random ids goes through the offline engine alone, with max_tokens 1 (its chunks of
+max_num_batched_tokens, the forward passes, the one sample); median of --repeats after a
+warm-up of the same length, so compiles stay out. The floor is the step's matmul work, 2 FLOPs
+per weight per token plus causal attention (QK^T and PV, half of N x N per head), at the bf16
+matmul rate measured in the same run (a large square GEMM). Weights and KV traffic are ignored:
+at these lengths a prefill is compute-bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from random import Random
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nanoserve import SamplingParams  # noqa: E402
+from nanoserve.benchmarks.config_file import config_from_file  # noqa: E402
+from nanoserve.engine.llm import LLM  # noqa: E402
+from nanoserve.runner.models.decoder import head_dim_of  # noqa: E402
+
+
+def matmul_flops_per_second(size: int = 8192) -> float:
+    """bf16 FLOP/s of a large square GEMM: what a compute-bound prefill can hope for."""
+    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * size ** 3 * 20 / (start.elapsed_time(end) / 1e3)
+
+
+def prefill_flops(hf, tokens: int) -> float:
+    """Matmul FLOPs of one causal prefill of `tokens` tokens (LM head on the last token only)."""
+    d, layers = hf.hidden_size, hf.num_hidden_layers
+    head_dim = head_dim_of(hf)
+    q, kv = hf.num_attention_heads * head_dim, hf.num_key_value_heads * head_dim
+    per_layer_weights = d * (q + 2 * kv) + q * d + 3 * d * hf.intermediate_size
+    linear = 2 * tokens * per_layer_weights * layers + 2 * d * hf.vocab_size
+    # QK^T and PV over the causal half: 2 matmuls x 2 FLOPs x N^2 / 2 x head_dim per q head
+    attention = 2 * tokens * tokens * head_dim * hf.num_attention_heads * layers
+    return linear + attention
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="bench/configs/qwen3-0.6b.json")
+    parser.add_argument("--lengths", default="1024,4096,16384")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--attention-backend", default="auto")
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    config = config_from_file(args.config, max_model_len=max(lengths) + 1, max_num_seqs=1,
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
+                              enable_prefix_caching=False)
+    llm = LLM(config=config)
+    hf = config.hf_config
+    rate = matmul_flops_per_second()
+    rng = Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    print(f"bf16 GEMM rate {rate / 1e12:.0f} TFLOP/s, {os.path.basename(args.config)}, "
+          f"chunks of {args.max_num_batched_tokens}, backend {llm.engine.runner.backend.name}, kv {config.kv_cache_dtype}")
+    print(f"{'tokens':>7} {'TTFT ms':>9} {'floor ms':>9} {'TTFT / floor':>13}")
+    for n in lengths:
+        prompt = [rng.randrange(10000) for _ in range(n)]
+        llm.generate([prompt], params, use_tqdm=False)   # warm-up: compiles for this length stay out
+        times = []
+        for _ in range(args.repeats):
+            prompt = [rng.randrange(10000) for _ in range(n)]   # fresh ids: no prefix-cache hit either way
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            llm.generate([prompt], params, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        ttft = statistics.median(times)
+        floor = prefill_flops(hf, n) / rate
+        print(f"{n:>7} {ttft * 1e3:>9.2f} {floor * 1e3:>9.2f} {ttft / floor:>12.2f}x")
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
