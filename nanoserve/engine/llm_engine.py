@@ -51,6 +51,7 @@ class InFlightStep:
 
     forward: StepLogits
     pending: PendingSample | None = None
+    mask: concurrent.futures.Future | None = None  # its grammar masks, being filled on a thread
     sequences: list[Sequence] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # index of the placeholder in token_ids
     scored: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk start) with prompt logprobs
@@ -220,8 +221,9 @@ class LLMEngine:
         self._admit_compiled()
         if self.config.async_scheduling:
             launched = self._launch()
-            outputs = self._complete(self.in_flight) if self.in_flight else []
-            if launched is not None and launched.pending is None:
+            deferred = launched if launched is not None and launched.pending is None else None
+            outputs = self._complete(self.in_flight, deferred) if self.in_flight else []
+            if deferred is not None:
                 self._sample(launched, launched.sequences)  # its matchers have now seen the tokens just read
             self.in_flight = launched
             return outputs
@@ -237,9 +239,10 @@ class LLMEngine:
         The masks are filled here, while the device still runs the forward. A sequence that has
         finished or left since the launch samples unconstrained: its token is dropped anyway."""
         mask = None
-        if self._grammars is not None and any(seq.grammar is not None for seq in sampling):
-            mask = self._grammars.bitmask([seq.grammar if self.sequences.get(seq.request_id) is seq else None
-                                           for seq in sampling])
+        if launched.mask is not None:
+            mask = launched.mask.result()
+        elif self._grammars is not None and any(seq.grammar is not None for seq in sampling):
+            mask = self._grammars.bitmask(self._live_matchers(sampling))
         launched.pending = self.runner.sample(launched.forward, mask)
         launched.forward = None
 
@@ -249,6 +252,10 @@ class LLMEngine:
         if seq.prompt_logprobs is None or seq.num_computed_tokens >= seq.num_prompt_tokens - 1:
             return None
         return seq.params.prompt_logprobs
+
+    def _live_matchers(self, sampling: list[Sequence]) -> list:
+        """Each row's matcher, None where the sequence has none or has finished or left."""
+        return [seq.grammar if self.sequences.get(seq.request_id) is seq else None for seq in sampling]
 
     def _launch(self) -> InFlightStep | None:
         step = self.scheduler.schedule()
@@ -282,17 +289,25 @@ class LLMEngine:
                 self.scheduler.finish(seq, "length")
         return launched
 
-    def _complete(self, launched: InFlightStep) -> list[StepOutput]:
-        """Read a launched step's sampled ids back; update, stop and report its sequences."""
+    def _complete(self, launched: InFlightStep, deferred: InFlightStep | None = None) -> list[StepOutput]:
+        """Read a launched step's sampled ids back; update, stop and report its sequences.
+
+        `deferred`: a launched step whose sampling waits for its grammar masks; they start filling
+        on a thread as soon as the matchers have advanced, while the rest of this runs."""
         sampled = launched.pending.result()
         self.num_generated_tokens += len(launched.sequences)
         for (seq, start), entries in zip(launched.scored, sampled.prompt_logprobs):
             seq.prompt_logprobs[start + 1:start + 1 + len(entries)] = entries
+        complete: set[int] = set()   # ids of the sequences whose grammar has just terminated
         if self._grammars is not None:
             # every live constrained row advances its matcher in one call, on xgrammar's threads
-            self._grammars.advance([(seq.grammar, sampled.token_ids[row])
-                                    for row, seq in enumerate(launched.sequences)
-                                    if seq.grammar is not None and self.sequences.get(seq.request_id) is seq])
+            live = [(row, seq) for row, seq in enumerate(launched.sequences)
+                    if seq.grammar is not None and self.sequences.get(seq.request_id) is seq]
+            self._grammars.advance([(seq.grammar, sampled.token_ids[row]) for row, seq in live])
+            # read now: once the fill below runs, this thread leaves the matchers alone
+            complete = {id(seq) for _, seq in live if seq.grammar.is_terminated()}
+            if deferred is not None:
+                deferred.mask = self._grammars.bitmask_soon(self._live_matchers(deferred.sequences))
         outputs = []
         for row, (seq, position) in enumerate(zip(launched.sequences, launched.positions)):
             token = sampled.token_ids[row]
@@ -305,7 +320,7 @@ class LLMEngine:
             if seq.request_id in self.pending_forks:
                 self._start_forks(seq)
             reason = self._finish_reason(seq, token, position + 1 - seq.num_prompt_tokens)
-            if reason is None and seq.grammar is not None and seq.grammar.is_terminated():
+            if reason is None and id(seq) in complete:
                 reason = "stop"  # the grammar is complete (it ends on a stop token even with ignore_eos)
             if reason is not None:
                 if not seq.is_finished:

@@ -51,6 +51,20 @@ def test_compile_errors_name_the_problem(llm):
     manager.close()
 
 
+def test_a_terminated_matcher_leaves_its_row_unconstrained_instead_of_failing_the_step(llm):
+    """xgrammar refuses to fill the mask of a matcher that has accepted its stop token; such a
+    row's token is dropped anyway, so the step goes on without it."""
+    manager = GrammarManager(llm.tokenizer, 4096, [0])
+    compiled = manager.compile(StructuredOutputsParams(choice=["a"])).result()
+    done, fresh = manager.matcher(compiled, frozenset([0])), manager.matcher(compiled, frozenset([0]))
+    for token in [*llm.tokenizer.encode("a", add_special_tokens=False), 0]:
+        assert done.accept_token(token)
+    assert done.is_terminated()
+    mask = manager.bitmask_soon([done, None, fresh]).result()
+    assert mask.rows == [2] and mask.bitmask.shape[0] == 1
+    manager.close()
+
+
 def test_every_choice_matches_and_n_forks_each_walk_their_own_grammar(llm):
     outs = texts(llm, constrained(n=3, temperature=1.0, seed=1))
     assert all(re.fullmatch(REGEX, t) for choices in outs for t in choices)
