@@ -236,8 +236,9 @@ class LLMEngine:
         """Queue the sampling of a launched forward pass (`sampling`: its rows' sequences), under
         the grammar rows' masks.
 
-        The masks are filled here, while the device still runs the forward. A sequence that has
-        finished or left since the launch samples unconstrained: its token is dropped anyway."""
+        The masks are filled while the device still runs the forward: on a thread from the moment
+        the matchers advanced (`_complete`), or here. A sequence that has finished or left since
+        the launch samples unconstrained: its token is dropped anyway."""
         mask = None
         if launched.mask is not None:
             mask = launched.mask.result()
