@@ -69,3 +69,31 @@ def test_a_seeded_row_draws_the_same_token_on_every_sampling_path(seed):
         logits = torch.cat([target, torch.randn(len(mates), vocab, device="cuda", generator=gen)]).bfloat16()
         picks[path] = sample(logits, [row(seeded)] + [row(m) for m in mates]).token_ids[0]
     assert len(set(picks.values())) == 1, picks
+
+
+def test_rows_with_a_small_top_k_draw_inside_their_allowed_sets_at_the_real_vocabulary():
+    """The top-k candidate path on the GPU, bf16 logits of Qwen3's vocabulary, its generation
+    config's settings (top_k 20, top_p 0.95, temperature 0.6) beside greedy and min-p rows."""
+    from nanoserve.runner.batch import SequenceWork
+    from nanoserve.runner.sampler import sample
+    from nanoserve.sampling_params import SamplingParams
+    from tests.runner.test_sampler import allowed_tokens
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    logits = (torch.randn(32, VOCAB, device="cuda", generator=gen)
+              * torch.linspace(0.5, 6.0, 32, device="cuda")[:, None]).bfloat16()
+    params = [SamplingParams(top_k=20, top_p=0.95, temperature=0.6), SamplingParams(temperature=0.0),
+              SamplingParams(top_k=64, min_p=0.1, temperature=1.2)]
+    rows = [SequenceWork([1, 2, 3], 3, 2, 1, [0], params[i % 3]) for i in range(32)]
+    seen = [set() for _ in range(32)]
+    for _ in range(30):
+        for i, t in enumerate(sample(logits, rows).token_ids):
+            seen[i].add(t)
+    host = logits.float().cpu().numpy()
+    for i in range(32):
+        p = params[i % 3]
+        if p.temperature == 0.0:
+            assert seen[i] == {int(logits[i].float().argmax())}
+        else:
+            assert seen[i] <= allowed_tokens(host[i], p, slack=1e-2), f"row {i}"
+    assert any(len(seen[i]) > 1 for i in range(32) if i % 3 != 1)
