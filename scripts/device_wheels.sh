@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages="fastapi starlette pydantic pydantic_core annotated-types typing-inspection uvicorn httptools pyzmq msgspec
-          openai httpx2 httpcore2 truststore jiter orjson sniffio opentelemetry-api xgrammar apache-tvm-ffi"
+          openai httpx2 httpcore2 truststore jiter orjson sniffio opentelemetry-api xgrammar apache-tvm-ffi
+          py-spy"   # py-spy: sampling profiles of the host side on the device (bench/gpu_suite.sh spy-json)
 pins=()
 for name in $packages; do
   version=$(python3 -m pip show "$name" 2>/dev/null | awk '/^Version:/ {print $2}')
@@ -15,5 +16,6 @@ for name in $packages; do
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
   -d .whl "${pins[@]}"
 ls .whl
