@@ -11,10 +11,11 @@ import torch
 from nanoserve.runner.batch import SampleOutput, SequenceWork, TokenMask
 from nanoserve.runner.inputs import PromptLogprobRows
 from nanoserve.runner.penalties import apply_penalties
-from nanoserve.runner.top_k_draw import MAX_CANDIDATES, draw_from_top_k, seeded_noise
 
 # JSON has no -inf; OpenAI clients expect a large negative number instead
 MIN_LOGPROB = -9999.0
+# past this many candidates a row's filters are cheaper over its sorted vocabulary than its top-k
+MAX_CANDIDATES = 1024
 
 
 @dataclass
@@ -62,29 +63,54 @@ class SamplingTensors:
         )
 
 
-def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Mask everything outside top-k, top-p and min-p to -inf (rows where they are off pass)."""
-    if st.top_k is not None or st.top_p is not None:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
-        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if st.top_k is not None:
-            drop |= ranks >= st.top_k[:, None]
-        if st.top_p is not None:
-            # top-p weighs what top-k left, renormalized (as in vLLM and transformers)
-            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            # drop a token once the mass before it already reaches top_p; the first always stays
-            drop |= (probs.cumsum(dim=-1) - probs) >= st.top_p[:, None]
-            # a top_p that rounds to 0 in float32 (1e-300) would drop even the first: a row of -inf
-            # samples garbage, so the most likely token always stays
-            drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+def seeded_noise(seed: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise for each token id of a seeded row, from the row's own generator.
+
+    Every path draws a seeded row with this noise, indexed by token id: which path a step takes
+    depends on the rest of the batch, and a seeded row must not notice."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=gen)
+
+
+def race(probs: torch.Tensor, ids: torch.Tensor | None, seeds: list[tuple[int, int]], vocab_size: int
+         ) -> torch.Tensor:
+    """argmax(p / E) with E ~ Exp(1) draws from p (the exponential race), with no sort. probs
+    [rows, n] are over the token ids `ids` [rows, n] (None: the whole vocabulary in order);
+    seeds: (row, seed) of the rows whose noise comes from their own generator."""
+    noise = torch.empty_like(probs).exponential_()
+    for row, seed in seeds:
+        by_token = seeded_noise(seed, vocab_size, probs.device)
+        noise[row] = by_token if ids is None else by_token[ids[row]]
+    choice = (probs / noise).argmax(dim=-1)
+    return choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
+
+
+def filtered_draw(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """One token per row, drawn after temperature, top-k, top-p over what top-k left (renormalized,
+    as in vLLM and transformers) and min-p relative to the most likely token.
+
+    The filters work on each row's candidates, best first: its k best when every drawing row has
+    a top-k of at most MAX_CANDIDATES (Qwen3's generation config asks for 20: one top-k instead of
+    a sort of the vocabulary), else the sorted vocabulary; min-p alone needs no order."""
+    if st.top_k is None and st.top_p is None:
+        values, ids = logits, None
+    elif st.top_k is not None and st.max_sampled_top_k <= MAX_CANDIDATES:
+        values, ids = logits.topk(st.max_sampled_top_k, dim=-1)
+    else:
+        values, ids = logits.sort(dim=-1, descending=True)
+    x = values.float() / st.temperature[:, None]
+    drop = torch.zeros_like(x, dtype=torch.bool)
+    if st.top_k is not None:
+        drop |= torch.arange(x.shape[1], device=x.device)[None, :] >= st.top_k[:, None]
+    if st.top_p is not None:
+        probs = x.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # drop a token once the mass before it already reaches top_p; the first always stays (a
+        # top_p that rounds to 0 in float32 would otherwise leave a row of -inf)
+        drop |= (probs.cumsum(dim=-1) - probs) >= st.top_p[:, None]
+        drop[:, 0] = False
     if st.min_p is not None:
-        probs = logits.softmax(dim=-1)
-        threshold = st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    return logits
+        drop |= (x - x.max(dim=-1, keepdim=True).values).exp() < st.min_p[:, None]
+    return race(x.masked_fill(drop, float("-inf")).softmax(dim=-1), ids, st.seeds, logits.shape[1])
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:
@@ -126,20 +152,8 @@ def draw(logits: torch.Tensor, rows: list[SequenceWork], token_mask: TokenMask |
         tokens = _fused_draw(logits, st)
     elif st.all_greedy:
         tokens = logits.argmax(dim=-1)  # any float dtype gives the same index
-    elif st.top_k is not None and st.max_sampled_top_k <= MAX_CANDIDATES:
-        drawn = draw_from_top_k(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.max_sampled_top_k,
-                                dict(st.seeds))
-        tokens = torch.where(st.greedy, logits.argmax(dim=-1), drawn)
     else:
-        logits = logits.float()
-        scaled = filter_logits(logits / st.temperature[:, None], st)
-        probs = scaled.softmax(dim=-1)
-        # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race), with no sort
-        noise = torch.empty_like(probs).exponential_()
-        for row, seed in st.seeds:
-            noise[row] = seeded_noise(seed, probs.shape[1], probs.device)
-        drawn = (probs / noise).argmax(dim=-1)
-        tokens = torch.where(st.greedy, logits.argmax(dim=-1), drawn)
+        tokens = torch.where(st.greedy, logits.argmax(dim=-1), filtered_draw(logits, st))
     if raw_logprobs is None:
         return tokens, None
     return tokens, token_logprobs(tokens, raw_logprobs, st.top_logprobs)
@@ -152,10 +166,11 @@ def _fused_draw(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     seeds = torch.randint(0, 2**31 - 1, (logits.shape[0],), dtype=torch.int64)
     temperature = st.temperature.masked_fill(st.greedy, 0.0)
     tokens = gumbel_argmax(logits, temperature, seeds.to(logits.device, non_blocking=True))
-    for row, seed in st.seeds:
-        # drawn as the other paths draw it: which path a step takes depends on the rest of the batch
-        probs = (logits[row].float() / st.temperature[row]).softmax(dim=-1)
-        tokens[row] = (probs / seeded_noise(seed, probs.shape[0], probs.device)).argmax()
+    if st.seeds:
+        # drawn as the other paths draw them: which path a step takes depends on the rest of the batch
+        rows = [row for row, _ in st.seeds]
+        probs = (logits[rows].float() / st.temperature[rows, None]).softmax(dim=-1)
+        tokens[rows] = race(probs, None, [(i, seed) for i, (_, seed) in enumerate(st.seeds)], logits.shape[1])
     return tokens
 
 
