@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.runner.attention.fp8 import FP8_DTYPE
 from nanoserve.runner.batch import AttentionMetadata
 
 FLASH_BLOCK_MULTIPLE = 256
@@ -41,8 +40,6 @@ class FlashAttnBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        if k_cache.dtype == FP8_DTYPE:
-            raise ValueError(FP8_REFUSAL)
         if k_cache.shape[1] != self.block_size:
             raise ValueError(f"cache block size {k_cache.shape[1]} != backend's {self.block_size}")
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)
