@@ -19,29 +19,33 @@ class ChoiceReader:
         self.ids: list[str] = []       # per streamed call: its id, sent with its name
         self.sent_args: list[str] = []
 
-    def parse(self, text: str, final: bool) -> tuple[str | None, Parsed]:
+    def parse(self, text: str, final: bool) -> tuple[str | None, str, Parsed]:
+        """(reasoning or None, the text after it, its content and calls)."""
         reasoning, content = self.reasoning.parse(text, final) if self.reasoning else (None, text)
+        return reasoning, content, self._calls(content, final)
+
+    def _calls(self, content: str, final: bool) -> Parsed:
         mode = self.plan.mode
         if mode == "auto":
-            return reasoning, self.plan.parser.parse(content, final)
+            return self.plan.parser.parse(content, final)
         if mode == "named":
-            return reasoning, Parsed("", [PartialCall(self.plan.function, content, final)])
+            return Parsed("", [PartialCall(self.plan.function, content, final)])
         if mode == "required":
             body = content.lstrip()
             calls, _ = scan_call_list(body[1:] if body.startswith("[") else "")
-            return reasoning, Parsed("", calls)
-        return reasoning, Parsed(content)
+            return Parsed("", calls)
+        return Parsed(content)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The whole message and the finish reason ("tool_calls" when the model called)."""
-        reasoning, parsed = self.parse(text, final=True)
+        reasoning, content, parsed = self.parse(text, final=True)
         calls = [c for c in parsed.calls if c.complete]
         message: dict = {"role": "assistant", "content": parsed.content or None}
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         if not calls:
             if self.plan.active:  # no whole call: whatever was written is the answer
-                message["content"] = (self.reasoning.parse(text, True)[1] if self.reasoning else text) or None
+                message["content"] = content or None
             return message, finish_reason
         message["tool_calls"] = [{"id": tool_call_id(self.plan.parser), "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
@@ -53,8 +57,10 @@ class ChoiceReader:
 
     def delta(self, new_text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """What this update adds to the streamed message, and the finish reason to send with it."""
+        if not self.plan.active and self.reasoning is None:
+            return ({"content": new_text} if new_text else {}), finish_reason   # plain text: nothing to parse
         self.text += new_text
-        reasoning, parsed = self.parse(self.text, final=finish_reason is not None)
+        reasoning, _, parsed = self.parse(self.text, final=finish_reason is not None)
         delta: dict = {}
         if reasoning is not None and len(reasoning) > self.sent_reasoning:
             delta["reasoning_content"] = reasoning[self.sent_reasoning:]

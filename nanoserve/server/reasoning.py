@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nanoserve.server.tool_parsers.base import held_back
+from nanoserve.server.tool_parsers.base import without_marker_start
 
 
 class Qwen3ReasoningParser:
@@ -19,14 +19,13 @@ class Qwen3ReasoningParser:
         """(reasoning or None, content)."""
         body = text.lstrip()
         if not body.startswith(self.START):
-            if not final and (not body or held_back(body, self.START) == len(body)):
+            if not final and self.START.startswith(body):
                 return None, ""  # may yet open with <think>
             return None, text
         inner = body[len(self.START):]
         end = inner.find(self.END)
         if end < 0:
-            keep = len(inner) if final else len(inner) - held_back(inner, self.END)
-            return inner[:keep], ""
+            return without_marker_start(inner, self.END, final), ""
         return inner[:end], inner[end + len(self.END):]
 
 

@@ -9,15 +9,13 @@
 
 from __future__ import annotations
 
-import random
-import string
-import uuid
 from dataclasses import dataclass
 
 from nanoserve.sampling_params import StructuredOutputsParams
 from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import ChatCompletionRequest, Tool
 from nanoserve.server.tool_parsers import TOOL_PARSERS, ToolParser
+from nanoserve.server.tool_parsers.base import new_call_id
 
 ANY_ARGUMENTS = {"type": "object"}
 
@@ -78,7 +76,5 @@ def calls_schema(tools: list[Tool], parallel: bool | None) -> dict:
 
 
 def tool_call_id(parser: ToolParser | None) -> str:
-    # Mistral's template refuses history whose call ids are not 9 alphanumerics
-    if parser is not None and parser.name == "mistral":
-        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
-    return f"call_{uuid.uuid4().hex[:24]}"
+    """An id for a call the model made: in the parser's format where it has one."""
+    return parser.call_id() if parser is not None else new_call_id()

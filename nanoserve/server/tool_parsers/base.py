@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -43,6 +44,15 @@ class ToolParser(ABC):
     def parse(self, text: str, final: bool) -> Parsed:
         """The content and calls that `text` shows so far; each later parse only grows it."""
 
+    @staticmethod
+    def call_id() -> str:
+        """A fresh id for a call in this format (the history sent back must carry it)."""
+        return new_call_id()
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
 
 def held_back(text: str, marker: str) -> int:
     """Length of the longest tail of `text` that is a proper prefix of `marker` (may start it)."""
@@ -50,6 +60,11 @@ def held_back(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
+
+
+def without_marker_start(text: str, marker: str, final: bool) -> str:
+    """`text` less a tail that may yet grow into `marker` (all of it once the text is final)."""
+    return text if final else text[:len(text) - held_back(text, marker)]
 
 
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')

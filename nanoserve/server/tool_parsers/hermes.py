@@ -3,7 +3,7 @@ one block per call, after optional content."""
 
 from __future__ import annotations
 
-from nanoserve.server.tool_parsers.base import Parsed, ToolParser, held_back, scan_call
+from nanoserve.server.tool_parsers.base import Parsed, ToolParser, scan_call, without_marker_start
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -14,8 +14,7 @@ class HermesToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> Parsed:
         first = text.find(START)
         if first < 0:
-            keep = len(text) if final else len(text) - held_back(text, START)
-            return Parsed(text[:keep])
+            return Parsed(without_marker_start(text, START, final))
         parsed = Parsed(text[:first])  # as streamed: the same content whole or in deltas
         for block in text[first:].split(START)[1:]:
             body = block.split(END, 1)[0]

@@ -3,7 +3,7 @@ by `; `), optionally after `<|python_tag|>`; a reply that starts otherwise is co
 
 from __future__ import annotations
 
-from nanoserve.server.tool_parsers.base import Parsed, ToolParser, held_back, scan_call_list
+from nanoserve.server.tool_parsers.base import Parsed, ToolParser, scan_call_list
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -15,7 +15,7 @@ class Llama3JsonToolParser(ToolParser):
         body = text.lstrip()
         if body.startswith(PYTHON_TAG):
             body = body[len(PYTHON_TAG):]
-        elif not final and held_back(body, PYTHON_TAG) == len(body):
+        elif not final and PYTHON_TAG.startswith(body):
             return Parsed()  # nothing, or the start of the tag: too early to tell
         if not body.lstrip().startswith("{"):
             return Parsed(text if final or body.strip() else "")

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
-from nanoserve.server.tool_parsers.base import Parsed, ToolParser, held_back, scan_call_list
+import random
+import string
+
+from nanoserve.server.tool_parsers.base import Parsed, ToolParser, scan_call_list, without_marker_start
 
 MARKER = "[TOOL_CALLS]"
 
@@ -12,11 +15,15 @@ class MistralToolParser(ToolParser):
     name = "mistral"
     needs_special_tokens = True
 
+    @staticmethod
+    def call_id() -> str:
+        # Mistral's template refuses history whose call ids are not 9 alphanumerics
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
     def parse(self, text: str, final: bool) -> Parsed:
         at = text.find(MARKER)
         if at < 0:
-            keep = len(text) if final else len(text) - held_back(text, MARKER)
-            return Parsed(text[:keep])
+            return Parsed(without_marker_start(text, MARKER, final))
         rest = text[at + len(MARKER):].lstrip()
         if rest.startswith("["):
             rest = rest[1:]
