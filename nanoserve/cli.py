@@ -7,6 +7,7 @@ flag is checked before a weight is loaded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -77,9 +78,8 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
 def _limits(args: argparse.Namespace):
     from nanoserve.server.limits import ServerLimits
 
-    return ServerLimits(args.max_request_body_bytes, args.max_seqs_per_request, args.max_stop_strings,
-                        args.max_stop_string_chars, args.max_stop_token_ids, args.max_connections,
-                        args.timeout_keep_alive, args.timeout_headers)
+    # each limit's flag has the field's name
+    return ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
 
 
 def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
@@ -95,6 +95,10 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # torch-free, like the rest of the parser
+    from nanoserve.server.reasoning import REASONING_PARSERS
+    from nanoserve.server.tool_parsers import TOOL_PARSERS
+
     parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"nanoserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,10 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "generation_config.json; vllm: ignore that file; or a folder holding one")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="let the model decide to call tools (tool_choice auto); needs --tool-call-parser")
-    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+    serve.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
                        help="the model's tool-call format: hermes (Qwen2.5, Qwen3), llama3_json (Llama 3.1/3.2), "
                             "mistral")
-    serve.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
+    serve.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                        help="return <think>...</think> as reasoning_content, apart from content")
     serve.add_argument("--engine-death-grace-period", type=float, default=30.0,
                        help="seconds that /health answers 503 after the engine died, before the server exits "
@@ -157,15 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from nanoserve.server.app import serve  # the web stack loads only for `serve`
+    from nanoserve.server.defaults import check_generation_config
+    from nanoserve.server.tool_parsers import TOOL_PARSERS
     from nanoserve.server.connections import raise_open_file_limit
     from nanoserve.server.state import ServerSettings
 
     if args.max_queue_len < 1:
         parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
-    if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
-        parser.error(f"--generation-config must be auto, vllm or a folder, got {args.generation_config!r}")
+    try:
+        check_generation_config(args.generation_config)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.enable_auto_tool_choice and not args.tool_call_parser:
-        parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
+        parser.error(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_PARSERS)})")
     if args.model_flag is not None:
         if args.model is not None and args.model != args.model_flag:
             parser.error(f"the model is given twice, as {args.model!r} and --model {args.model_flag!r}: give one")

@@ -22,16 +22,13 @@ from nanoserve import __version__
 from nanoserve.config import EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError
 from nanoserve.server import chat, completions, info
-from nanoserve.server.connections import uvicorn_options
+from nanoserve.server.connections import ALWAYS_SERVED, uvicorn_options
 from nanoserve.server.errors import APIError, install_handlers
 from nanoserve.server.limits import BodyLimitMiddleware
 from nanoserve.server.openapi import install_openapi
 from nanoserve.server.state import ServerSettings, ServerState
 
 logger = logging.getLogger(__name__)
-
-OPEN_PATHS = {"/health"}  # load balancers and Docker's HEALTHCHECK probe it without a key
-
 
 class APIKeyMiddleware:
     """401 unless `Authorization: Bearer <key>` matches, compared in constant time; /health stays open."""
@@ -41,7 +38,7 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"] not in ALWAYS_SERVED and scope["method"] != "OPTIONS":
             given = Headers(scope=scope).get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected):
                 response = APIError("Incorrect or missing API key: send the header 'Authorization: Bearer <key>' "

@@ -16,11 +16,16 @@ SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k
                  "repetition_penalty": "repetition_penalty"}
 
 
-def sampling_defaults(model_folder: str, mode: str = "auto") -> dict[str, Any]:
-    """The request fields the model's generation_config.json sets; empty for mode 'vllm' or no file."""
+def check_generation_config(mode: str) -> None:
+    """ValueError unless `mode` is one that --generation-config takes."""
     if mode not in ("auto", "vllm") and not os.path.isdir(mode):
         raise ValueError(f"--generation-config must be 'auto', 'vllm' or a folder holding generation_config.json, "
                          f"got {mode!r}")
+
+
+def sampling_defaults(model_folder: str, mode: str = "auto") -> dict[str, Any]:
+    """The request fields the model's generation_config.json sets; empty for mode 'vllm' or no file."""
+    check_generation_config(mode)
     path = os.path.join(model_folder if mode == "auto" else mode, "generation_config.json")
     if mode == "vllm" or not os.path.isfile(path):
         return {}
