@@ -144,7 +144,7 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 _check_int("logit_bias", token, 0, MAX_INT)
                 if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-                    raise InvalidSamplingParam("logit_bias", f"logit_bias of token {token} must be in [-100, 100], got {bias}")
+                    raise InvalidSamplingParam("logit_bias", f"logit_bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
 
     @property
     def greedy(self) -> bool:

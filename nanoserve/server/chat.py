@@ -26,12 +26,17 @@ from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_bod
 router = APIRouter()
 
 
-def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
+def messages_length(messages: list[ChatMessage]) -> int:
+    """Characters of the messages' text."""
+    return sum(len(m.text()) for m in messages)
+
+
+def render_chat(state: ServerState, messages: list[ChatMessage], text_length: int, add_generation_prompt: bool = True,
                 tools: list[Tool] | None = None, template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of the conversation as the model's chat template writes it."""
+    """Token ids of the conversation as the model's chat template writes it (`text_length`: messages_length)."""
     tok = state.tokenizer
     # the template only adds text: contents past the bound cannot fit once rendered either
-    state.prompt_size.check(sum(len(m.text()) for m in messages), "messages")
+    state.prompt_size.check(text_length, "messages")
     if not tok.chat_template:
         raise APIError("This model has no chat template, so it cannot serve /v1/chat/completions; "
                        "use /v1/completions with a prompt instead", param="messages")
@@ -50,9 +55,11 @@ class ChatCompletion(OpenAIResponse):
 
     id_prefix, body_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, state: ServerState, req: ChatCompletionRequest, model: str, tools: ToolPlan) -> None:
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, model: str, tools: ToolPlan,
+                 text_length: int) -> None:
         super().__init__(state, req, model)
-        self.prompt = req.truncate(render_chat(state, req.messages, True, req.tools, req.chat_template_kwargs))
+        self.prompt = req.truncate(render_chat(state, req.messages, text_length, True, req.tools,
+                                               req.chat_template_kwargs))
         self.prompt_lens = [len(self.prompt)]
         self.top_n = req.top_logprobs or 0
         reasoning = state.settings.reasoning_parser
@@ -97,7 +104,7 @@ async def create_chat_completion(request: Request) -> Response:
     timer = state.metrics.timer()  # latencies count from arrival, rendering and tokenizing included
     req = await parse_body(request, ChatCompletionRequest)
     model = state.model_name(req.model)
-    state.limits.check_request(1, req.n, req.stop, req.stop_token_ids)
+    state.settings.limits.check_request(1, req.n, req.stop, req.stop_token_ids)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     if req.stream_options is not None and not req.stream:
@@ -110,14 +117,14 @@ async def create_chat_completion(request: Request) -> Response:
     settings = state.settings
     tools = plan_tools(req, settings.tool_call_parser, settings.enable_auto_tool_choice)
     asked = ("tool_choice", tools.spec) if tools.spec is not None else requested_spec(req)
-    params = await constrain(state.tokenizer, state.engine.config.hf_config.vocab_size, params, asked)
+    params = await constrain(state.specs, params, asked)
     if tools.parser is not None and tools.parser.needs_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)  # its calls start with a special token
-    chat = await off_the_loop_if_long(sum(len(m.text()) for m in req.messages), ChatCompletion, state, req, model,
-                                      tools)
+    length = messages_length(req.messages)
+    chat = await off_the_loop_if_long(length, ChatCompletion, state, req, model, tools, length)
     stream = state.start(chat.id, [chat.prompt], params)
     timer.request_id = chat.id
-    timer.prompt(len(chat.prompt))
+    timer.prompt(sum(chat.prompt_lens))
     if req.stream:
         return sse_response(chat.events(stream, timer), stream.close)
     body = await cancel_on_disconnect(request, chat.collect(stream, timer))

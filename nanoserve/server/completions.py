@@ -29,9 +29,7 @@ class Completion(OpenAIResponse):
 
     def __init__(self, state: ServerState, req: CompletionRequest, model: str) -> None:
         super().__init__(state, req, model)
-        prompt = req.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]
+        prompt = prompt_list(req.prompt)
         if not prompt:
             raise APIError("'prompt' is an empty list; give at least one prompt", param="prompt")
         self.given = prompt
@@ -108,8 +106,9 @@ class Completion(OpenAIResponse):
         return self.sse(stream, timer, opening, render)
 
 
-def num_prompts(prompt: str | list) -> int:
-    return 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
+def prompt_list(prompt: str | list) -> list:
+    """The prompt field as a list of prompts: one text or one list of ids is a single prompt."""
+    return [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
 
 
 def refuse_unsupported(req: CompletionRequest) -> None:
@@ -127,11 +126,11 @@ def refuse_unsupported(req: CompletionRequest) -> None:
 DEFAULT_MAX_TOKENS = 16
 
 
-def default_max_tokens(state: ServerState, req: CompletionRequest, prompts: list[list[int]]) -> int:
+def default_max_tokens(state: ServerState, req: CompletionRequest, prompt_lens: list[int]) -> int:
     """The request's max_tokens, else 16 or whatever less the context leaves the longest prompt."""
     if req.max_tokens is not None:
         return req.max_tokens
-    room = state.engine.config.max_model_len - max(map(len, prompts))
+    room = state.engine.config.max_model_len - max(prompt_lens)
     return max(1, min(DEFAULT_MAX_TOKENS, room))  # no room at all: the prompt check names the problem
 
 
@@ -142,19 +141,19 @@ async def create_completion(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
     model = state.model_name(req.model)
     refuse_unsupported(req)
-    state.limits.check_request(num_prompts(req.prompt), req.n, req.stop, req.stop_token_ids)
+    state.settings.limits.check_request(len(prompt_list(req.prompt)), req.n, req.stop, req.stop_token_ids)
     completion = await off_the_loop_if_long(texts_length(req.prompt), Completion, state, req, model)
     try:
-        params = req.sampling_params(default_max_tokens(state, req, completion.prompts), req.logprobs,
+        params = req.sampling_params(default_max_tokens(state, req, completion.prompt_lens), req.logprobs,
                                      state.sampling_defaults)
         if completion.scores_prompt:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     except ValueError as exc:
         raise sampling_error(exc) from None
-    params = await constrain(state.tokenizer, state.engine.config.hf_config.vocab_size, params, requested_spec(req))
+    params = await constrain(state.specs, params, requested_spec(req))
     stream = state.start(completion.id, completion.prompts, params)
     timer.request_id = completion.id
-    timer.prompt(sum(map(len, completion.prompts)))
+    timer.prompt(sum(completion.prompt_lens))
     if req.stream:
         return sse_response(completion.events(stream, timer), stream.close)
     body = await cancel_on_disconnect(request, completion.collect(stream, timer))

@@ -83,8 +83,8 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def timer(self, request_id: str = "") -> RequestTimer:
-        return RequestTimer(self, request_id)
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
 
 
 class RequestTimer:
@@ -92,9 +92,9 @@ class RequestTimer:
 
     Streaming pays a few attribute writes per update; the histograms are observed once, in `done`."""
 
-    def __init__(self, metrics: ServerMetrics, request_id: str = "") -> None:
+    def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
-        self.request_id = request_id
+        self.request_id = ""   # set by the route once the response has its id
         self.arrival = time.perf_counter()
         self.first: float | None = None     # time of the request's first token
         self.last = 0.0                     # time of its latest token

@@ -132,9 +132,6 @@ class SamplingFields(Strict):
                 raise APIError(f"Invalid key in 'logit_bias': {key[:20]!r} is not a token id", param="logit_bias")
             if len(key) > len(str(MAX_INT)) or int(key) > MAX_INT:
                 raise APIError(f"Token id {key[:20]} in 'logit_bias' is out of range", param="logit_bias")
-            if not -100 <= value <= 100:
-                raise APIError(f"Invalid value in 'logit_bias' for token {key}: {value} is outside [-100, 100]",
-                               param="logit_bias")
             bias[int(key)] = value
         return bias
 

@@ -18,6 +18,7 @@ from nanoserve.server.errors import APIError
 from nanoserve.server.limits import PromptSize, ServerLimits
 from nanoserve.server.logprobs import TokenTexts
 from nanoserve.server.metrics import RequestTimer, ServerMetrics
+from nanoserve.server.structured import SpecChecker
 
 T = TypeVar("T")
 
@@ -48,7 +49,7 @@ class ServerState:
             self.tokenizer.chat_template = settings.chat_template
         self.texts = TokenTexts(engine.tokenizer)
         self.sampling_defaults = sampling_defaults(engine.config.model, settings.generation_config)
-        self.limits = settings.limits
+        self.specs = SpecChecker(self.tokenizer, engine.vocab_size)  # structured-output specs, checked here
         self.prompt_size = PromptSize(list(engine.tokenizer.get_vocab()), engine.config.max_model_len)
         self.metrics = ServerMetrics(lambda: engine.stats, settings.log_requests, lambda: engine.error is None)
         self.created = int(time.time())

@@ -19,8 +19,6 @@ from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import SamplingFields
 
-_compilers: dict[int, xgr.GrammarCompiler] = {}  # id(tokenizer) -> its compiler, built on first use
-_lock = threading.Lock()
 
 
 def requested_spec(req: SamplingFields) -> tuple[str, StructuredOutputsParams] | None:
@@ -55,26 +53,32 @@ def requested_spec(req: SamplingFields) -> tuple[str, StructuredOutputsParams] |
         raise APIError(f"Invalid '{param}': {exc}", param=param) from None
 
 
-def check_spec(tokenizer: PreTrainedTokenizerBase, vocab_size: int, spec: StructuredOutputsParams) -> None:
-    """Raise ValueError naming the problem when xgrammar cannot compile the spec for this tokenizer.
+class SpecChecker:
+    """Compiles specs with a compiler of the front end's own (the engine may live in another
+    process), built on first use; xgrammar caches the result, so a spec checked once is checked
+    for free afterwards."""
 
-    Compiles with a compiler of the front end's own (the engine may live in another process);
-    xgrammar caches the result, so a spec checked once is checked for free afterwards."""
-    with _lock:
-        compiler = _compilers.get(id(tokenizer))
-        if compiler is None:
-            compiler = _compilers[id(tokenizer)] = new_compiler(tokenizer, vocab_size)
-    compile_spec(compiler, spec)
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    def check(self, spec: StructuredOutputsParams) -> None:
+        """Raise ValueError naming the problem when xgrammar cannot compile the spec."""
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = new_compiler(self.tokenizer, self.vocab_size)
+        compile_spec(self._compiler, spec)
 
 
-async def constrain(tokenizer: PreTrainedTokenizerBase, vocab_size: int, params: SamplingParams,
+async def constrain(checker: SpecChecker, params: SamplingParams,
                     asked: tuple[str, StructuredOutputsParams] | None) -> SamplingParams:
     """`params` with the request's grammar, once it compiles (off the event loop: a big schema takes a while)."""
     if asked is None:
         return params
     param, spec = asked
     try:
-        await run_in_threadpool(check_spec, tokenizer, vocab_size, spec)
+        await run_in_threadpool(checker.check, spec)
     except ValueError as exc:
         raise APIError(str(exc), param=param, code="invalid_grammar") from None
     return dataclasses.replace(params, structured_outputs=spec)
