@@ -198,6 +198,13 @@ def check_invariants(eng: FakeEngine) -> None:
         assert bm.block_hash[b] == h
 
 
+def request_of(op: tuple, max_model_len: int) -> tuple[list[int], int]:
+    """The prompt and max_tokens of an ("add", prefix, tail, max_tokens) op, cut to fit the context."""
+    _, prefix, tail, max_tokens = op
+    prompt = (PREFIXES[prefix] + tail)[:max_model_len - 1] or [0]
+    return prompt, min(max_tokens, max_model_len - len(prompt))
+
+
 @settings(max_examples=200, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(num_blocks=st.integers(4, 8), block_size=st.sampled_from([2, 4]), max_num_seqs=st.integers(1, 4),
@@ -219,9 +226,7 @@ def test_random_add_step_abort_never_leaks_blocks_or_loses_requests(num_blocks, 
 
     for op in ops:
         if op[0] == "add":
-            _, prefix, tail, max_tokens = op
-            prompt = (PREFIXES[prefix] + tail)[:max_model_len - 1] or [0]
-            max_tokens = min(max_tokens, max_model_len - len(prompt))
+            prompt, max_tokens = request_of(op, max_model_len)
             eng.add(f"r{len(eng.seqs)}", prompt, max_tokens)
             total_tokens += len(prompt) + max_tokens
         elif op[0] == "step":
@@ -329,9 +334,7 @@ def test_random_add_step_abort_through_the_real_engine(qwen3_model, num_blocks, 
 
     for op in ops:
         if op[0] == "add":
-            _, prefix, tail, max_tokens = op
-            prompt = (PREFIXES[prefix] + tail)[:max_model_len - 1] or [0]
-            max_tokens = min(max_tokens, max_model_len - len(prompt))
+            prompt, max_tokens = request_of(op, max_model_len)
             rid = f"r{len(requests)}"
             fork_ids = [f"{rid}-fork{i}" for i in range(forks)]
             engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),

@@ -43,6 +43,20 @@ def fp8_step(specs, *, dtype, magnitude=1.0, k_scale=1.0, v_scale=1.0, seed, **s
     return q.to(dtype), k.to(dtype), v.to(dtype), (k_cache, v_cache), fp8_caches, meta
 
 
+def fp8_case(specs, dtype, magnitude, k_scale, v_scale, seed, **shape):
+    """fp8_step with q brought back to unit size and head dim ** -0.5 as the scale, and the torch
+    reference twice: over copies of the fp8 caches (what a kernel must match; the copies end up
+    holding the reference's stores) and over the exact float32 caches (the quantization's error)."""
+    q, k, v, exact, fp8, meta = fp8_step(specs, dtype=dtype, magnitude=magnitude, k_scale=k_scale,
+                                         v_scale=v_scale, seed=seed, kv_heads=2, **shape)
+    q = (q.float() / magnitude).to(dtype)
+    scale = shape["head_dim"] ** -0.5
+    ref_caches = tuple(c.clone() for c in fp8)
+    ref = TorchBackend().forward(q.float(), k.float(), v.float(), *ref_caches, meta, scale, k_scale, v_scale)
+    exact_out = TorchBackend().forward(q.float(), k.float(), v.float(), *exact, meta, scale)
+    return q, k, v, fp8, meta, scale, ref, exact_out, ref_caches
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.37, 3.0)])
 def test_triton_store_quantizes_like_the_torch_reference_bit_for_bit(dtype, k_scale, v_scale) -> None:
@@ -106,15 +120,8 @@ def test_triton_decode_over_fp8_matches_the_reference(
         dtype, head_dim, group, num_splits, magnitude, k_scale, v_scale, seed) -> None:
     from nanoserve.runner.attention.triton_decode import paged_decode
     specs = [(1, 70), (1, 0), (1, 33), (1, 5)]
-    q, k, v, exact, fp8, meta = fp8_step(specs, dtype=dtype, magnitude=magnitude, k_scale=k_scale,
-                                         v_scale=v_scale, seed=seed, block_size=16, kv_heads=2,
-                                         group=group, head_dim=head_dim)
-    q = (q.float() / magnitude).to(dtype)
-    scale = head_dim ** -0.5
-    ref_caches = tuple(c.clone() for c in fp8)
-    ref = TorchBackend().forward(q.float(), k.float(), v.float(), *ref_caches, meta, scale,
-                                 k_scale, v_scale)
-    exact_out = TorchBackend().forward(q.float(), k.float(), v.float(), *exact, meta, scale)
+    q, k, v, fp8, meta, scale, ref, exact_out, ref_caches = fp8_case(
+        specs, dtype, magnitude, k_scale, v_scale, seed, block_size=16, group=group, head_dim=head_dim)
     store_kvcache(k, v, *fp8, meta.slot_mapping, k_scale, v_scale)
     out = paged_decode(q, *fp8, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
                        num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
@@ -138,14 +145,9 @@ def test_triton_prefill_over_fp8_matches_the_reference(
         dtype, block_size, head_dim, group, magnitude, k_scale, v_scale, seed) -> None:
     # a fresh prompt, a prefix hit, a chunk after a chunk, and a decode row
     specs = [(23, 23), (9, 49), (17, 50), (1, 38)]
-    q, k, v, exact, fp8, meta = fp8_step(specs, dtype=dtype, magnitude=magnitude, k_scale=k_scale,
-                                         v_scale=v_scale, seed=seed, block_size=block_size,
-                                         kv_heads=2, group=group, head_dim=head_dim)
-    q = (q.float() / magnitude).to(dtype)
-    scale = head_dim ** -0.5
-    ref = TorchBackend().forward(q.float(), k.float(), v.float(), *(c.clone() for c in fp8), meta,
-                                 scale, k_scale, v_scale)
-    exact_out = TorchBackend().forward(q.float(), k.float(), v.float(), *exact, meta, scale)
+    q, k, v, fp8, meta, scale, ref, exact_out, _ = fp8_case(
+        specs, dtype, magnitude, k_scale, v_scale, seed, block_size=block_size, group=group,
+        head_dim=head_dim)
     out = TritonBackend().forward(q, k, v, *fp8, meta, scale, k_scale, v_scale)
     assert rel_err(out, ref) < TOL[dtype]
     assert rel_err(out, exact_out) < FP8_REL_ERR

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -115,6 +118,23 @@ def gone_within(pids: list[int], seconds: float) -> bool:
     return not any(alive(pid) for pid in pids)
 
 
+def interrupt_a_stream(url: str, body: dict, interrupt: Callable[[], None]) -> tuple[dict, list[str], httpx.Response]:
+    """Stream `body` from /v1/completions beside the same request unstreamed; call `interrupt` once
+    the first event is in. The first event, every event after it, and the unstreamed response."""
+    whole: list[httpx.Response] = []
+    waiter = threading.Thread(target=lambda: whole.append(httpx.post(f"{url}/v1/completions", json=body,
+                                                                     timeout=60)))
+    waiter.start()
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        data = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
+        first = json.loads(next(data))
+        interrupt()
+        rest = list(data)
+    waiter.join(60)
+    (unstreamed,) = whole
+    return first, rest, unstreamed
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -141,6 +161,12 @@ class ServerProcess:
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         self.wait_ready()
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
@@ -204,9 +230,8 @@ SERVER_ARGS = ("--num-kvcache-blocks", "512", "--block-size", "16", "--max-num-s
 
 @pytest.fixture(scope="session")
 def server(server_model, tmp_path_factory):
-    proc = ServerProcess(server_model, tmp_path_factory.mktemp("server-logs"), *SERVER_ARGS)
-    yield proc
-    proc.stop()
+    with ServerProcess(server_model, tmp_path_factory.mktemp("server-logs"), *SERVER_ARGS) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="session")

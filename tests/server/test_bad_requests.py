@@ -19,11 +19,10 @@ LONG = " ".join(["list dict class"] * 40)  # far over 64 tokens
 
 @pytest.fixture(scope="module")
 def server(server_model, tmp_path_factory):
-    proc = ServerProcess(server_model, tmp_path_factory.mktemp("bad-requests"), "--max-model-len", str(CONTEXT),
-                         "--num-kvcache-blocks", "64", "--block-size", "16",
-                         "--allowed-origins", "https://app.example", api_key=KEY)
-    yield proc
-    proc.stop()
+    with ServerProcess(server_model, tmp_path_factory.mktemp("bad-requests"), "--max-model-len", str(CONTEXT),
+                       "--num-kvcache-blocks", "64", "--block-size", "16",
+                       "--allowed-origins", "https://app.example", api_key=KEY) as proc:
+        yield proc
 
 
 def completion(**changes):

@@ -15,10 +15,9 @@ HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 
 @pytest.fixture(scope="module")
 def impatient(server_model, tmp_path_factory):
-    proc = ServerProcess(server_model, tmp_path_factory.mktemp("impatient"), "--num-kvcache-blocks", "128",
-                         "--block-size", "16", "--timeout-keep-alive", "1", "--timeout-headers", "1.5")
-    yield proc
-    proc.stop()
+    with ServerProcess(server_model, tmp_path_factory.mktemp("impatient"), "--num-kvcache-blocks", "128",
+                       "--block-size", "16", "--timeout-keep-alive", "1", "--timeout-headers", "1.5") as proc:
+        yield proc
 
 
 def connect(server: ServerProcess) -> socket.socket:

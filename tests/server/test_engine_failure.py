@@ -20,7 +20,7 @@ from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.app import build_app
 from nanoserve.server.state import ServerSettings
-from tests.server.conftest import DEVICE, free_port
+from tests.server.conftest import DEVICE, free_port, interrupt_a_stream
 
 
 @pytest.fixture(scope="module")
@@ -52,23 +52,13 @@ def test_requests_in_flight_fail_with_503_and_health_turns_503(failing_server):
     url, fail = failing_server
     assert httpx.get(f"{url}/health").status_code == 200
     body = {"prompt": "A list", "max_tokens": 1000, "ignore_eos": True}
-    whole: list[httpx.Response] = []
-    waiter = threading.Thread(target=lambda: whole.append(httpx.post(f"{url}/v1/completions", json=body,
-                                                                     timeout=60)))
-    waiter.start()
-    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
-        data = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
-        assert "choices" in json.loads(next(data))  # it is streaming when the engine dies
-        fail.set()
-        rest = list(data)
-    waiter.join(60)
-
+    first, rest, r = interrupt_a_stream(url, body, fail.set)
+    assert "choices" in first  # it was streaming when the engine died
     assert rest[-1] == "[DONE]"
     error = json.loads(rest[-2])["error"]
     # the cause is for the log, not for clients: they hear that the engine is gone
     assert error["type"] == "server_error" and error["code"] == "engine_dead"
     assert "illegal memory access" not in error["message"]
-    (r,) = whole
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
 
     health = httpx.get(f"{url}/health")

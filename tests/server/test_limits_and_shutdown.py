@@ -11,16 +11,15 @@ import httpx
 import pytest
 
 from nanoserve import SamplingParams
-from tests.server.conftest import ServerProcess, engine_process, gone_within, spawned_children
+from tests.server.conftest import ServerProcess, engine_process, gone_within, interrupt_a_stream, spawned_children
 
 
 @pytest.fixture
 def limited(server_model, tmp_path):
     # one sequence at a time and room for two waiting: a burst must overflow
-    proc = ServerProcess(server_model, tmp_path, "--max-queue-len", "2", "--max-num-seqs", "1",
-                         "--num-kvcache-blocks", "128", "--block-size", "16")
-    yield proc
-    proc.stop()
+    with ServerProcess(server_model, tmp_path, "--max-queue-len", "2", "--max-num-seqs", "1",
+                       "--num-kvcache-blocks", "128", "--block-size", "16") as proc:
+        yield proc
 
 
 def test_a_burst_past_the_queue_limit_gets_503s_and_the_admitted_all_complete(limited, offline):
@@ -98,23 +97,11 @@ def test_requests_cut_by_the_shutdown_deadline_get_an_error_and_the_exit_code_sa
                          "--shutdown-timeout", "3")
     try:
         body = {"prompt": "A list", "max_tokens": 1900, "temperature": 0, "ignore_eos": True}
-        whole: list[httpx.Response] = []
-        import threading
-
-        waiter = threading.Thread(target=lambda: whole.append(httpx.post(f"{proc.url}/v1/completions", json=body,
-                                                                         timeout=60)))
-        waiter.start()
-        with httpx.stream("POST", f"{proc.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
-            data = (line[len("data: "):] for line in r.iter_lines() if line.startswith("data: "))
-            next(data)
-            proc.proc.send_signal(signal.SIGTERM)
-            rest = list(data)
-        waiter.join(60)
+        _, rest, response = interrupt_a_stream(proc.url, body, lambda: proc.proc.send_signal(signal.SIGTERM))
         # the stream ends with an error event and [DONE], not a cut connection
         assert rest[-1] == "[DONE]"
         error = json.loads(rest[-2])["error"]
         assert error["code"] == "engine_dead" and "shut down" in error["message"]
-        (response,) = whole
         assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
         assert proc.proc.wait(30) != 0  # the drain did not complete
     finally:

@@ -16,10 +16,9 @@ BASE = {"model": "tiny", "prompt": "A list is a sequence of", "max_tokens": 8}
 
 @pytest.fixture(scope="module")
 def server(server_model, tmp_path_factory):
-    proc = ServerProcess(server_model, tmp_path_factory.mktemp("bounds"), "--num-kvcache-blocks", "128",
-                         "--block-size", "16", "--max-num-seqs", "8")
-    yield proc
-    proc.stop()
+    with ServerProcess(server_model, tmp_path_factory.mktemp("bounds"), "--num-kvcache-blocks", "128",
+                       "--block-size", "16", "--max-num-seqs", "8") as proc:
+        yield proc
 
 
 def post(server: ServerProcess, **body) -> httpx.Response:

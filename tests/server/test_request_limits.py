@@ -19,11 +19,10 @@ OK = {"model": "tiny", "prompt": "A list is a sequence of", "max_tokens": 4}
 @pytest.fixture(scope="module")
 def server(server_model, tmp_path_factory):
     # default body limit (32 MiB); small stop and sequence limits so that the tests stay small
-    proc = ServerProcess(server_model, tmp_path_factory.mktemp("limits"), "--num-kvcache-blocks", "256",
-                         "--block-size", "16", "--max-stop-strings", "4", "--max-stop-string-chars", "16",
-                         "--max-stop-token-ids", "4")
-    yield proc
-    proc.stop()
+    with ServerProcess(server_model, tmp_path_factory.mktemp("limits"), "--num-kvcache-blocks", "256",
+                       "--block-size", "16", "--max-stop-strings", "4", "--max-stop-string-chars", "16",
+                       "--max-stop-token-ids", "4") as proc:
+        yield proc
 
 
 def peak_rss_mb(server: ServerProcess) -> float:

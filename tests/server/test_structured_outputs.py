@@ -40,10 +40,9 @@ def client(server) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def tight_server(server_model, tmp_path_factory):
     """A KV cache of 40 blocks of 16 tokens: three long choices of a few requests cannot all fit."""
-    proc = ServerProcess(server_model, tmp_path_factory.mktemp("tight-kv"), "--max-model-len", "512",
-                         "--num-kvcache-blocks", "40", "--block-size", "16", "--max-num-seqs", "16")
-    yield proc
-    proc.stop()
+    with ServerProcess(server_model, tmp_path_factory.mktemp("tight-kv"), "--max-model-len", "512",
+                       "--num-kvcache-blocks", "40", "--block-size", "16", "--max-num-seqs", "16") as proc:
+        yield proc
 
 
 def check_parsed(model: type, completion) -> None:

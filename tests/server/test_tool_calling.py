@@ -47,11 +47,10 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def tool_server(server_model, tmp_path_factory):
-    proc = ServerProcess(server_model, tmp_path_factory.mktemp("tools"), "--num-kvcache-blocks", "256",
-                         "--block-size", "16", "--chat-template", str(QWEN3_TEMPLATE), "--enable-auto-tool-choice",
-                         "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-    yield proc
-    proc.stop()
+    with ServerProcess(server_model, tmp_path_factory.mktemp("tools"), "--num-kvcache-blocks", "256",
+                       "--block-size", "16", "--chat-template", str(QWEN3_TEMPLATE), "--enable-auto-tool-choice",
+                       "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3") as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
