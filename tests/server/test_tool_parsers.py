@@ -155,3 +155,12 @@ def test_qwen3_reasoning_is_split_whole_and_streamed():
     deltas = [reader.delta(text[i:i + 2], "stop" if i + 2 >= len(text) else None)[0] for i in range(0, len(text), 2)]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nweigh it up\n"
     assert "".join(d.get("content", "") for d in deltas) == "\n\nThe answer."
+
+
+def test_a_mistral_call_cut_off_inside_its_arguments_keeps_what_was_written():
+    """The final parse of an unclosed call list must not eat a bracket of the arguments: it says
+    what the streamed parse said."""
+    text = '[TOOL_CALLS] [{"name": "f", "arguments": {"a": [1, 2]'
+    parser = TOOL_PARSERS["mistral"]()
+    final, streamed = parser.parse(text, final=True), parser.parse(text, final=False)
+    assert final.calls[0].arguments == streamed.calls[0].arguments == '{"a": [1, 2]'
