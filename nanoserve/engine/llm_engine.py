@@ -53,6 +53,7 @@ class InFlightStep:
     pending: PendingSample | None = None
     mask: concurrent.futures.Future | None = None  # its grammar masks, being filled on a thread
     sequences: list[Sequence] = field(default_factory=list)
+    constrained: list[int] = field(default_factory=list)  # rows whose sequence has a grammar
     positions: list[int] = field(default_factory=list)  # index of the placeholder in token_ids
     scored: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk start) with prompt logprobs
 
@@ -224,17 +225,14 @@ class LLMEngine:
             deferred = launched if launched is not None and launched.pending is None else None
             outputs = self._complete(self.in_flight, deferred) if self.in_flight else []
             if deferred is not None:
-                self._sample(launched, launched.sequences)  # its matchers have now seen the tokens just read
+                self._sample(launched)  # its matchers have now seen the tokens just read
             self.in_flight = launched
             return outputs
-        outputs = self._complete(self.in_flight) if self.in_flight else []
-        self.in_flight = None
         launched = self._launch()
-        return outputs + (self._complete(launched) if launched else [])
+        return self._complete(launched) if launched else []
 
-    def _sample(self, launched: InFlightStep, sampling: list[Sequence]) -> None:
-        """Queue the sampling of a launched forward pass (`sampling`: its rows' sequences), under
-        the grammar rows' masks.
+    def _sample(self, launched: InFlightStep) -> None:
+        """Queue the sampling of a launched forward pass, under its grammar rows' masks.
 
         The masks are filled while the device still runs the forward: on a thread from the moment
         the matchers advanced (`_complete`), or here. A sequence that has finished or left since
@@ -242,8 +240,8 @@ class LLMEngine:
         mask = None
         if launched.mask is not None:
             mask = launched.mask.result()
-        elif self._grammars is not None and any(seq.grammar is not None for seq in sampling):
-            mask = self._grammars.bitmask(self._live_matchers(sampling))
+        elif launched.constrained:
+            mask = self._grammars.bitmask(self._live_matchers(launched.sequences))
         launched.pending = self.runner.sample(launched.forward, mask)
         launched.forward = None
 
@@ -266,11 +264,13 @@ class LLMEngine:
                              seq.params if seq.num_computed_tokens + n == seq.num_tokens else None,
                              self._banned(seq), seq.pending_row, self._prompt_logprobs(seq))
                 for seq, n in zip(step.seqs, step.num_new_tokens)]
-        launched = InFlightStep(self.runner.forward(work))
         sampling = [seq for seq, w in zip(step.seqs, work) if w.params is not None]
-        if self.in_flight is None or not any(seq.grammar is not None for seq in sampling):
+        constrained = ([row for row, seq in enumerate(sampling) if seq.grammar is not None]
+                       if self._grammars is not None else [])
+        launched = InFlightStep(self.runner.forward(work), sequences=sampling, constrained=constrained)
+        if self.in_flight is None or not constrained:
             # every matcher has seen every token: sample now (before the placeholders go in)
-            self._sample(launched, sampling)
+            self._sample(launched)
         self.num_computed_tokens += sum(step.num_new_tokens)
         for seq, n, w in zip(step.seqs, step.num_new_tokens, work):
             if w.prompt_logprobs is not None:
@@ -278,9 +278,8 @@ class LLMEngine:
             seq.num_computed_tokens += n
             if w.params is None:
                 continue
-            seq.pending_row = len(launched.sequences)
+            seq.pending_row = len(launched.positions)
             seq.token_ids.append(PENDING_TOKEN)
-            launched.sequences.append(seq)
             launched.positions.append(len(seq.token_ids) - 1)
             if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:
                 # done whatever the token turns out to be: free its place for the next launch now
@@ -300,15 +299,15 @@ class LLMEngine:
         for (seq, start), entries in zip(launched.scored, sampled.prompt_logprobs):
             seq.prompt_logprobs[start + 1:start + 1 + len(entries)] = entries
         complete: set[int] = set()   # ids of the sequences whose grammar has just terminated
-        if self._grammars is not None:
+        if launched.constrained:
             # every live constrained row advances its matcher in one call, on xgrammar's threads
-            live = [(row, seq) for row, seq in enumerate(launched.sequences)
-                    if seq.grammar is not None and self.sequences.get(seq.request_id) is seq]
+            live = [(row, seq) for row in launched.constrained
+                    if self.sequences.get((seq := launched.sequences[row]).request_id) is seq]
             self._grammars.advance([(seq.grammar, sampled.token_ids[row]) for row, seq in live])
             # read now: once the fill below runs, this thread leaves the matchers alone
             complete = {id(seq) for _, seq in live if seq.grammar.is_terminated()}
-            if deferred is not None:
-                deferred.mask = self._grammars.bitmask_soon(self._live_matchers(deferred.sequences))
+        if deferred is not None:
+            deferred.mask = self._grammars.bitmask_soon(self._live_matchers(deferred.sequences))
         outputs = []
         for row, (seq, position) in enumerate(zip(launched.sequences, launched.positions)):
             token = sampled.token_ids[row]
