@@ -280,7 +280,5 @@ class AsyncEngine:
             self.error = error
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(self.error)
-        for stream in set(self._streams.values()):
-            stream.fail(self.error)
-        self._streams.clear()
+        self.fail_all(self.error)
         self.dead.set()

@@ -36,7 +36,10 @@ class RequestUpdate:
         self.text += later.text
         self.token_ids += later.token_ids
         if later.logprobs:
-            self.logprobs = (self.logprobs or []) + later.logprobs
+            if self.logprobs is None:
+                self.logprobs = later.logprobs
+            else:
+                self.logprobs += later.logprobs
         self.finish_reason = later.finish_reason or self.finish_reason
         self.num_cached_tokens = later.num_cached_tokens
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
@@ -62,10 +65,6 @@ class RequestStream:
         self._wakeup = asyncio.Event()
         self.outputs: list[CompletionOutput] = [state.output for state in states]
         self.closed = False
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
 
     def __aiter__(self) -> AsyncIterator[RequestUpdate]:
         return self._updates()
