@@ -13,7 +13,7 @@ import os
 import sys
 
 from nanoserve import __version__
-from nanoserve.defaults import ATTENTION_BACKENDS, DEFAULT_MODEL, KV_CACHE_DTYPES
+from nanoserve.defaults import ATTENTION_BACKENDS, DEFAULT_MODEL, KV_CACHE_DTYPES, LOG_FORMAT
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=LOG_FORMAT)
     try:
         if args.command == "serve":
             _serve(args, parser)

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from nanoserve.defaults import ATTENTION_BACKENDS, DEFAULT_MODEL, KV_CACHE_DTYPES  # noqa: F401 - re-exported
+from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, FP8_FLASH_ATTN_REFUSAL,  # noqa: F401 - re-exported
+                                KV_CACHE_DTYPES)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -107,8 +108,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype == "fp8" and self.attention_backend == "flash_attn":
-            raise ValueError("kv_cache_dtype='fp8' needs the triton attention backend (torch on the CPU): "
-                             "flash_attn cannot read an fp8 cache; pass --attention-backend triton or auto")
+            raise ValueError(FP8_FLASH_ATTN_REFUSAL)
         if self.block_size is None:
             set_("block_size", 16 if device == "cpu" else 256)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -19,6 +19,7 @@ import torch
 import zmq
 
 from nanoserve.config import EngineConfig
+from nanoserve.defaults import LOG_FORMAT
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.messages import (AbortRequests, AddRequest, EngineDied, EngineOutputs, EngineReady,
                                        RequestFailed, Shutdown, input_decoder, output_encoder)
@@ -122,7 +123,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group: the front end drains, then tells the core to stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level, format=LOG_FORMAT)
     start = time.perf_counter()
     core = EngineCore(input_address, output_address, parent_pid)
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from nanoserve.defaults import FP8_FLASH_ATTN_REFUSAL
 from nanoserve.runner.attention.torch_backend import TorchBackend
 
 __all__ = ["TorchBackend", "select_backend"]
@@ -48,8 +49,7 @@ def select_backend(name: str, device: str, block_size: int, kv_cache_dtype: str 
         return TorchBackend()
     if name == "flash_attn":
         if fp8:
-            from nanoserve.runner.attention.flash_attn_backend import FP8_REFUSAL
-            raise ValueError(FP8_REFUSAL)
+            raise ValueError(FP8_FLASH_ATTN_REFUSAL)
         if not on_cuda:
             raise ValueError(f"the flash_attn backend needs a CUDA device, got {device!r}")
         if not _flash_attn_imports():

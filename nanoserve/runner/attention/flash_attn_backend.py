@@ -12,8 +12,6 @@ import torch.nn.functional as F
 from nanoserve.runner.batch import AttentionMetadata
 
 FLASH_BLOCK_MULTIPLE = 256
-FP8_REFUSAL = ("the flash_attn backend cannot read an fp8 KV cache; use --attention-backend triton "
-               "(or torch on the CPU) with --kv-cache-dtype fp8, or --kv-cache-dtype auto")
 
 
 class FlashAttnBackend:
