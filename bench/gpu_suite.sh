@@ -13,14 +13,15 @@ for part in $parts; do
   case $part in
     tests) python3 -m pytest -q -m gpu tests/gpu 2>&1 | tee "$out/tests.log" | tail -25 ;;
     throughput) "$0" t256 sync eager t1024 ;;
-    topk) python3 bench/throughput.py --num-seqs 256 --top-k 20 --top-p 0.95 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
+    topk) python3 bench/throughput.py --num-seqs 256 --top-k 20 --top-p 0.95 --runs 1 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     t256) python3 bench/throughput.py --num-seqs 256 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     sync) python3 bench/throughput.py --num-seqs 256 --no-async-scheduling 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     served) OUT="$out" bash bench/served_vs_offline.sh offline inf rates single 2>&1 | grep -vE "it/s" ;;
     spy-json) # where the host's time goes in constrained steps: collapsed stacks of every thread (py-spy from .whl)
-          /tmp/site/bin/py-spy record -r 250 --threads --format raw -o "$out/json-spy.txt" -- \
-            python3 bench/throughput.py --num-seqs 256 --json-schema 2>&1 | grep -E "^throughput|Error" ;;
-    json) python3 bench/throughput.py --num-seqs 256 --json-schema 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^grammar|Error" ;;
+          /tmp/site/bin/py-spy record -r 250 --threads --format raw -o /tmp/json-spy.txt -- \
+            python3 bench/throughput.py --num-seqs 256 --json-schema --runs 1 2>&1 | grep -E "^throughput|Error"
+          python3 scripts/spy_summary.py /tmp/json-spy.txt --top 60 --within "generate (nanoserve/engine/llm.py)" > "$out/json-spy.txt" ;;
+    json) python3 bench/throughput.py --num-seqs 256 --json-schema --runs 1 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^grammar|Error" ;;
     t1024) python3 bench/throughput.py --num-seqs 1024 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     eager) python3 bench/throughput.py --num-seqs 256 --enforce-eager 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
     tp2) timeout 90 python3 scripts/tp_probe.py 2>&1 | tee "$out/tp-probe.log" | tail -12

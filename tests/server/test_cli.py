@@ -89,15 +89,20 @@ def test_bench_throughput_runs_the_workload_and_counts_every_token(source, extra
 
     target = f"{DEFAULT_MODEL}/config.json" if source == "--config" else DEFAULT_MODEL
     out = run_cli("bench", "throughput", source, target, "--device", "cpu", "--num-seqs", "4",
-                  "--min-input-len", "5", "--max-input-len", "20", "--min-output-len", "3", "--max-output-len", "8",
+                  "--min-input-len", "40", "--max-input-len", "80", "--min-output-len", "3", "--max-output-len", "8",
                   "--max-token-id", "4000", "--max-model-len", "256", "--max-num-batched-tokens", "256",
                   "--max-num-seqs", "8", *extra)
     assert out.returncode == 0, out.stderr[-2000:]
     if extra:  # constrained, every request still runs to its max_tokens (counted in the line below)
         assert re.search(r"^grammar compile: \d+ ms for a schema of 200 fields", out.stdout, re.M)
         assert "json_schema" in out.stdout
-    match = re.search(r"^throughput: (\d+) output tokens in [\d.]+ s = \d+ tok/s \(4 seqs", out.stdout, re.M)
-    assert match and 12 <= int(match.group(1)) <= 32  # 4 requests of 3 to 8 tokens, each counted
+    runs = re.findall(r"^throughput: (\d+) output tokens in [\d.]+ s = \d+ tok/s \(4 seqs.*run (\d) of 2: "
+                      r"(\d+) of (\d+) prompt tokens computed\)$", out.stdout, re.M)
+    assert [run for _, run, _, _ in runs] == ["1", "2"], out.stdout
+    for tokens, _, _, _ in runs:
+        assert 12 <= int(tokens) <= 32  # 4 requests of 3 to 8 tokens, each counted
+    (_, _, cold, prompt_tokens), (_, _, warm, _) = runs
+    assert int(cold) == int(prompt_tokens) and int(warm) < int(cold)  # run 2 finds the prompts in the prefix cache
 
 
 def test_version_and_python_dash_m_nanoserve():
