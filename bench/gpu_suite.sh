@@ -13,23 +13,23 @@ for part in $parts; do
   case $part in
     tests) python3 -m pytest -q -m gpu tests/gpu 2>&1 | tee "$out/tests.log" | tail -25 ;;
     throughput) "$0" t256 sync eager t1024 ;;
-    topk) python3 bench/throughput.py --num-seqs 256 --top-k 20 --top-p 0.95 --runs 1 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
-    t256) python3 bench/throughput.py --num-seqs 256 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
-    sync) python3 bench/throughput.py --num-seqs 256 --no-async-scheduling 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
+    topk) python3 bench/throughput.py --num-seqs 256 --top-k 20 --top-p 0.95 --runs 1 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
+    t256) python3 bench/throughput.py --num-seqs 256 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
+    sync) python3 bench/throughput.py --num-seqs 256 --no-async-scheduling 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
     served) OUT="$out" bash bench/served_vs_offline.sh offline inf rates single 2>&1 | grep -vE "it/s" ;;
     spy-json) # where the host's time goes in constrained steps: collapsed stacks of every thread (py-spy from .whl)
           /tmp/site/bin/py-spy record -r 250 --threads --format raw -o /tmp/json-spy.txt -- \
-            python3 bench/throughput.py --num-seqs 256 --json-schema --runs 1 2>&1 | grep -E "^throughput|Error"
+            python3 bench/throughput.py --num-seqs 256 --json-schema --runs 1 2>&1 | grep -E "^throughput|^triton|Error"
           python3 scripts/spy_summary.py /tmp/json-spy.txt --top 60 --within "generate (nanoserve/engine/llm.py)" > "$out/json-spy.txt" ;;
-    json) python3 bench/throughput.py --num-seqs 256 --json-schema --runs 1 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^grammar|Error" ;;
-    t1024) python3 bench/throughput.py --num-seqs 1024 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
-    eager) python3 bench/throughput.py --num-seqs 256 --enforce-eager 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
+    json) python3 bench/throughput.py --num-seqs 256 --json-schema --runs 1 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^grammar|^triton|Error" ;;
+    t1024) python3 bench/throughput.py --num-seqs 1024 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
+    eager) python3 bench/throughput.py --num-seqs 256 --enforce-eager 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
     tp2) timeout 90 python3 scripts/tp_probe.py 2>&1 | tee "$out/tp-probe.log" | tail -12
          # a stuck test dumps the test process's stacks after 5 minutes
          timeout 480 python3 -m pytest -q -o faulthandler_timeout=300 -m gpu tests/gpu/test_tensor_parallel_gpu.py \
            --durations=3 2>&1 | tee "$out/tests-tp.log" | tail -40
-         python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json --tensor-parallel-size 2 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
-    8b) python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
+         python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json --tensor-parallel-size 2 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
+    8b) python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
     gemv) python3 bench/skinny_gemm.py 2>&1 | tee "$out/skinny_gemm.log" ;;
     prefill) python3 bench/prefill.py 2>&1 | tee "$out/prefill.log" | grep -vE "it/s|Capturing"
              python3 bench/prefill.py --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/prefill.log" | grep -vE "it/s|Capturing" ;;
@@ -37,8 +37,8 @@ for part in $parts; do
     fp8) python3 -m pytest -q -m gpu tests/gpu/test_fp8_kv_cache_gpu.py -s 2>&1 | tee "$out/tests-fp8.log" | tail -5
          python3 bench/attention_kernels.py --kv-cache-dtype fp8 2>&1 | tee "$out/attention-fp8.log" | tail -15
          python3 bench/decode_step.py --kv-cache-dtype fp8 2>&1 | tee "$out/decode_step-fp8.log" | grep -vE "it/s|Capturing"
-         python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype fp8 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error"
-         python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json --kv-cache-dtype fp8 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|Error" ;;
+         python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype fp8 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error"
+         python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json --kv-cache-dtype fp8 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
     trace) python3 bench/throughput.py --num-seqs 256 --trace "$out/trace" 2>&1 | tee "$out/trace.log" | grep -vE "it/s|Capturing" ;;
     trace-sync) python3 bench/throughput.py --num-seqs 256 --no-async-scheduling --trace "$out/trace-sync" 2>&1 | tee "$out/trace-sync.log" | grep -vE "it/s|Capturing" ;;
     profile) python3 -m cProfile -s tottime bench/throughput.py --num-seqs 256 2>&1 | head -60 | tee "$out/profile.log" ;;

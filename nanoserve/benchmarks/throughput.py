@@ -24,6 +24,7 @@ from random import Random
 
 from nanoserve import EngineConfig, SamplingParams
 from nanoserve.sampling_params import StructuredOutputsParams
+from nanoserve.benchmarks.compile_watch import describe, triton_compiles
 from nanoserve.benchmarks.config_file import config_from_file
 from nanoserve.engine.llm import LLM
 
@@ -97,9 +98,10 @@ def main(argv: list[str] | None = None) -> None:
     graphs += ", json_schema" if schema else ""
     prompt_tokens = sum(map(len, prompts))
     for run in range(1, args.runs + 1):
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
+        with triton_compiles() as compiles:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
         tokens = sum(len(o.token_ids) for o in outputs)
         assert tokens == sum(p.max_tokens for p in params)
         computed = prompt_tokens - sum(o.num_cached_tokens for o in outputs)
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
               f"block {config.block_size}, kv {config.kv_cache_dtype}, tp {config.tensor_parallel_size}, "
               f"preemptions {llm.engine.scheduler.num_preemptions}, run {run} of {args.runs}: "
               f"{computed} of {prompt_tokens} prompt tokens computed)")
+        if compiles:
+            print(f"triton compiles inside run {run}: {describe(compiles)}")
     if args.trace:
         from nanoserve.benchmarks.step_trace import StepTrace
         with StepTrace(llm.engine, args.trace):

@@ -82,8 +82,6 @@ class GrammarManager:
         # fills many rows' masks on xgrammar's own threads (C++, outside the GIL): at a few tens of
         # microseconds per row for a large vocabulary, 256 rows one by one would outlast a GPU step
         self.batch = xgr.BatchGrammarMatcher()
-        # fills a step's masks beside the engine thread (xgrammar lets go of the GIL while it fills)
-        self.filler = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-grammar-fill")
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """A future of the CompiledGrammar; raises ValueError from result() when it cannot compile."""
@@ -101,11 +99,6 @@ class GrammarManager:
     def matcher(compiled: xgr.CompiledGrammar, stop_token_ids: frozenset[int]) -> xgr.GrammarMatcher:
         """A matcher at the grammar's start. It ends on the request's own stop tokens, where it has any."""
         return xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None)
-
-    def bitmask_soon(self, matchers: list[xgr.GrammarMatcher | None]) -> Future:
-        """A future of bitmask(matchers), filled on a thread; the caller must not touch these
-        matchers until it is done."""
-        return self.filler.submit(self.bitmask, matchers)
 
     def bitmask(self, matchers: list[xgr.GrammarMatcher | None]) -> TokenMask | None:
         """The allowed next tokens of each sampling row that has a matcher; None when no row has one.
@@ -136,4 +129,3 @@ class GrammarManager:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self.filler.shutdown(wait=False, cancel_futures=True)

@@ -51,7 +51,6 @@ class InFlightStep:
 
     forward: StepLogits
     pending: PendingSample | None = None
-    mask: concurrent.futures.Future | None = None  # its grammar masks, being filled on a thread
     sequences: list[Sequence] = field(default_factory=list)
     constrained: list[int] = field(default_factory=list)  # rows whose sequence has a grammar
     positions: list[int] = field(default_factory=list)  # index of the placeholder in token_ids
@@ -224,8 +223,6 @@ class LLMEngine:
             launched = self._launch()
             deferred = launched if launched is not None and launched.pending is None else None
             outputs = self._complete(self.in_flight, deferred) if self.in_flight else []
-            if deferred is not None:
-                self._sample(launched)  # its matchers have now seen the tokens just read
             self.in_flight = launched
             return outputs
         launched = self._launch()
@@ -234,13 +231,11 @@ class LLMEngine:
     def _sample(self, launched: InFlightStep) -> None:
         """Queue the sampling of a launched forward pass, under its grammar rows' masks.
 
-        The masks are filled while the device still runs the forward: on a thread from the moment
-        the matchers advanced (`_complete`), or here. A sequence that has finished or left since
-        the launch samples unconstrained: its token is dropped anyway."""
+        The masks are filled (on xgrammar's threads) while the device still runs the forward. A
+        sequence that has finished or left since the launch samples unconstrained: its token is
+        dropped anyway."""
         mask = None
-        if launched.mask is not None:
-            mask = launched.mask.result()
-        elif launched.constrained:
+        if launched.constrained:
             mask = self._grammars.bitmask(self._live_matchers(launched.sequences))
         launched.pending = self.runner.sample(launched.forward, mask)
         launched.forward = None
@@ -292,8 +287,9 @@ class LLMEngine:
     def _complete(self, launched: InFlightStep, deferred: InFlightStep | None = None) -> list[StepOutput]:
         """Read a launched step's sampled ids back; update, stop and report its sequences.
 
-        `deferred`: a launched step whose sampling waits for its grammar masks; they start filling
-        on a thread as soon as the matchers have advanced, while the rest of this runs."""
+        `deferred`: a launched step whose sampling waits for its grammar masks. It is queued as
+        soon as the matchers have advanced, before the bookkeeping below: the device then has it
+        before it finishes the forward pass, whatever the host does next."""
         sampled = launched.pending.result()
         self.num_generated_tokens += len(launched.sequences)
         for (seq, start), entries in zip(launched.scored, sampled.prompt_logprobs):
@@ -304,10 +300,9 @@ class LLMEngine:
             live = [(row, seq) for row in launched.constrained
                     if self.sequences.get((seq := launched.sequences[row]).request_id) is seq]
             self._grammars.advance([(seq.grammar, sampled.token_ids[row]) for row, seq in live])
-            # read now: once the fill below runs, this thread leaves the matchers alone
             complete = {id(seq) for _, seq in live if seq.grammar.is_terminated()}
         if deferred is not None:
-            deferred.mask = self._grammars.bitmask_soon(self._live_matchers(deferred.sequences))
+            self._sample(deferred)  # its matchers have now seen the tokens just read
         outputs = []
         for row, (seq, position) in enumerate(zip(launched.sequences, launched.positions)):
             token = sampled.token_ids[row]

@@ -117,6 +117,9 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, config, show_progress)
             self.graph_capture_seconds = time.perf_counter() - start
             logger.info("captured %d CUDA graphs in %.1f s", len(self.graphs.sizes), self.graph_capture_seconds)
+        if self.device.type == "cuda" and self.tp.rank == 0:
+            from nanoserve.runner.sampling_kernel import warm_up
+            warm_up(self.vocab_size, config.dtype, self.device)
 
     @property
     def num_blocks(self) -> int:

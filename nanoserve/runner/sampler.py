@@ -146,10 +146,12 @@ def draw(logits: torch.Tensor, rows: list[SequenceWork], token_mask: TokenMask |
     raw_logprobs = logits.log_softmax(dim=-1) if st.num_logprobs >= 0 else None
     if adjusted:
         apply_penalties(logits, rows, prev_tokens)
-    if token_mask is not None:
+    fused = logits.is_cuda and st.top_k is None and st.top_p is None and st.min_p is None
+    if token_mask is not None and not (fused and not st.seeds):
         apply_token_mask(logits, token_mask)
-    if logits.is_cuda and st.top_k is None and st.top_p is None and st.min_p is None:
-        tokens = _fused_draw(logits, st)
+        token_mask = None
+    if fused:
+        tokens = _fused_draw(logits, st, token_mask)  # applies a grammar's mask in the same pass
     elif st.all_greedy:
         tokens = logits.argmax(dim=-1)  # any float dtype gives the same index
     else:
@@ -159,13 +161,20 @@ def draw(logits: torch.Tensor, rows: list[SequenceWork], token_mask: TokenMask |
     return tokens, token_logprobs(tokens, raw_logprobs, st.top_logprobs)
 
 
-def _fused_draw(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+def _fused_draw(logits: torch.Tensor, st: SamplingTensors, token_mask: TokenMask | None = None) -> torch.Tensor:
     """The one-pass Gumbel-max kernel, for rows without top-k / top-p / min-p."""
     from nanoserve.runner.sampling_kernel import gumbel_argmax
 
     seeds = torch.randint(0, 2**31 - 1, (logits.shape[0],), dtype=torch.int64)
     temperature = st.temperature.masked_fill(st.greedy, 0.0)
-    tokens = gumbel_argmax(logits, temperature, seeds.to(logits.device, non_blocking=True))
+    bitmask = mask_rows = None
+    if token_mask is not None:
+        # each logits row's bitmask row, -1 where it has none; both go up from pinned memory
+        rows = torch.full((logits.shape[0],), -1, dtype=torch.int32, pin_memory=True)
+        rows[token_mask.rows] = torch.arange(len(token_mask.rows), dtype=torch.int32)
+        mask_rows = rows.to(logits.device, non_blocking=True)
+        bitmask = token_mask.bitmask.to(logits.device, non_blocking=True)
+    tokens = gumbel_argmax(logits, temperature, seeds.to(logits.device, non_blocking=True), bitmask, mask_rows)
     if st.seeds:
         # drawn as the other paths draw them: which path a step takes depends on the rest of the batch
         rows = [row for row, _ in st.seeds]

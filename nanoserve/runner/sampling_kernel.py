@@ -3,7 +3,9 @@
 argmax(logits / T + G) with G = -log(-log(U)) is a draw from softmax(logits / T) (the Gumbel-max
 trick), so a row needs no softmax, no float32 copy of the logits and no second pass. Each row's
 noise comes from its own Philox seed, so a seeded row draws the same token whatever else is in
-the batch. Rows with temperature 0 take the plain argmax.
+the batch. Rows with temperature 0 take the plain argmax. A grammar's token bitmask (xgrammar's
+layout: bit j of word i allows token 32 i + j) is read in the same pass, so constrained rows cost
+no extra kernel and unconstrained rows in the batch read no mask at all.
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ CHUNK = 4096  # vocabulary columns per program: rows x chunks programs keep ever
 
 
 @triton.jit
-def _consider(row_ptr, cols, vocab, bits, inv_temp, greedy, best, best_idx):
+def _consider(row_ptr, cols, vocab, bits, inv_temp, greedy, best, best_idx, words_ptr, masked_cols):
     """Fold one tile of columns into each lane's running best score and its index."""
     mask = cols < vocab
     x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
     # u in [0, 1): u = 0 gives -inf noise, a token that can never win, which is harmless
     u = uint_to_uniform_float(bits)
     score = tl.where(greedy, x, x * inv_temp - tl.log(-tl.log(u)))
+    if words_ptr is not None:
+        word = tl.load(words_ptr + (cols >> 5), mask=cols < masked_cols, other=-1)  # -1: all allowed
+        mask = mask & (((word >> (cols & 31)) & 1) != 0)
     score = tl.where(mask, score, float("-inf"))
     better = score > best  # strict: a lane sees its columns in increasing order and keeps the first
     return tl.where(better, score, best), tl.where(better, cols, best_idx)
@@ -32,7 +37,7 @@ def _consider(row_ptr, cols, vocab, bits, inv_temp, greedy, best, best_idx):
 
 @triton.jit
 def _chunk_kernel(logits_ptr, stride, inv_temp_ptr, seeds_ptr, best_ptr, best_idx_ptr, vocab, num_chunks,
-                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                  bitmask_ptr, mask_row_ptr, mask_stride, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """The best score and its first index within one chunk of one row."""
     QUARTER: tl.constexpr = BLOCK // 4
     row, chunk = tl.program_id(0), tl.program_id(1)
@@ -40,6 +45,12 @@ def _chunk_kernel(logits_ptr, stride, inv_temp_ptr, seeds_ptr, best_ptr, best_id
     inv_temp = tl.load(inv_temp_ptr + row)
     seed = tl.load(seeds_ptr + row)
     greedy = inv_temp == 0.0
+    words_ptr = bitmask_ptr
+    masked_cols = 0  # the columns that read the row's bitmask: all of them, or none without a grammar
+    if bitmask_ptr is not None:
+        mask_row = tl.load(mask_row_ptr + row)  # -1: this row has no grammar
+        masked_cols = tl.where(mask_row >= 0, vocab, 0)
+        words_ptr = bitmask_ptr + tl.maximum(mask_row, 0).to(tl.int64) * mask_stride
     best = tl.full([QUARTER], float("-inf"), tl.float32)
     best_idx = tl.zeros([QUARTER], tl.int32)
     lanes = tl.arange(0, QUARTER)
@@ -47,20 +58,26 @@ def _chunk_kernel(logits_ptr, stride, inv_temp_ptr, seeds_ptr, best_ptr, best_id
         # one Philox call makes four draws, one for each quarter of the tile; the noise depends on
         # (seed, column) alone, so it does not matter how the row is split into chunks
         r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + lanes)
-        best, best_idx = _consider(row_ptr, start + lanes, vocab, r0, inv_temp, greedy, best, best_idx)
-        best, best_idx = _consider(row_ptr, start + QUARTER + lanes, vocab, r1, inv_temp, greedy, best, best_idx)
+        best, best_idx = _consider(row_ptr, start + lanes, vocab, r0, inv_temp, greedy, best, best_idx,
+                                   words_ptr, masked_cols)
+        best, best_idx = _consider(row_ptr, start + QUARTER + lanes, vocab, r1, inv_temp, greedy, best, best_idx,
+                                   words_ptr, masked_cols)
         best, best_idx = _consider(row_ptr, start + 2 * QUARTER + lanes, vocab, r2, inv_temp, greedy, best,
-                                   best_idx)
+                                   best_idx, words_ptr, masked_cols)
         best, best_idx = _consider(row_ptr, start + 3 * QUARTER + lanes, vocab, r3, inv_temp, greedy, best,
-                                   best_idx)
+                                   best_idx, words_ptr, masked_cols)
     top = tl.max(best, axis=0)
     # the first index among lanes holding the maximum, as torch.argmax returns
     tl.store(best_ptr + row * num_chunks + chunk, top)
     tl.store(best_idx_ptr + row * num_chunks + chunk, tl.min(tl.where(best == top, best_idx, vocab), axis=0))
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """Sampled token per row of logits [rows, vocab]; temperature [rows] (0 = greedy), seeds [rows] int."""
+def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                  bitmask: torch.Tensor | None = None, mask_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Sampled token per row of logits [rows, vocab]; temperature [rows] (0 = greedy), seeds [rows] int.
+
+    With a grammar: `bitmask` [masks, words] int32 of allowed tokens, and `mask_rows` [rows] int32,
+    each row's bitmask row or -1 for a row that draws from the whole vocabulary."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     inv_temp = torch.where(temperature > 0, 1.0 / temperature.clamp(min=1e-6), torch.zeros_like(temperature))
@@ -68,6 +85,21 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     best = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
     _chunk_kernel[(rows, num_chunks)](logits, logits.stride(0), inv_temp.float(), seeds, best, best_idx, vocab,
-                                      num_chunks, CHUNK=CHUNK, BLOCK=BLOCK)
+                                      num_chunks, bitmask, mask_rows, bitmask.shape[1] if bitmask is not None else 0,
+                                      CHUNK=CHUNK, BLOCK=BLOCK)
     # across chunks: torch.argmax takes the first maximum, so ties go to the lowest column
     return best_idx.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()
+
+
+def warm_up(vocab: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile every variant a step can ask for (model-dtype or float32 logits, with or without a
+    grammar's mask) now, not on the first request that needs one: a compile there stalls the
+    whole batch for a fraction of a second."""
+    temperature = torch.ones(2, device=device)
+    seeds = torch.zeros(2, dtype=torch.int64, device=device)
+    bitmask = torch.full((1, triton.cdiv(vocab, 32)), -1, dtype=torch.int32, device=device)
+    mask_rows = torch.tensor([0, -1], dtype=torch.int32, device=device)
+    for logits_dtype in {dtype, torch.float32}:
+        logits = torch.zeros(2, vocab, dtype=logits_dtype, device=device)
+        gumbel_argmax(logits, temperature, seeds)
+        gumbel_argmax(logits, temperature, seeds, bitmask, mask_rows)

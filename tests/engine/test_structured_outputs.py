@@ -60,7 +60,7 @@ def test_a_terminated_matcher_leaves_its_row_unconstrained_instead_of_failing_th
     for token in [*llm.tokenizer.encode("a", add_special_tokens=False), 0]:
         assert done.accept_token(token)
     assert done.is_terminated()
-    mask = manager.bitmask_soon([done, None, fresh]).result()
+    mask = manager.bitmask([done, None, fresh])
     assert mask.rows == [2] and mask.bitmask.shape[0] == 1
     manager.close()
 

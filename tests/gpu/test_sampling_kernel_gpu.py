@@ -97,3 +97,49 @@ def test_rows_with_a_small_top_k_draw_inside_their_allowed_sets_at_the_real_voca
         else:
             assert seen[i] <= allowed_tokens(host[i], p, slack=1e-2), f"row {i}"
     assert any(len(seen[i]) > 1 for i in range(32) if i % 3 != 1)
+
+
+def test_a_grammar_mask_in_the_kernel_draws_what_the_masked_logits_draw():
+    """Fresh bf16 logits of Qwen3's vocabulary, half the rows under a random bitmask (some allowing
+    a handful of tokens), greedy and sampled: the same ids as masking the logits with -inf first."""
+    from tests.runner.test_sampling_kernel import pack_bitmask
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    logits = torch.randn(256, VOCAB, device="cuda", generator=gen).bfloat16()
+    allowed = torch.rand(128, VOCAB, device="cuda", generator=gen) < torch.logspace(-4.5, -0.5, 128, device="cuda")[:, None]
+    allowed[:, VOCAB - 1] = True  # the last, partial chunk
+    mask_rows = torch.full((256,), -1, dtype=torch.int32, device="cuda")
+    constrained = torch.randperm(256, device="cuda", generator=gen)[:128]
+    mask_rows[constrained] = torch.arange(128, dtype=torch.int32, device="cuda")
+    masked = logits.clone()
+    masked[constrained] = logits[constrained].masked_fill(~allowed, float("-inf"))
+    temperature = torch.rand(256, device="cuda", generator=gen) + 0.2
+    temperature[::4] = 0.0
+    seeds = torch.randint(0, 2**31 - 1, (256,), device="cuda", generator=gen)
+    tokens = gumbel_argmax(logits, temperature, seeds, pack_bitmask(allowed.cpu()).cuda(), mask_rows)
+    assert torch.equal(tokens, gumbel_argmax(masked, temperature, seeds))
+    assert allowed[mask_rows[constrained].long(), tokens[constrained]].all()
+
+
+def test_draw_applies_a_token_mask_in_the_fused_kernel_as_xgrammar_applies_it():
+    """The sampler's fused path with a TokenMask (pinned, compact rows) against xgrammar's own
+    kernel on the logits and the same path without a mask, same per-step seeds."""
+    from nanoserve.runner.batch import SequenceWork, TokenMask
+    from nanoserve.runner.sampler import apply_token_mask, draw
+    from nanoserve.sampling_params import SamplingParams
+    from tests.runner.test_sampling_kernel import pack_bitmask
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    logits = torch.randn(64, VOCAB, device="cuda", generator=gen).bfloat16()
+    rows = [SequenceWork([1, 2, 3], 3, 2, 1, [0], SamplingParams(temperature=0.0 if i % 3 == 0 else 0.9))
+            for i in range(64)]
+    allowed = torch.rand(20, VOCAB, generator=torch.Generator().manual_seed(6)) < 0.01
+    mask = TokenMask(pack_bitmask(allowed).pin_memory(), list(range(3, 63, 3)))
+    torch.manual_seed(0)
+    fused, _ = draw(logits.clone(), rows, mask)
+    reference = logits.clone()
+    apply_token_mask(reference, mask)
+    torch.manual_seed(0)
+    plain, _ = draw(reference, rows, None)
+    assert torch.equal(fused, plain)
+    assert all(allowed[i, fused[r]] for i, r in enumerate(mask.rows))

@@ -49,3 +49,36 @@ def test_same_seed_same_token_whatever_the_batch():
         assert alone.item() == batch[row].item()
     other = gumbel_argmax(logits, temperature, seeds + 1000)
     assert not torch.equal(other, batch)  # 8 draws over 3000 tokens: equal only if seeds were ignored
+
+
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """xgrammar's layout from a bool [rows, vocab]: bit j of int32 word i allows token 32 i + j."""
+    rows, vocab = allowed.shape
+    padded = torch.zeros(rows, -(-vocab // 32) * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    words = (padded.view(rows, -1, 32) << torch.arange(32)).sum(dim=-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def test_a_grammar_mask_draws_what_the_masked_logits_draw_and_leaves_other_rows_alone():
+    gen = torch.Generator().manual_seed(3)
+    vocab = 5000 + 17  # a partial last word
+    logits = torch.randn(6, vocab, generator=gen)
+    allowed = torch.rand(3, vocab, generator=gen) < 0.05
+    allowed[2] = False
+    allowed[2, [4, vocab - 1]] = True  # a row allowed only two tokens, one in the last partial word
+    mask_rows = torch.tensor([1, -1, 0, -1, 2, -1], dtype=torch.int32)
+    masked = logits.clone()
+    for row, m in enumerate(mask_rows.tolist()):
+        if m >= 0:
+            masked[row, ~allowed[m]] = float("-inf")
+    temperature = torch.tensor([0.0, 0.0, 0.7, 1.0, 1.3, 0.0])
+    seeds = torch.arange(6) * 31 + 5
+    tokens = gumbel_argmax(logits, temperature, seeds, pack_bitmask(allowed), mask_rows)
+    # the noise depends on (seed, column) alone, so masking in the kernel equals masking before it
+    assert torch.equal(tokens, gumbel_argmax(masked, temperature, seeds))
+    for row, m in enumerate(mask_rows.tolist()):
+        if m >= 0:
+            assert allowed[m, tokens[row]]
+    assert tokens[4].item() in (4, vocab - 1)
+    assert torch.equal(tokens[[1, 3, 5]], gumbel_argmax(logits, temperature, seeds)[[1, 3, 5]])
