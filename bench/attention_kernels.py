@@ -121,6 +121,25 @@ def tile_sweep(caches: Caches) -> None:
                 print(f"{block_n:4d} {warps} {stages}     {cells}")
 
 
+def fp8_sweep(caches: Caches) -> None:
+    """An e4m3 cache: widening to f16 or to bf16, by tile config (the bf16 cache's tuning need not fit)."""
+    print(f"\nfp8 sweep (us), {Q_HEADS} q heads: widen-to / BLOCK_N / num_warps / num_stages")
+    cases = [(256, 1024), (256, 8192)]
+    print("config               " + "".join(f"  b{b:<4}c{c:<6}" for b, c in cases))
+    for via_f16 in (False, True):
+        for block_n in (64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, FP8_VIA_F16=via_f16)
+                    try:
+                        times = [decode_case(caches, b, c, config=cfg) for b, c in cases]
+                    except Exception as e:   # out of shared memory or registers
+                        print(f"{'f16' if via_f16 else 'bf16':>4} {block_n:4d} {warps} {stages}  failed: {type(e).__name__}")
+                        continue
+                    print(f"{'f16' if via_f16 else 'bf16':>4} {block_n:4d} {warps} {stages}       "
+                          + "".join(f"  {t:11.1f}" for t in times))
+
+
 def split_sweep(caches: Caches) -> None:
     print("\nsplit sweep (us); * = the heuristic's choice")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -139,7 +158,15 @@ def main() -> None:
     parser.add_argument("--splits", action="store_true", help="also sweep split counts")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="fp8: an e4m3 cache (bytes and bandwidth count one byte per element)")
+    parser.add_argument("--fp8-sweep", action="store_true",
+                        help="only sweep an e4m3 cache's widening and tiles (no table)")
+    parser.add_argument("--group", type=int, default=2, help="q heads per kv head (Qwen3-0.6B 2, 8B 4)")
     args = parser.parse_args()
+    global Q_HEADS
+    Q_HEADS = KV_HEADS * args.group
+    if args.fp8_sweep:
+        fp8_sweep(Caches(256 * 8192, FP8_DTYPE))
+        return
     fp8 = args.kv_cache_dtype == "fp8"
     flash = flash_attn_with_kvcache is not None and not fp8   # flash-attn reads no fp8 cache
     props = torch.cuda.get_device_properties(0)
