@@ -45,19 +45,19 @@ def fp8_step(specs, *, dtype, magnitude, seed, **shape):
             (k_scale, v_scale))
 
 
-def check_fp8(specs, *, dtype, magnitude, seed, num_splits=None, **shape):
+def check_fp8(specs, *, dtype, magnitude, seed, num_splits=None, config=None, **shape):
     q, k, v, exact, fp8, meta, scales = fp8_step(specs, dtype=dtype, magnitude=magnitude, seed=seed,
                                                  **shape)
     scale = q.shape[-1] ** -0.5
     ref_caches = tuple(c.clone() for c in fp8)
     ref = TorchBackend().forward(q.float(), k.float(), v.float(), *ref_caches, meta, scale, *scales)
     exact_out = TorchBackend().forward(q.float(), k.float(), v.float(), *exact, meta, scale)
-    if num_splits is None:
+    if num_splits is None and config is None:
         out = TritonBackend().forward(q, k, v, *fp8, meta, scale, *scales)
     else:
         store_kvcache(k, v, *fp8, meta.slot_mapping, *scales)
         out = paged_decode(q, *fp8, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
-                           num_splits=num_splits, k_scale=scales[0], v_scale=scales[1])
+                           num_splits=num_splits, k_scale=scales[0], v_scale=scales[1], config=config)
     if meta.decode_only:
         assert (out[meta.seq_lens == 0] == 0).all(), "padding rows must come back as zeros"
     assert rel_err(out, ref) < TOL[dtype]
@@ -106,6 +106,16 @@ def test_triton_decode_over_fp8_forced_splits(dtype, block_size, head_dim, group
     check_fp8(decode_specs(random.Random(seed + 100), batch=5, max_len=2000), dtype=dtype,
               magnitude=magnitude, seed=seed + 100, num_splits=num_splits, block_size=block_size,
               group=group, head_dim=head_dim, kv_heads=2)
+
+
+@pytest.mark.parametrize("group,magnitude,seed", [(2, 1.0, 21), (4, 300.0, 22)])
+def test_triton_decode_widening_fp8_to_f16_for_a_bf16_query(group, magnitude, seed):
+    """The f16 widening that bench/attention_kernels.py --fp8-sweep weighs against bf16."""
+    from nanoserve.runner.attention.triton_decode import _decode_config
+
+    check_fp8(decode_specs(random.Random(seed), batch=29, max_len=3000), dtype=torch.bfloat16,
+              magnitude=magnitude, seed=seed, config=dict(_decode_config(torch.device("cuda")), FP8_VIA_F16=True),
+              block_size=256, group=group, head_dim=128, kv_heads=2)
 
 
 def test_triton_decode_over_fp8_32k_context_at_batch_1():
