@@ -170,9 +170,9 @@ def _fused_draw(logits: torch.Tensor, st: SamplingTensors, token_mask: TokenMask
     bitmask = mask_rows = None
     if token_mask is not None:
         # each logits row's bitmask row, -1 where it has none; both go up from pinned memory
-        rows = torch.full((logits.shape[0],), -1, dtype=torch.int32, pin_memory=True)
-        rows[token_mask.rows] = torch.arange(len(token_mask.rows), dtype=torch.int32)
-        mask_rows = rows.to(logits.device, non_blocking=True)
+        host_rows = torch.full((logits.shape[0],), -1, dtype=torch.int32, pin_memory=True)
+        host_rows[token_mask.rows] = torch.arange(len(token_mask.rows), dtype=torch.int32)
+        mask_rows = host_rows.to(logits.device, non_blocking=True)
         bitmask = token_mask.bitmask.to(logits.device, non_blocking=True)
     tokens = gumbel_argmax(logits, temperature, seeds.to(logits.device, non_blocking=True), bitmask, mask_rows)
     if st.seeds:
