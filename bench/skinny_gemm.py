@@ -1,6 +1,6 @@
 """Decode-time linear layers on the GPU: cuBLAS (F.linear) against the skinny Triton kernel
 (nanoserve/runner/layers/small_gemm.py) at the weight shapes of Qwen3-0.6B and Qwen3-8B, bf16,
-1-16 rows. Effective bandwidth = bytes of weight + x + output / time.
+1-256 rows (`--rows`). Effective bandwidth = bytes of weight + x + output / time.
 
 Each time is per call inside a replayed CUDA graph of 50 calls over weight copies that together
 overflow L2 (layers/skinny_choice.py: what the server's startup choice measures), median of 5.
@@ -32,11 +32,16 @@ MODELS = {   # name: (decoder layers, {projection: (N, K)})
     "qwen3-8b": (36, {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
                       "down": (4096, 12288)}),
 }
-ROWS = (1, 2, 4, 8, 16)
+ROWS = "1,2,4,8,16,64,128,256"
 DTYPE = torch.bfloat16
 
 
 def sweep_configs(rows: int) -> list[SkinnyConfig]:
+    if rows > 64:
+        return [SkinnyConfig(64, bn, bk, split, warps, stages)
+                for bn, bk, split, warps, stages in itertools.product((32, 64, 128), (32, 64, 128), (1, 2, 4),
+                                                                      (4, 8), (2, 3, 4))
+                if stages * (bn + 64) * bk * 2 <= 160 * 1024]
     if rows <= 2:
         return [SkinnyConfig(rows, bn, bk, split, warps, 2)
                 for bn, bk, split, warps in itertools.product((4, 8, 16), (256, 512, 1024, 2048),
@@ -62,7 +67,9 @@ def best_of_sweep(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[float, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles per case")
+    parser.add_argument("--rows", default=ROWS, help="comma-separated row counts")
     args = parser.parse_args()
+    row_counts = [int(r) for r in args.rows.split(",")]
     device = torch.device("cuda")
     sms = num_sms(device)
     print(f"{torch.cuda.get_device_name()}, {sms} SMs, torch {torch.__version__}", flush=True)
@@ -71,13 +78,13 @@ def main() -> None:
     for model, (layers, shapes) in MODELS.items():
         for proj, (n, k) in shapes.items():
             weights = rotated_weights(n, k, DTYPE, device)
-            for rows in ROWS:
+            for rows in row_counts:
                 x = torch.randn(rows, k, dtype=DTYPE, device=device)
                 nbytes = (n * k + rows * k + rows * n) * 2
                 cublas = graph_us_per_call(lambda w: F.linear(x, w), weights)
                 triton = graph_us_per_call(lambda w: skinny_linear(x, w), weights)
                 cfg = skinny_config(rows, n, k, sms)
-                line = (f"{model:10s} {proj:7s} {n:5d}x{k:<5d} M={rows:<2d} "
+                line = (f"{model:10s} {proj:7s} {n:5d}x{k:<5d} M={rows:<3d} "
                         f"cuBLAS {cublas:7.1f} us {nbytes / cublas / 1e6:5.2f} TB/s | "
                         f"triton {triton:7.1f} us {nbytes / triton / 1e6:5.2f} TB/s "
                         f"x{cublas / triton:4.2f} [n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} "

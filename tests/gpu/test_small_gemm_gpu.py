@@ -32,7 +32,7 @@ def inputs(rows: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Te
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 13, 16, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 13, 16, 32, 64, 100, 256])
 def test_real_shapes_match_float32(name, rows):
     n, k = SHAPES[name]
     x, w = inputs(rows, n, k, seed=rows)
@@ -45,7 +45,7 @@ def test_real_shapes_match_float32(name, rows):
 
 
 @pytest.mark.parametrize("name", ["0.6b-qkv", "0.6b-o", "8b-down"])
-@pytest.mark.parametrize("rows", [1, 2, 4, 16])
+@pytest.mark.parametrize("rows", [1, 2, 4, 16, 200])
 def test_replays_of_a_captured_graph_see_new_inputs(name, rows):
     n, k = SHAPES[name]
     x, w = inputs(rows, n, k, seed=100 + rows)

@@ -93,6 +93,15 @@ def test_bias_is_added_once_with_and_without_split(dtype) -> None:
         check(3 if config.block_m == 16 else 1, 48, 256, dtype, config, bias=True, seed=3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [65, 100, 128, 200])
+def test_row_tiles_past_64_rows_match_torch(dtype, rows) -> None:
+    """Several row tiles, the last one partial, with the default tiles (split-K at these widths)
+    and without a split."""
+    check(rows, 48, 160, dtype, bias=True, seed=6)
+    check(rows, 36, 300, dtype, SkinnyConfig(64, 32, 64, 1), seed=7)
+
+
 def test_zero_rows_give_an_empty_output() -> None:
     assert skinny_linear(torch.empty(0, 64), torch.randn(32, 64)).shape == (0, 32)
 
@@ -100,8 +109,8 @@ def test_zero_rows_give_an_empty_output() -> None:
 def test_bad_inputs_are_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="contiguous weight"):
         skinny_linear(torch.randn(2, 64), torch.randn(64, 32).T)
-    with pytest.raises(ValueError, match="at most 64 rows"):
-        skinny_linear(torch.randn(65, 64), torch.randn(32, 64))
+    with pytest.raises(ValueError, match="at most 512 rows"):
+        skinny_linear(torch.randn(513, 64), torch.randn(32, 64))
     with pytest.raises(ValueError, match="cannot take 4 rows"):
         skinny_linear(torch.randn(4, 64), torch.randn(32, 64), config=SkinnyConfig(2, 8, 64, 1))
 
@@ -116,6 +125,11 @@ def test_tiles_fill_the_device_and_split_k_only_when_columns_are_few() -> None:
             assert cfg.block_m >= rows and (cfg.block_m <= 2 or cfg.block_m >= 16)
     assert skinny_config(1, 24576, 4096, 132).split_k == 1
     assert skinny_config(16, 1024, 2048, 132).split_k > 1
+    for rows in (64, 100, 256, 512):   # past ROW_TILE the row tiles count toward filling the device
+        for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):
+            cfg = skinny_config(rows, n, k, 132)
+            programs = -(-n // cfg.block_n) * -(-rows // cfg.block_m) * cfg.split_k
+            assert programs >= 132 and cfg.block_m >= 16, (rows, n, k, cfg)
 
 
 def test_layers_keep_f_linear_on_the_cpu() -> None:

@@ -4,7 +4,9 @@ With 1-32 rows a linear layer is a pass over its weight; the rows of x are nearl
 program streams one [BLOCK_N, K-range] slab of the weight once and multiplies every row of x by
 it, accumulating in float32. One or two rows use CUDA cores (multiply, sum over K at the end);
 more use tl.dot with the weight as the left operand and the rows padded to 16: the padding costs
-tensor-core cycles only, which a pass over memory leaves idle.
+tensor-core cycles only, which a pass over memory leaves idle. Past 64 rows the rows are tiled
+too (64 a program), for the medium batches where cuBLAS leaves narrow layers (N = 1024) on a
+fraction of the device.
 
 When the output has too few column blocks to fill the device, the programs also split K. Each
 split writes a float32 partial [split, rows, N] and a second kernel sums them in split order
@@ -26,7 +28,8 @@ import triton.language as tl
 
 from nanoserve.runner.layers.linear import row_bucket
 
-MAX_ROWS = 64
+MAX_ROWS = 512
+ROW_TILE = 64        # rows per program past 64 rows
 WAVES = 2            # programs per SM to aim for before shrinking tiles or splitting K stops
 MAX_SPLITS = 16
 FMA_TILE = 8192      # weight elements x rows per loop step in the CUDA-core path (registers)
@@ -101,6 +104,11 @@ def _skinny_kernel(
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    row0 = tl.program_id(2) * BLOCK_M   # this program's first row
+    parts = out_ptr + split * M * N     # the split's partial (SPLIT), else the output itself
+    x_ptr += row0 * K
+    out_ptr = parts + row0 * N
+    M -= row0                           # rows from row0 on
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
@@ -116,8 +124,7 @@ def _skinny_kernel(
         acc = _fma_steps(x_ptr, w_rows, M, K, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT:
-        part = out_ptr + split * M * N
-        tl.store(part + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -147,7 +154,8 @@ def num_sms(device: torch.device) -> int:
 
 def skinny_config(rows: int, n: int, k: int, sms: int, elem_bytes: int = 2) -> SkinnyConfig:
     """Tiles for `rows` x [n, k]: the widest column block that still gives WAVES programs per SM,
-    else the narrowest, with K split until the programs fill the device."""
+    else the narrowest, with K split until the programs fill the device. Past ROW_TILE rows the
+    rows are tiled as well."""
     bucket = row_bucket(rows)
     target = WAVES * sms
     k_pow2 = max(16, triton.next_power_of_2(k))
@@ -158,15 +166,23 @@ def skinny_config(rows: int, n: int, k: int, sms: int, elem_bytes: int = 2) -> S
         block_m, block_k = bucket, min(k_pow2, FMA_TILE // (block_n * bucket))
         warps, stages = 8, 2   # 8 warps: the float32 sums of a tile take 32 registers a thread
     else:
-        block_m, block_k = max(16, bucket), min(256, k_pow2)
-        block_n = next((w for w in (64, 32, 16) if triton.cdiv(n, w) >= target), 16)
-        warps = 4
+        if bucket <= ROW_TILE:
+            block_m, block_k = max(16, bucket), min(256, k_pow2)
+            block_n = next((w for w in (64, 32, 16) if triton.cdiv(n, w) >= target), 16)
+            warps = 4
+        else:
+            # a tiled GEMM: ROW_TILE rows a program, the widest column block that still fills
+            # the device together with the row tiles, K split below
+            block_m, block_k = ROW_TILE, min(64, k_pow2)
+            row_tiles = triton.cdiv(bucket, ROW_TILE)
+            block_n = next((w for w in (128, 64) if triton.cdiv(n, w) * row_tiles >= target), 32)
+            warps = 8 if block_n == 128 else 4
         # as many stages in flight as fit SMEM_BUDGET (leaves room for two programs an SM)
         stage_bytes = (block_n + block_m) * block_k * elem_bytes
         stages = max(2, min(4, SMEM_BUDGET // stage_bytes))
     while k % block_k and block_k > 256:
         block_k //= 2   # whole blocks if a shorter one divides K: no masked half-empty last step
-    tiles = triton.cdiv(n, block_n)
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(bucket, block_m)
     split = 1
     while (tiles * split * 2 <= target and split * 2 <= MAX_SPLITS
            and split * 2 <= triton.cdiv(k, block_k)):
@@ -191,14 +207,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return out
     x = x.contiguous()
     cfg = config or skinny_config(m, n, k, num_sms(x.device), x.element_size())
-    if cfg.block_m < m or (cfg.block_m > 2 and cfg.block_m < 16):
-        raise ValueError(f"{cfg} cannot take {m} rows: block_m is 1, 2 or >= 16 and >= rows")
+    if cfg.block_m < 16 and (cfg.block_m > 2 or cfg.block_m < m):
+        raise ValueError(f"{cfg} cannot take {m} rows: block_m is 1 or 2 (and >= rows), or >= 16")
     # every split but the last starts on a block boundary
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = cfg.split_k > 1
     part = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device) if split else out
     has_bias = bias is not None
-    _skinny_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+    _skinny_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))](
         x, weight, bias if has_bias else weight, part, m, n, k, k_per_split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, SPLIT=split, HAS_BIAS=has_bias,
