@@ -75,3 +75,14 @@ def test_the_startup_choice_names_only_shapes_and_buckets_it_timed():
     shapes = [SHAPES["0.6b-o"], SHAPES["0.6b-qkv"]]
     wins = choose_skinny(shapes, 8, torch.device("cuda"), torch.bfloat16)
     assert all((n, k) in shapes and rows in row_buckets(8) for n, k, rows in wins)
+
+
+def test_a_skinny_kernel_that_fails_on_the_device_leaves_cublas_in_place(monkeypatch):
+    """The startup choice must not stop the server over a kernel that cannot build or launch."""
+    from nanoserve.runner.layers import small_gemm
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this device")
+
+    monkeypatch.setattr(small_gemm, "skinny_linear", broken)
+    assert choose_skinny([SHAPES["0.6b-o"]], 4, torch.device("cuda"), torch.bfloat16) == set()

@@ -88,12 +88,19 @@ def choose_skinny(weight_shapes: Iterable[tuple[int, int]], max_rows: int, devic
         weights = rotated_weights(n, k, dtype, device)
         for rows in row_buckets(max_rows):
             x = torch.randn(rows, k, dtype=dtype, device=device)
-            if not agrees_with_cublas(skinny_linear, x, weights[0]):
+            try:
+                agrees = agrees_with_cublas(skinny_linear, x, weights[0])
+                triton = graph_us_per_call(lambda w: skinny_linear(x, w), weights) if agrees else 0.0
+            except Exception as exc:  # a Triton build or launch failure on this device: no reason to stop
+                logger.warning("skinny GEMM failed at %dx%d, %d rows, on this device (%s): cuBLAS kept there",
+                               n, k, rows, exc)
+                torch.cuda.synchronize()
+                continue
+            if not agrees:
                 logger.warning("skinny GEMM disagrees with cuBLAS at %dx%d, %d rows, on this device: "
                                "cuBLAS kept there", n, k, rows)
                 continue
             cublas = graph_us_per_call(lambda w: F.linear(x, w), weights)
-            triton = graph_us_per_call(lambda w: skinny_linear(x, w), weights)
             logger.debug("%dx%d rows %d: cuBLAS %.1f us, Triton %.1f us", n, k, rows, cublas, triton)
             if triton < (1 - margin) * cublas:
                 wins.add((n, k, rows))
