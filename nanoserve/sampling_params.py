@@ -42,6 +42,12 @@ class StructuredOutputsParams:
 MAX_INT = 2**31 - 1
 # torch.Generator.manual_seed takes any integer in [-2**63, 2**64)
 SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def fork_seed(seed: int, offset: int) -> int:
+    """seed + offset (the seed of an n > 1 request's later choices), wrapped into SEED_RANGE."""
+    low, high = SEED_RANGE
+    return (seed + offset - low) % (high - low + 1) + low
 # below this a temperature is greedy (as in vLLM): logits / 1e-300 overflow float32 to inf and NaN
 GREEDY_TEMPERATURE = 1e-5
 # below float32's smallest normal number a penalty rounds to 0 on the device: treat it as 0 here

@@ -18,7 +18,7 @@ from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.runner.batch import PENDING_TOKEN, SequenceWork
 from nanoserve.runner.model_runner import ModelRunner, PendingSample, StepLogits
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, fork_seed
 
 if TYPE_CHECKING:  # xgrammar loads with the first structured-output request, not with the engine
     from nanoserve.engine.grammar import GrammarManager
@@ -164,8 +164,9 @@ class LLMEngine:
         for index in reversed(range(len(forks))):
             params = parent.params
             if params.seed is not None:
-                # one seed for all n choices would draw n equal completions (vLLM offsets it too)
-                params = dataclasses.replace(params, seed=params.seed + index + 1)
+                # one seed for all n choices would draw n equal completions (vLLM offsets it too);
+                # past the top of the seed range the offset wraps around to its bottom
+                params = dataclasses.replace(params, seed=fork_seed(params.seed, index + 1))
             self._enqueue(forks[index], parent.prompt_token_ids, params, front=True)
 
     def abort_request(self, request_id: str) -> bool:

@@ -152,6 +152,17 @@ def test_seeded_n_draws_different_choices_and_repeats_them(llm):
     assert len({tuple(t) for t in first}) > 1  # 12 tokens drawn at temperature 1 from 384: equal only if seeds were
 
 
+@pytest.mark.parametrize("seed", [2**64 - 1, 2**64 - 2])
+def test_n_choices_of_a_seed_at_the_top_of_its_range_wrap_around_and_still_differ(llm, seed):
+    """The later choices' seeds (seed + 1, seed + 2) pass the top of the range: they wrap to its
+    bottom instead of failing inside the engine's step."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, n=3, seed=seed, ignore_eos=True)
+    choices = [c.token_ids for c in llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs]
+    assert len(choices) == 3 and all(len(c) == 12 for c in choices)
+    assert len({tuple(c) for c in choices}) > 1
+    assert llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)[0].token_ids  # the engine goes on
+
+
 def test_prompt_longer_than_max_model_len_is_rejected(llm):
     with pytest.raises(ValueError, match="128"):
         llm.generate([[5] * 200], greedy(4), use_tqdm=False)
