@@ -15,7 +15,7 @@ class StructuredOutputsParams:
     Plain JSON-able fields only: the engine compiles it (and caches by `key`) in its own process.
     """
 
-    json: str | dict[str, Any] | None = None  # a JSON schema (text or object)
+    json: str | dict[str, Any] | None = None  # a JSON schema (an object is kept as its JSON text)
     json_object: bool = False                  # any JSON object
     regex: str | None = None
     choice: list[str] | None = None            # exactly one of these strings
@@ -30,12 +30,16 @@ class StructuredOutputsParams:
                              f"got {given or 'none'}")
         if self.choice is not None and not self.choice:
             raise ValueError("structured outputs 'choice' needs at least one string")
+        if isinstance(self.json, dict):
+            # as text: the engine's messages carry it whatever its numbers (msgspec holds 64 bits),
+            # and the compile cache tells schemas apart by their property order, which the
+            # grammar follows
+            self.json = json.dumps(self.json, ensure_ascii=False)
 
     @property
     def key(self) -> tuple:
         """Equal for specs that compile to the same grammar: the compile cache's key."""
-        schema = self.json if not isinstance(self.json, dict) else json.dumps(self.json, sort_keys=True)
-        return (schema, self.json_object, self.regex, tuple(self.choice or ()), self.grammar, self.any_whitespace)
+        return (self.json, self.json_object, self.regex, tuple(self.choice or ()), self.grammar, self.any_whitespace)
 
 # Every integer the sampler puts in a tensor must fit int32 (kernels index with it) and int64
 # (torch.tensor of a Python int past 2**63 raises inside the engine loop, killing every request)
@@ -44,10 +48,14 @@ MAX_INT = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
+
+
 def fork_seed(seed: int, offset: int) -> int:
     """seed + offset (the seed of an n > 1 request's later choices), wrapped into SEED_RANGE."""
     low, high = SEED_RANGE
     return (seed + offset - low) % (high - low + 1) + low
+
+
 # below this a temperature is greedy (as in vLLM): logits / 1e-300 overflow float32 to inf and NaN
 GREEDY_TEMPERATURE = 1e-5
 # below float32's smallest normal number a penalty rounds to 0 on the device: treat it as 0 here

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -174,13 +175,17 @@ class AsyncEngine:
         if any(rid in self._streams for rid in ids):
             raise ValueError(f"Request id {request_id!r} is already in use")
         self._admit(len(ids))
+        try:  # encoded before anything is registered: a request the core cannot receive leaves no trace
+            frames = [input_encoder.encode(AddRequest(ids[p * n], list(prompt), params, ids[p * n + 1:(p + 1) * n]))
+                      for p, prompt in enumerate(prompts)]
+        except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
+            raise ValueError(f"The request cannot be passed to the engine: {exc}") from None
         states = [RequestState(self.tokenizer, prompts[c // n], params, c) for c in range(len(ids))]
         stream = RequestStream(ids, states, self.abort)
         for rid in ids:
             self._streams[rid] = stream
-        for p, prompt in enumerate(prompts):
-            group = ids[p * n:(p + 1) * n]
-            self._send(AddRequest(group[0], list(prompt), params, group[1:]))
+        for frame in frames:
+            self._send_frame(frame)
         return stream
 
     def _admit(self, num_seqs: int) -> None:
@@ -212,7 +217,10 @@ class AsyncEngine:
             self._send(AbortRequests(list(request_ids)))
 
     def _send(self, message) -> None:
-        self._inputs.send(input_encoder.encode(message), flags=zmq.NOBLOCK, copy=False)
+        self._send_frame(input_encoder.encode(message))
+
+    def _send_frame(self, frame: bytes) -> None:
+        self._inputs.send(frame, flags=zmq.NOBLOCK, copy=False)
 
     # ---- outputs of the core
 

@@ -45,8 +45,7 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -
     kind = next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(spec, k))
     try:
         if spec.json is not None:
-            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            return compiler.compile_json_schema(schema, any_whitespace=spec.any_whitespace,
+            return compiler.compile_json_schema(spec.json, any_whitespace=spec.any_whitespace,
                                                 max_whitespace_cnt=JSON_MAX_WHITESPACE)
         if spec.json_object:
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace,

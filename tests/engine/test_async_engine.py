@@ -165,6 +165,35 @@ def test_queue_limit_refuses_without_queueing(qwen3_model):
     asyncio.run(main())
 
 
+def test_a_request_the_core_cannot_receive_is_refused_and_holds_no_place(qwen3_model):
+    """Something past msgspec's 64-bit integers (here forced past validation) must not leave the
+    request's streams registered: each such request would keep a place in the queue for good."""
+    async def main():
+        engine = make_engine(qwen3_model, max_num_seqs=1, max_queue_len=1)
+        await engine.start()
+        try:
+            bad = SamplingParams(temperature=0.0, max_tokens=4)
+            bad.seed = 2**70
+            for i in range(4):   # more than max_num_seqs + max_queue_len
+                with pytest.raises(ValueError, match="cannot be passed to the engine"):
+                    engine.add_request(f"bad{i}", [[3, 4, 5]], bad)
+            assert engine.num_unfinished == 0
+            assert len((await drain(engine.add_request("good", [[3, 4, 5]], GREEDY)))[0]) == 12
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_schema_with_integers_past_64_bits_reaches_the_grammar_compiler():
+    from nanoserve.sampling_params import StructuredOutputsParams
+
+    spec = StructuredOutputsParams(json={"type": "string", "x-big": 10**30, "maxLength": 3})
+    assert spec.json == '{"type": "string", "x-big": 1000000000000000000000000000000, "maxLength": 3}'
+    other_order = StructuredOutputsParams(json={"maxLength": 3, "type": "string", "x-big": 10**30})
+    assert spec.key != other_order.key   # property order shapes the grammar: not one cache entry
+
+
 def test_bad_prompt_is_refused_before_queueing(qwen3_model):
     async def main():
         engine = make_engine(qwen3_model, max_model_len=64)

@@ -33,10 +33,14 @@ def texts(model: LLM, params: SamplingParams) -> list[list[str]]:
     return [[c.text for c in out.outputs] for out in model.generate(PROMPTS, params, use_tqdm=False)]
 
 
-def test_spec_key_is_equal_for_equal_schemas_in_any_key_order():
-    a = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
-    b = StructuredOutputsParams(json={"properties": {"a": {"type": "integer"}}, "type": "object"})
-    assert a.key == b.key != StructuredOutputsParams(regex="a").key
+def test_spec_key_is_equal_for_equal_schemas_and_tells_property_orders_apart():
+    """The grammar writes properties in the schema's order: schemas that differ only in that
+    order must not share a compiled grammar."""
+    a = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}, "b": {}}})
+    again = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}, "b": {}}})
+    swapped = StructuredOutputsParams(json={"type": "object", "properties": {"b": {}, "a": {"type": "integer"}}})
+    assert a.key == again.key != StructuredOutputsParams(regex="a").key
+    assert a.key != swapped.key
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["b"])
 
