@@ -3,10 +3,14 @@ whole or as stream deltas. Reasoning is split first; tool calls are read from wh
 
 from __future__ import annotations
 
+import logging
+
 from nanoserve.server.reasoning import Qwen3ReasoningParser
 from nanoserve.server.tool_parsers import Parsed, PartialCall
 from nanoserve.server.tool_parsers.base import scan_call_list
 from nanoserve.server.tools import ToolPlan, tool_call_id
+
+logger = logging.getLogger(__name__)
 
 
 class ChoiceReader:
@@ -25,6 +29,13 @@ class ChoiceReader:
         return reasoning, content, self._calls(content, final)
 
     def _calls(self, content: str, final: bool) -> Parsed:
+        try:
+            return self._read_calls(content, final)
+        except Exception:  # the model's text broke a parser: it is the answer's content, not an error
+            logger.exception("tool-call parsing failed; the text is returned as content")
+            return Parsed(content)
+
+    def _read_calls(self, content: str, final: bool) -> Parsed:
         mode = self.plan.mode
         if mode == "auto":
             return self.plan.parser.parse(content, final)
@@ -60,14 +71,19 @@ class ChoiceReader:
         if not self.plan.active and self.reasoning is None:
             return ({"content": new_text} if new_text else {}), finish_reason   # plain text: nothing to parse
         self.text += new_text
-        reasoning, _, parsed = self.parse(self.text, final=finish_reason is not None)
+        final = finish_reason is not None
+        reasoning, content, parsed = self.parse(self.text, final)
         delta: dict = {}
         if reasoning is not None and len(reasoning) > self.sent_reasoning:
             delta["reasoning_content"] = reasoning[self.sent_reasoning:]
             self.sent_reasoning = len(reasoning)
-        if len(parsed.content) > self.sent_content:
-            delta["content"] = parsed.content[self.sent_content:]
-            self.sent_content = len(parsed.content)
+        answer = parsed.content
+        if final and self.plan.active and not self.ids and not any(c.complete for c in parsed.calls):
+            # no call came of it: what was held back as a possible call is content, as in message()
+            answer = content
+        if len(answer) > self.sent_content:
+            delta["content"] = answer[self.sent_content:]
+            self.sent_content = len(answer)
         tool_deltas = self._call_deltas(parsed.calls)
         if tool_deltas:
             delta["tool_calls"] = tool_deltas

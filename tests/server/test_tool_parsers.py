@@ -164,3 +164,31 @@ def test_a_mistral_call_cut_off_inside_its_arguments_keeps_what_was_written():
     parser = TOOL_PARSERS["mistral"]()
     final, streamed = parser.parse(text, final=True), parser.parse(text, final=False)
     assert final.calls[0].arguments == streamed.calls[0].arguments == '{"a": [1, 2]'
+
+
+def stream(reader: ChoiceReader, text: str, finish: str, step: int = 3) -> list[dict]:
+    return [reader.delta(text[i:i + step], finish if i + step >= len(text) else None)[0]
+            for i in range(0, len(text), step)]
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+@pytest.mark.parametrize("name", ['\\u12', 'a\tb', '\\x', 'f\\'])
+def test_a_call_name_json_cannot_read_is_no_error(parser, name):
+    """A broken escape or a raw control character in a call's name: the text is still read,
+    whole and streamed, and nothing raises (it was a 500, or a stream cut off mid-body)."""
+    opening = {"hermes": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS] ["}[parser]
+    for text in (f'{opening}{{"name": "{name}", "arguments": {{', f'{opening}{{"name": "{name}", "arguments": {{}}}}'):
+        message, _ = ChoiceReader(ToolPlan("auto", TOOL_PARSERS[parser]()), None).message(text, "stop")
+        assert message["role"] == "assistant"
+        stream(ChoiceReader(ToolPlan("auto", TOOL_PARSERS[parser]()), None), text, "stop")
+
+
+@pytest.mark.parametrize("plan, text", [
+    (lambda: ToolPlan("auto", TOOL_PARSERS["hermes"]()), 'Sure <tool_call>{"na'),
+    (lambda: ToolPlan("required", TOOL_PARSERS["hermes"]()), '[{"name"'),
+])
+def test_a_call_cut_off_before_its_name_streams_the_content_the_whole_message_has(plan, text):
+    whole, _ = ChoiceReader(plan(), None).message(text, "length")
+    deltas = stream(ChoiceReader(plan(), None), text, "length")
+    assert "".join(d.get("content", "") for d in deltas) == whole["content"] == text
+    assert not any("tool_calls" in d for d in deltas) and "tool_calls" not in whole

@@ -88,7 +88,10 @@ def scan_call(text: str) -> tuple[PartialCall, int | None]:
         return call, end
     name = _NAME.search(text, start)
     if name:
-        call.name = json.loads(f'"{name.group(1)}"')
+        try:
+            call.name = json.loads(f'"{name.group(1)}"', strict=False)  # strict: control characters
+        except ValueError:   # a broken escape ("\u12"): the name as the model wrote it
+            call.name = name.group(1)
     args = _ARGS.search(text, start)
     if args:
         call.arguments = _partial_arguments(text[args.end():])
