@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+MAX_SPEC_CHARS = 128 * 1024   # a schema, regex or grammar text, or all choices together
+MAX_CHOICES = 2048
+
+
 @dataclass
 class StructuredOutputsParams:
     """A grammar the output must follow; exactly one of json, json_object, regex, choice, grammar.
@@ -30,11 +34,17 @@ class StructuredOutputsParams:
                              f"got {given or 'none'}")
         if self.choice is not None and not self.choice:
             raise ValueError("structured outputs 'choice' needs at least one string")
+        if self.choice is not None and len(self.choice) > MAX_CHOICES:
+            raise ValueError(f"structured outputs 'choice' takes at most {MAX_CHOICES} strings, got {len(self.choice)}")
         if isinstance(self.json, dict):
             # as text: the engine's messages carry it whatever its numbers (msgspec holds 64 bits),
             # and the compile cache tells schemas apart by their property order, which the
             # grammar follows
             self.json = json.dumps(self.json, ensure_ascii=False)
+        size = sum(len(text) for text in (self.json, self.regex, self.grammar, *(self.choice or ())) if text)
+        if size > MAX_SPEC_CHARS:
+            # compile time grows faster than the spec (a 200,000-choice list took minutes)
+            raise ValueError(f"the structured outputs spec is {size} characters long; at most {MAX_SPEC_CHARS}")
 
     @property
     def key(self) -> tuple:

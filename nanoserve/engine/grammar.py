@@ -42,21 +42,37 @@ def choice_grammar(choices: list[str]) -> str:
 
 def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
     """The compiled grammar; ValueError naming what xgrammar could not compile and why."""
-    kind = next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(spec, k))
+    # not truthiness: an empty regex, grammar or schema text is given too (and refused by xgrammar)
+    kind = next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(spec, k) not in (None, False))
     try:
-        if spec.json is not None:
-            return compiler.compile_json_schema(spec.json, any_whitespace=spec.any_whitespace,
-                                                max_whitespace_cnt=JSON_MAX_WHITESPACE)
-        if spec.json_object:
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace,
-                                                strict_mode=False, max_whitespace_cnt=JSON_MAX_WHITESPACE)
-        if spec.regex is not None:
-            return compiler.compile_regex(spec.regex)
-        if spec.choice is not None:
-            return compiler.compile_grammar(choice_grammar(spec.choice))
-        return compiler.compile_grammar(spec.grammar)
+        compiled = _compile(compiler, spec)
     except Exception as exc:  # xgrammar raises RuntimeError, ValueError or its own InvalidJSONError
         raise ValueError(f"The {kind} given for structured outputs cannot be compiled: {_reason(exc)}") from None
+    if not _admits_a_first_token(compiled):
+        # the sampler would draw from nothing: refuse rather than return text the grammar forbids
+        raise ValueError(f"The {kind} given for structured outputs admits no output at all")
+    return compiled
+
+
+def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    if spec.json is not None:
+        return compiler.compile_json_schema(spec.json, any_whitespace=spec.any_whitespace,
+                                            max_whitespace_cnt=JSON_MAX_WHITESPACE)
+    if spec.json_object:
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace,
+                                            strict_mode=False, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+    if spec.regex is not None:
+        return compiler.compile_regex(spec.regex)
+    if spec.choice is not None:
+        return compiler.compile_grammar(choice_grammar(spec.choice))
+    return compiler.compile_grammar(spec.grammar)
+
+
+def _admits_a_first_token(compiled: xgr.CompiledGrammar) -> bool:
+    """Whether the grammar allows any token at its start (a stop token counts: the empty output)."""
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
 
 
 def _reason(exc: Exception) -> str:

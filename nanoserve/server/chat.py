@@ -27,8 +27,18 @@ router = APIRouter()
 
 
 def messages_length(messages: list[ChatMessage]) -> int:
-    """Characters of the messages' text."""
-    return sum(len(m.text()) for m in messages)
+    """Characters of what the messages give the prompt: text, names and tool calls."""
+    return sum(len(m.text()) + len(m.name or "")
+               + sum(len(c.function.name) + len(c.function.arguments) for c in m.tool_calls or ())
+               for m in messages)
+
+
+def rendering_work(messages: list[ChatMessage], tools: list[Tool] | None, text_length: int) -> int:
+    """Characters a render reads, for the choice of rendering off the event loop: the text, and
+    what a template may write without it counting toward the prompt (reasoning, tools, one
+    role header per message)."""
+    extra = sum(len(m.reasoning_content or "") + 32 for m in messages)
+    return text_length + extra + sum(len(t.model_dump_json()) for t in tools or ())
 
 
 def render_chat(state: ServerState, messages: list[ChatMessage], text_length: int, add_generation_prompt: bool = True,
@@ -37,6 +47,10 @@ def render_chat(state: ServerState, messages: list[ChatMessage], text_length: in
     tok = state.tokenizer
     # the template only adds text: contents past the bound cannot fit once rendered either
     state.prompt_size.check(text_length, "messages")
+    if len(messages) > state.engine.config.max_model_len:   # each renders to a header at least
+        raise APIError(f"The conversation has {len(messages)} messages: more than the {state.engine.config.max_model_len} "
+                       "tokens of the context (max_model_len) can hold", param="messages",
+                       code="context_length_exceeded")
     if not tok.chat_template:
         raise APIError("This model has no chat template, so it cannot serve /v1/chat/completions; "
                        "use /v1/completions with a prompt instead", param="messages")
@@ -44,7 +58,7 @@ def render_chat(state: ServerState, messages: list[ChatMessage], text_length: in
     try:
         text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
                                        **extra)
-    except jinja2.TemplateError as exc:  # e.g. "roles must alternate user/assistant"
+    except (jinja2.TemplateError, TypeError, ValueError) as exc:  # e.g. "roles must alternate user/assistant"
         raise APIError(f"The chat template refused these messages: {exc}", param="messages") from None
     # the template already wrote every special token the model expects (BOS included)
     return tok.encode(text, add_special_tokens=False)
@@ -121,7 +135,8 @@ async def create_chat_completion(request: Request) -> Response:
     if tools.parser is not None and tools.parser.needs_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)  # its calls start with a special token
     length = messages_length(req.messages)
-    chat = await off_the_loop_if_long(length, ChatCompletion, state, req, model, tools, length)
+    chat = await off_the_loop_if_long(rendering_work(req.messages, req.tools, length), ChatCompletion, state, req,
+                                      model, tools, length)
     stream = state.start(chat.id, [chat.prompt], params)
     timer.request_id = chat.id
     timer.prompt(sum(chat.prompt_lens))

@@ -3,15 +3,19 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
+
+from transformers import PreTrainedTokenizerBase
 
 from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import ChatMessage, Tool
 
-# apply_chat_template's own arguments: a request may not set them through chat_template_kwargs
-RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
-                            "continue_final_message", "return_dict", "chat_template", "tokenizer_kwargs"}
+# apply_chat_template's own arguments (whatever this transformers has): a request may not set
+# them through chat_template_kwargs, where they would change what is returned, not the template
+RESERVED_TEMPLATE_KWARGS = (set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+                            - {"self", "kwargs"}) | {"messages"}
 
 
 def template_message(m: ChatMessage) -> dict[str, Any]:

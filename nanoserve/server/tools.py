@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from nanoserve.sampling_params import StructuredOutputsParams
 from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import ChatCompletionRequest, Tool
+from nanoserve.server.structured import requested_spec
 from nanoserve.server.tool_parsers import TOOL_PARSERS, ToolParser
 from nanoserve.server.tool_parsers.base import new_call_id
 
@@ -45,9 +46,10 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None, auto_enabled
         if choice == "auto":
             return ToolPlan()
         raise APIError("tool_choice needs 'tools': give the functions the model may call", param="tool_choice")
-    if req.response_format is not None and req.response_format.type != "text" and choice != "auto":
-        raise APIError("tool_choice 'required' or a named function already constrains the output; "
-                       "drop response_format", param="response_format")
+    asked = requested_spec(req) if choice != "auto" else None
+    if asked is not None:   # never silently dropped: the call's own grammar would take its place
+        raise APIError(f"tool_choice 'required' or a named function already constrains the output; "
+                       f"drop {asked[0]}", param=asked[0])
     if choice == "auto":
         if not (auto_enabled and parser_name):
             raise APIError('"auto" tool choice needs the server started with --enable-auto-tool-choice and '

@@ -49,6 +49,12 @@ def test_compile_errors_name_the_problem(llm):
     manager = GrammarManager(llm.tokenizer, 4096, [0])
     with pytest.raises(ValueError, match='regex .*parenthesis'):
         compile_spec(manager.compiler, StructuredOutputsParams(regex="(a"))
+    with pytest.raises(ValueError, match="regex .*admits no output"):
+        compile_spec(manager.compiler, StructuredOutputsParams(regex="[^\\s\\S]"))
+    with pytest.raises(ValueError, match="grammar .*cannot be compiled"):
+        compile_spec(manager.compiler, StructuredOutputsParams(grammar=""))
+    assert compile_spec(manager.compiler, StructuredOutputsParams(json={})) is not None  # any JSON
+    assert compile_spec(manager.compiler, StructuredOutputsParams(regex="")) is not None  # the empty text
     first = manager.compile(StructuredOutputsParams(choice=["x", "y"]))
     assert manager.compile(StructuredOutputsParams(choice=["x", "y"])) is first  # the cache
     assert first.result() is not None

@@ -168,6 +168,15 @@ def test_unconstrained_rows_beside_constrained_ones_are_unchanged(client, offlin
     ({"guided_regex": "a", "guided_choice": ["b"]}, "one structured-output constraint"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
     ({"response_format": {"type": "json_schema"}}, "json_schema.schema"),
+    # given but empty: each was a 500 (the spec's kind was looked up by truthiness)
+    ({"guided_grammar": ""}, "root"),
+    ({"guided_json": ""}, "json"),
+    # compiles, but no token can ever be drawn under it
+    ({"guided_regex": "[^\\s\\S]"}, "admits no output"),
+    ({"structured_outputs": {"grammar": "root ::= root"}}, "admits no output"),
+    # bounded: compile time grows faster than the spec
+    ({"guided_choice": [f"c{i}" for i in range(3000)]}, "at most 2048"),
+    ({"guided_regex": "a" * (200 * 1024)}, "at most"),
 ])
 def test_what_xgrammar_cannot_compile_is_a_400_naming_the_problem(server, fields, words):
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),

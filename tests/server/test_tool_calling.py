@@ -164,12 +164,29 @@ def test_chat_template_kwargs_and_tool_history_reach_the_template(tool_server):
     ({"tool_choice": "required"}, "needs 'tools'"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    # any structured-output field, not response_format alone: the call's grammar would take its place
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "zzz"}, "guided_regex"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "Add"}},
+      "structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    # apply_chat_template's own arguments: each was a 500, or silently did nothing
+    ({"chat_template_kwargs": {"return_assistant_tokens_mask": True}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"sanitize_control_tokens": 1}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"truncation": True, "max_length": 3}}, "chat_template_kwargs"),
 ])
 def test_tool_requests_it_cannot_honour_are_400s(tool_server, body, words):
     r = httpx.post(f"{tool_server.url}/v1/chat/completions",
                    json={"messages": MESSAGES, "max_tokens": 4, **body}, timeout=30)
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_a_conversation_of_more_messages_than_the_context_holds_is_refused_before_rendering(tool_server):
+    limit = httpx.post(f"{tool_server.url}/tokenize", json={"prompt": "x"}, timeout=30).json()["max_model_len"]
+    messages = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}] * (limit // 2 + 1)
+    for path, extra in (("/v1/chat/completions", {"max_tokens": 4}), ("/tokenize", {})):
+        r = httpx.post(f"{tool_server.url}{path}", json={"messages": messages, **extra}, timeout=60)
+        assert r.status_code == 400 and "messages" in r.json()["error"]["message"], r.text
+    assert httpx.get(f"{tool_server.url}/health", timeout=10).status_code == 200
 
 
 def test_auto_tool_choice_needs_the_server_flags(server):
