@@ -73,6 +73,8 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle connection stays open after a response")
     p.add_argument("--timeout-headers", type=float, default=d.timeout_headers,
                    help="seconds a connection has to send complete request headers, from its first byte")
+    p.add_argument("--timeout-body", type=float, default=d.timeout_body,
+                   help="seconds a request has to send its whole body once its headers are complete")
 
 
 def _limits(args: argparse.Namespace):

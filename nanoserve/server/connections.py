@@ -69,10 +69,12 @@ def over_capacity(app: ASGIApp, max_connections: int) -> ASGIApp:
 
 
 def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
-    """uvicorn's `http=` protocol class enforcing `limits.timeout_headers` and `limits.max_connections`."""
+    """uvicorn's `http=` protocol class enforcing `limits.timeout_headers`, `limits.timeout_body` and
+    `limits.max_connections`."""
 
     class LimitedConnection(HttpToolsProtocol):
         _header_deadline: asyncio.TimerHandle | None = None
+        _body_deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -90,10 +92,29 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
         def on_headers_complete(self) -> None:
             self._cancel_header_deadline()
             super().on_headers_complete()
+            # a body that never completes would hold its connection (and its handler) for good
+            self._body_deadline = self.loop.call_later(limits.timeout_body, self._body_deadline_passed)
+
+        def on_message_complete(self) -> None:
+            self._cancel_body_deadline()
+            super().on_message_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_deadline()
+            self._cancel_body_deadline()
             super().connection_lost(exc)
+
+        def _cancel_body_deadline(self) -> None:
+            if self._body_deadline is not None:
+                self._body_deadline.cancel()
+                self._body_deadline = None
+
+        def _body_deadline_passed(self) -> None:
+            self._body_deadline = None
+            if not self.transport.is_closing():
+                logger.warning("a request body was not complete %.0f s after its headers (--timeout-body): "
+                               "connection closed", limits.timeout_body)
+                self.transport.close()
 
         def _between_requests(self) -> bool:
             return (self.cycle is None or self.cycle.response_complete) and not self.pipeline

@@ -9,7 +9,7 @@ from typing import TypeVar
 import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from nanoserve.server.errors import APIError, from_validation_error
@@ -50,7 +50,12 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise APIError(f"Content-Type must be application/json, got {content_type!r}; send a JSON body "
                        "with the header 'Content-Type: application/json'", param=None, code="invalid_content_type")
     try:
-        return model.model_validate_json(await request.body())
+        body = await request.body()
+    except ClientDisconnect:   # gone, or cut off by --timeout-body: nobody reads the answer
+        raise APIError("The connection closed before the request body was complete", param=None,
+                       code="incomplete_body") from None
+    try:
+        return model.model_validate_json(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
 

@@ -1,4 +1,5 @@
-"""Connections cannot pile up: idle and slow-header ones are closed, and past the cap only /health is served."""
+"""Connections cannot pile up: idle, slow-header and unfinished-body ones are closed, and past the cap
+only /health is served."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 @pytest.fixture(scope="module")
 def impatient(server_model, tmp_path_factory):
     with ServerProcess(server_model, tmp_path_factory.mktemp("impatient"), "--num-kvcache-blocks", "128",
-                       "--block-size", "16", "--timeout-keep-alive", "1", "--timeout-headers", "1.5") as proc:
+                       "--block-size", "16", "--timeout-keep-alive", "1", "--timeout-headers", "1.5",
+                       "--timeout-body", "2") as proc:
         yield proc
 
 
@@ -67,6 +69,15 @@ def test_headers_sent_a_byte_at_a_time_are_cut_off_at_the_header_deadline(impati
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
         elapsed = seconds_until_closed(sock, drip=b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100)
         assert 1.0 < elapsed < 4
+
+
+def test_a_body_that_never_finishes_is_cut_off_at_the_body_deadline(impatient):
+    with connect(impatient) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\":")
+        assert 1.5 < seconds_until_closed(sock, drip=b' "slow') < 5   # bytes keep coming, too few
+    assert httpx.post(f"{impatient.url}/v1/completions", json={"prompt": "A list", "max_tokens": 2},
+                      timeout=30).status_code == 200
 
 
 def test_a_slow_request_whose_headers_arrived_is_not_cut_off(impatient):
