@@ -130,6 +130,9 @@ def default_max_tokens(state: ServerState, req: CompletionRequest, prompt_lens: 
     """The request's max_tokens, else 16 or whatever less the context leaves the longest prompt."""
     if req.max_tokens is not None:
         return req.max_tokens
+    if (req.min_tokens or 0) > DEFAULT_MAX_TOKENS:
+        raise APIError(f"min_tokens ({req.min_tokens}) is more than the {DEFAULT_MAX_TOKENS} tokens a completion "
+                       "generates when max_tokens is not given: set max_tokens too", param="min_tokens")
     room = state.engine.config.max_model_len - max(prompt_lens)
     return max(1, min(DEFAULT_MAX_TOKENS, room))  # no room at all: the prompt check names the problem
 

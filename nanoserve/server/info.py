@@ -13,7 +13,7 @@ from nanoserve.server.chat import messages_length, render_chat
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import CONTENT_TYPE
 from nanoserve.server.protocol import DetokenizeRequest, TokenizeRequest
-from nanoserve.server.state import ServerState
+from nanoserve.server.state import ServerState, off_the_loop_if_long
 from nanoserve.server.wire import json_response, parse_body
 
 router = APIRouter()
@@ -84,8 +84,13 @@ async def detokenize(request: Request) -> Response:
     state = _state(request)
     req = await parse_body(request, DetokenizeRequest)
     state.model_name(req.model)
+    limit = state.engine.config.max_model_len
+    if len(req.tokens) > limit:   # no sequence of this server is longer; decoding millions stalls a thread
+        raise APIError(f"'tokens' has {len(req.tokens)} ids; at most {limit} (max_model_len)", param="tokens",
+                       code="context_length_exceeded")
     state.check_token_ids(req.tokens, "tokens")
-    return json_response({"prompt": state.tokenizer.decode(req.tokens)})
+    text = await off_the_loop_if_long(4 * len(req.tokens), state.tokenizer.decode, req.tokens)  # ~4 characters an id
+    return json_response({"prompt": text})
 
 
 @router.get("/tokenizer_info")

@@ -40,6 +40,10 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None, auto_enabled
     tools, choice = req.tools or [], req.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
+    names = [t.function.name for t in tools]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:   # a call names its function: two of one name could not be told apart
+        raise APIError(f"Each tool needs its own name; {twice[0]!r} is given more than once", param="tools")
     if choice == "none":
         return ToolPlan()
     if not tools:

@@ -49,6 +49,10 @@ async def parse_body(request: Request, model: type[M]) -> M:
     if content_type != "application/json":
         raise APIError(f"Content-Type must be application/json, got {content_type!r}; send a JSON body "
                        "with the header 'Content-Type: application/json'", param=None, code="invalid_content_type")
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise APIError(f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed",
+                       param=None, code="unsupported_content_encoding")
     try:
         body = await request.body()
     except ClientDisconnect:   # gone, or cut off by --timeout-body: nobody reads the answer

@@ -133,6 +133,14 @@ CASES = [
     ("tokenize with prompt and messages", "/tokenize", {"prompt": "x", "messages": CHAT["messages"]}, {}, 400,
      "prompt", "exactly one"),
     ("detokenize out of range", "/detokenize", {"tokens": [10**7]}, {}, 400, "tokens", "out of range"),
+    ("min_tokens past the default max_tokens", "/v1/completions", completion(min_tokens=20, max_tokens=...), {}, 400,
+     "min_tokens", "max_tokens is not given"),
+    ("detokenize past the context", "/detokenize", {"tokens": [5] * 65}, {}, 400, "tokens", "max_model_len"),
+    ("two tools of one name", "/v1/chat/completions",
+     chat(tools=[{"type": "function", "function": {"name": "f"}}] * 2, tool_choice="required"), {}, 400, "tools",
+     "'f'"),
+    ("a compressed body", "/v1/completions", {"prompt": "x"}, {"Content-Encoding": "gzip"}, 400, None,
+     "Content-Encoding"),
 ]
 
 
