@@ -47,7 +47,8 @@ def template_inputs(messages: list[ChatMessage], tools: list[Tool] | None,
     extra = dict(kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(extra))
     if reserved:
-        raise APIError(f"chat_template_kwargs may not set {reserved}: give those as request fields",
+        raise APIError(f"chat_template_kwargs may not set {reserved}: those are the template call's own arguments "
+                       "(messages, tools and the generation prompt come from the request's fields)",
                        param="chat_template_kwargs")
     if tools:
         extra["tools"] = [t.model_dump(exclude_none=True) for t in tools]

@@ -192,3 +192,14 @@ def test_a_call_cut_off_before_its_name_streams_the_content_the_whole_message_ha
     deltas = stream(ChoiceReader(plan(), None), text, "length")
     assert "".join(d.get("content", "") for d in deltas) == whole["content"] == text
     assert not any("tool_calls" in d for d in deltas) and "tool_calls" not in whole
+
+
+def test_a_call_cut_off_by_max_tokens_after_its_name_is_the_same_call_whole_and_streamed():
+    text = 'Sure <tool_call>{"name": "f", "arguments": {"a": 1'
+    plan = lambda: ToolPlan("auto", TOOL_PARSERS["hermes"]())  # noqa: E731
+    whole, finish = ChoiceReader(plan(), None).message(text, "length")
+    deltas = stream(ChoiceReader(plan(), None), text, "length")
+    assert finish == "length" and whole["content"] == "Sure " == "".join(d.get("content", "") for d in deltas)
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [c["function"]["name"] for c in calls if "id" in c] == [whole["tool_calls"][0]["function"]["name"]] == ["f"]
+    assert "".join(c["function"]["arguments"] for c in calls) == whole["tool_calls"][0]["function"]["arguments"]
