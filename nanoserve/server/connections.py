@@ -68,6 +68,12 @@ def over_capacity(app: ASGIApp, max_connections: int) -> ASGIApp:
     return app_over_capacity
 
 
+def _cancelled(deadline: asyncio.TimerHandle | None) -> None:
+    """Cancel a pending deadline, if any; None, for the attribute that held it."""
+    if deadline is not None:
+        deadline.cancel()
+
+
 def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
     """uvicorn's `http=` protocol class enforcing `limits.timeout_headers`, `limits.timeout_body` and
     `limits.max_connections`."""
@@ -90,24 +96,19 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
             super().data_received(data)
 
         def on_headers_complete(self) -> None:
-            self._cancel_header_deadline()
+            self._header_deadline = _cancelled(self._header_deadline)
             super().on_headers_complete()
             # a body that never completes would hold its connection (and its handler) for good
             self._body_deadline = self.loop.call_later(limits.timeout_body, self._body_deadline_passed)
 
         def on_message_complete(self) -> None:
-            self._cancel_body_deadline()
+            self._body_deadline = _cancelled(self._body_deadline)
             super().on_message_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel_header_deadline()
-            self._cancel_body_deadline()
+            self._header_deadline = _cancelled(self._header_deadline)
+            self._body_deadline = _cancelled(self._body_deadline)
             super().connection_lost(exc)
-
-        def _cancel_body_deadline(self) -> None:
-            if self._body_deadline is not None:
-                self._body_deadline.cancel()
-                self._body_deadline = None
 
         def _body_deadline_passed(self) -> None:
             self._body_deadline = None
@@ -121,11 +122,6 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
 
         def _arm_header_deadline(self) -> None:
             self._header_deadline = self.loop.call_later(limits.timeout_headers, self._header_deadline_passed)
-
-        def _cancel_header_deadline(self) -> None:
-            if self._header_deadline is not None:
-                self._header_deadline.cancel()
-                self._header_deadline = None
 
         def _header_deadline_passed(self) -> None:
             self._header_deadline = None
