@@ -13,6 +13,7 @@ import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 import xgrammar as xgr  # imported by the engine only once a request asks for structured outputs
 from transformers import PreTrainedTokenizerBase
@@ -80,6 +81,16 @@ def _reason(exc: Exception) -> str:
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip()) or type(exc).__name__
 
 
+def _leave_out(words: np.ndarray, tokens: tuple[int, ...]) -> None:
+    """Clear the tokens' bits in one row of a bitmask, unless no other token would be left."""
+    kept = words.copy()
+    for token in tokens:
+        if token >> 5 < len(kept):
+            kept[token >> 5] &= ~np.uint32(1 << (token & 31))
+    if kept.any():
+        words[:] = kept
+
+
 class GrammarManager:
     """Compiles specs on a thread pool, caches them by spec, and builds each step's bitmask.
 
@@ -115,11 +126,13 @@ class GrammarManager:
         """A matcher at the grammar's start. It ends on the request's own stop tokens, where it has any."""
         return xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None)
 
-    def bitmask(self, matchers: list[xgr.GrammarMatcher | None]) -> TokenMask | None:
+    def bitmask(self, matchers: list[xgr.GrammarMatcher | None],
+                bans: dict[int, tuple[int, ...]] | None = None) -> TokenMask | None:
         """The allowed next tokens of each sampling row that has a matcher; None when no row has one.
 
         A terminated matcher has no next token (xgrammar refuses to fill it): its row, whose
-        token will be dropped, is left unconstrained."""
+        token will be dropped, is left unconstrained. `bans`: per row, tokens to leave out (stop
+        tokens before min_tokens) unless the grammar allows nothing else, as where it must end."""
         rows = [r for r, m in enumerate(matchers) if m is not None and not m.is_terminated()]
         if not rows:
             return None
@@ -131,6 +144,9 @@ class GrammarManager:
             matchers[rows[0]].fill_next_token_bitmask(bitmask, 0)
         else:
             self.batch.batch_fill_next_token_bitmask([matchers[r] for r in rows], bitmask)
+        for i, row in enumerate(rows):
+            if bans and row in bans:
+                _leave_out(bitmask[i].numpy().view(np.uint32), bans[row])
         return TokenMask(bitmask, rows)
 
     def advance(self, steps: list[tuple[xgr.GrammarMatcher, int]]) -> None:

@@ -53,6 +53,7 @@ class InFlightStep:
     pending: PendingSample | None = None
     sequences: list[Sequence] = field(default_factory=list)
     constrained: list[int] = field(default_factory=list)  # rows whose sequence has a grammar
+    bans: dict[int, tuple[int, ...]] = field(default_factory=dict)  # constrained rows' stop tokens before min_tokens
     positions: list[int] = field(default_factory=list)  # index of the placeholder in token_ids
     scored: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk start) with prompt logprobs
 
@@ -237,7 +238,7 @@ class LLMEngine:
         dropped anyway."""
         mask = None
         if launched.constrained:
-            mask = self._grammars.bitmask(self._live_matchers(launched.sequences))
+            mask = self._grammars.bitmask(self._live_matchers(launched.sequences), launched.bans)
         launched.pending = self.runner.sample(launched.forward, mask)
         launched.forward = None
 
@@ -256,14 +257,17 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if not step:
             return None
+        # a grammar's row bans through its mask (the grammar may allow nothing but a stop token)
         work = [SequenceWork(seq.token_ids, seq.num_prompt_tokens, seq.num_computed_tokens, n, seq.block_table,
                              seq.params if seq.num_computed_tokens + n == seq.num_tokens else None,
-                             self._banned(seq), seq.pending_row, self._prompt_logprobs(seq))
+                             self._banned(seq) if seq.grammar is None else (), seq.pending_row,
+                             self._prompt_logprobs(seq))
                 for seq, n in zip(step.seqs, step.num_new_tokens)]
         sampling = [seq for seq, w in zip(step.seqs, work) if w.params is not None]
         constrained = ([row for row, seq in enumerate(sampling) if seq.grammar is not None]
                        if self._grammars is not None else [])
-        launched = InFlightStep(self.runner.forward(work), sequences=sampling, constrained=constrained)
+        bans = {row: ban for row in constrained if (ban := self._banned(sampling[row]))}
+        launched = InFlightStep(self.runner.forward(work), sequences=sampling, constrained=constrained, bans=bans)
         if self.in_flight is None or not constrained:
             # every matcher has seen every token: sample now (before the placeholders go in)
             self._sample(launched)

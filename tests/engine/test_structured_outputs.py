@@ -161,3 +161,20 @@ def test_the_spec_travels_to_the_engine_process_in_its_add_message(spec):
     sent = AddRequest("r1", [1, 2, 3], SamplingParams(max_tokens=5, structured_outputs=spec))
     received = input_decoder.decode(input_encoder.encode(sent))
     assert received.params.structured_outputs == spec and received.params.structured_outputs.key == spec.key
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=3), dict(temperature=1.0, top_k=5),
+                                      dict(temperature=1.0, top_p=0.9, n=2)],
+                         ids=["greedy", "seeded", "top-k", "top-p-n2"])
+def test_min_tokens_gives_way_where_the_grammar_must_end_and_holds_where_it_may_go_on(llm, sampling):
+    """min_tokens bans the stop tokens; a grammar that allows nothing else would leave no token
+    to draw (the draw then broke the grammar). The grammar wins there; elsewhere min_tokens does."""
+    def run(spec: StructuredOutputsParams, min_tokens: int) -> list:
+        params = SamplingParams(max_tokens=20, min_tokens=min_tokens, structured_outputs=spec, **sampling)
+        return llm.generate(PROMPTS[:2], params, use_tqdm=False)
+
+    for out in run(StructuredOutputsParams(choice=["yes", "no"]), 8):
+        assert all(c.text in ("yes", "no") and c.finish_reason == "stop" for c in out.outputs), out.outputs
+    for out in run(StructuredOutputsParams(regex="(ab)+"), 7):
+        for c in out.outputs:
+            assert re.fullmatch("(ab)+", c.text) and len(c.token_ids) >= 7, (c.text, c.token_ids)
