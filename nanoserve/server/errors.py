@@ -39,12 +39,21 @@ class APIError(Exception):
         return Response(orjson.dumps(self.body()), self.status, self.headers, media_type="application/json")
 
 
+def _user_path(err: dict) -> list[str]:
+    """The error's location in the request; union members show up there as type names
+    ("list[int]", "NamedToolChoice"), which are left out."""
+    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+    return [part for part in loc if not any(c in part for c in "[]()") and part not in ("str", "int", "float", "bool")
+            and not part[:1].isupper()]
+
+
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     """One 400 naming the first bad field, in the words of the OpenAI API where it has them."""
-    err = exc.errors()[0]
-    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
-    # union members show up in the location as type names ("list[int]"); keep the user's path only
-    path = [part for part in loc if not any(c in part for c in "[]") and part not in ("str", "int", "float")]
+    # of a union's members, the one that got furthest into the value says what is wrong with it
+    # (a text part's unknown key, not "should be a string"); otherwise the first error
+    errors = exc.errors()
+    err = max(errors, key=lambda e: len(_user_path(e)))
+    path = _user_path(err)
     param = ".".join(path) or None
     kind = err.get("type", "")
     if kind == "json_invalid":
