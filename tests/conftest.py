@@ -39,9 +39,9 @@ def _save_tokenizer(folder: str) -> None:
 
 
 def _random_model(folder, arch: str, **overrides) -> str:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    config_cls = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    config_cls = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=0)
@@ -67,6 +67,7 @@ RANDOM_MODELS = {
                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                         "original_max_position_embeddings": 128})),
     "qwen2-bias": ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "mistral": ("mistral", dict(num_key_value_heads=1, sliding_window=None, rope_theta=1000000.0)),
 }
 
 
