@@ -92,18 +92,22 @@ class ChoiceReader:
         return delta, self.finish_reason(finish_reason, called=bool(self.ids))
 
     def _call_deltas(self, calls: list[PartialCall]) -> list[dict]:
-        """OpenAI's order: a call's index, id and name first, then fragments of its arguments."""
+        """OpenAI's order: a call's index, id and name first, then fragments of its arguments; one
+        entry per call in a delta (the first carries whatever arguments have come with it)."""
         out = []
         for i, call in enumerate(calls):
             if call.name is None:
                 break  # a call is announced by its name; the ones after it wait
+            entry: dict = {"index": i, "function": {}}
             if i == len(self.ids):
                 self.ids.append(tool_call_id(self.plan.parser))
                 self.sent_args.append("")
-                out.append({"index": i, "id": self.ids[i], "type": "function",
-                            "function": {"name": call.name, "arguments": ""}})
+                entry = {"index": i, "id": self.ids[i], "type": "function",
+                         "function": {"name": call.name, "arguments": ""}}
             sent = self.sent_args[i]
             if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
-                out.append({"index": i, "function": {"arguments": call.arguments[len(sent):]}})
+                entry["function"]["arguments"] = call.arguments[len(sent):]
                 self.sent_args[i] = call.arguments
+            if entry["function"]:
+                out.append(entry)
         return out

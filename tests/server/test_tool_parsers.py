@@ -92,10 +92,12 @@ def test_streamed_calls_in_any_split_reassemble_to_the_whole_parse(tokenizer, te
             last = pos + step >= len(text)
             delta, finish = reader.delta(text[pos:pos + step], "stop" if last else None)
             pos += step
-            for d in delta.get("tool_calls", []):
+            entries = delta.get("tool_calls", [])
+            assert len({d["index"] for d in entries}) == len(entries)  # one entry per call in a delta
+            for d in entries:
                 if d["index"] not in calls:  # OpenAI's order: id, type and name come first
-                    assert d["id"] and d["type"] == "function" and d["function"]["arguments"] == ""
-                    calls[d["index"]] = {"name": d["function"]["name"], "arguments": ""}
+                    assert d["id"] and d["type"] == "function" and set(d["function"]) == {"name", "arguments"}
+                    calls[d["index"]] = {"name": d["function"]["name"], "arguments": d["function"]["arguments"]}
                 else:
                     assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
                     calls[d["index"]]["arguments"] += d["function"]["arguments"]
