@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-death-grace-period", type=float, default=30.0,
                        help="seconds that /health answers 503 after the engine died, before the server exits "
                             "non-zero (so that a supervisor restarts it)")
+    serve.add_argument("--engine-stall-timeout", type=float, default=60.0,
+                       help="seconds without a word from the engine core (it sends a heartbeat every second, "
+                            "busy or idle) after which /health answers 503: a step that never returns")
     serve.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     _limit_args(serve)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -170,6 +173,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     if args.max_queue_len < 1:
         parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
+    if not args.engine_stall_timeout > 0:
+        parser.error(f"--engine-stall-timeout must be a positive number of seconds, got {args.engine_stall_timeout}")
     try:
         check_generation_config(args.generation_config)
     except ValueError as exc:
@@ -184,7 +189,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     settings = ServerSettings(served_model_names=names, api_key=args.api_key or None,
                               allowed_origins=args.allowed_origins, chat_template=_chat_template(args.chat_template),
                               log_requests=not args.disable_log_requests,
-                              engine_death_grace_s=args.engine_death_grace_period, limits=_limits(args),
+                              engine_death_grace_s=args.engine_death_grace_period,
+                              engine_stall_timeout_s=args.engine_stall_timeout, limits=_limits(args),
                               generation_config=args.generation_config, tool_call_parser=args.tool_call_parser,
                               enable_auto_tool_choice=args.enable_auto_tool_choice,
                               reasoning_parser=args.reasoning_parser)

@@ -72,6 +72,7 @@ class AsyncEngine:
         self._engine = engine
         self._streams: dict[str, RequestStream] = {}  # engine request id -> its stream, while unfinished
         self._stats = EngineStats()
+        self._last_heard = time.monotonic()  # when the core last sent anything
         self._finished_times: deque[float] = deque(maxlen=4096)  # recent request completions, for Retry-After
         self._dir = tempfile.mkdtemp(prefix="nanoserve-")
         self._context = zmq.asyncio.Context()
@@ -86,6 +87,12 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         return self.ready is not None and self.error is None
+
+    @property
+    def silent_seconds(self) -> float:
+        """Since the core last sent anything; it sends a heartbeat every second, idle or busy, so a
+        long silence means a stuck core (a step that never returns)."""
+        return time.monotonic() - self._last_heard if self.ready is not None else 0.0
 
     @property
     def stats(self) -> EngineStats:
@@ -227,6 +234,7 @@ class AsyncEngine:
     async def _read_outputs(self) -> None:
         while True:
             frame = await self._outputs.recv(copy=False)
+            self._last_heard = time.monotonic()
             try:
                 message = output_decoder.decode(frame.buffer)
                 if isinstance(message, EngineOutputs):
@@ -236,6 +244,8 @@ class AsyncEngine:
                                 "%.1f s, CUDA graphs captured in %.1f s", message.num_blocks, message.block_size,
                                 message.num_blocks * message.block_size, message.device, message.dtype,
                                 message.load_seconds, message.graph_capture_seconds)
+                    # the cache's size is known from the start, not only after a first request
+                    self._stats = EngineStats(num_blocks=message.num_blocks, num_free_blocks=message.num_blocks)
                     self._ready.set_result(message)
                 elif isinstance(message, EngineDied):
                     logger.error("The engine core stopped: %s", message.message)

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 _PARENT_CHECK_MS = 1000  # how often an idle core checks that its front end still lives
 _STALLED_WAIT_MS = 1     # how long a core whose step did nothing waits before trying again
+HEARTBEAT_S = 1.0        # a core that has nothing to say still says so this often (the front end's liveness)
 
 
 class EngineCore:
@@ -75,11 +76,14 @@ class EngineCore:
         self.close()
 
     def _loop(self) -> None:
-        engine, last_stats = self.engine, None
+        engine, last_stats, last_sent = self.engine, None, 0.0
         while True:
             if not engine.has_unfinished_requests() and not self.inputs.poll(_PARENT_CHECK_MS):
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     return  # orphaned where the kernel could not be asked to kill us
+                if time.monotonic() - last_sent >= HEARTBEAT_S:
+                    self.send(EngineOutputs([], engine.stats(), []))  # alive, and idle
+                    last_sent = time.monotonic()
                 continue
             failed, stop = self._take_inputs()
             if stop:
@@ -87,9 +91,9 @@ class EngineCore:
             outputs = engine.step() if engine.has_unfinished_requests() else []
             failed += [RequestFailed(ids, why) for ids, why in engine.take_failures()]
             stats = engine.stats()
-            if outputs or failed or stats != last_stats:
+            if outputs or failed or stats != last_stats or time.monotonic() - last_sent >= HEARTBEAT_S:
                 self.send(EngineOutputs(outputs, stats, failed))
-                last_stats = stats
+                last_stats, last_sent = stats, time.monotonic()
             elif engine.has_unfinished_requests():
                 # work that cannot run yet (a grammar still compiling): wait for input, do not spin
                 self.inputs.poll(_STALLED_WAIT_MS)

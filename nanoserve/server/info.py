@@ -45,10 +45,15 @@ async def get_model(request: Request, name: str) -> Response:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    engine = _state(request).engine
+    state = _state(request)
+    engine = state.engine
     if not engine.healthy:
         reason = str(engine.error) if engine.error else "the engine is not running"
         raise APIError(f"Unhealthy: {reason}", 503, code="engine_dead")
+    silent, limit = engine.silent_seconds, state.settings.engine_stall_timeout_s
+    if silent > limit:
+        raise APIError(f"Unhealthy: the engine core has sent nothing, not even its heartbeat, for {silent:.0f} s "
+                       f"(--engine-stall-timeout {limit:g})", 503, code="engine_stalled")
     return json_response({"status": "ok"})
 
 

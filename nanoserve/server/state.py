@@ -32,6 +32,7 @@ class ServerSettings:
     allowed_origins: list[str] = field(default_factory=list)  # CORS: empty = off
     log_requests: bool = True  # one log line per finished request
     engine_death_grace_s: float = 30.0  # /health answers 503 this long after the engine died, then the server exits
+    engine_stall_timeout_s: float = 60.0  # /health answers 503 while the engine core has been silent this long
     chat_template: str | None = None  # Jinja text that replaces the tokenizer's own
     generation_config: str = "auto"  # where default temperature etc. come from (see server/defaults.py)
     tool_call_parser: str | None = None  # reads tool calls out of the text (server/tool_parsers)

@@ -62,6 +62,27 @@ def test_killing_the_engine_fails_every_stream_within_5s_then_the_server_exits_n
         proc.stop()
 
 
+def test_a_stuck_engine_turns_health_to_503_until_it_speaks_again(server_model, tmp_path):
+    """A step that never returns is stood in for by SIGSTOP: the heartbeat stops, and /health says
+    so once --engine-stall-timeout passes; the cache's size is on /metrics from the start."""
+    with ServerProcess(server_model, tmp_path, *SERVER_ARGS, "--engine-stall-timeout", "3") as proc:
+        assert proc.metrics()["nanoserve:kv_cache_blocks_total"] == 512   # before any request
+        time.sleep(4)   # idle is not stalled: the heartbeat goes on
+        assert httpx.get(f"{proc.url}/health", timeout=5).status_code == 200
+        engine = engine_process(proc.proc.pid)
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            time.sleep(5)
+            health = httpx.get(f"{proc.url}/health", timeout=5)
+            assert health.status_code == 503 and health.json()["error"]["code"] == "engine_stalled", health.text
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        time.sleep(2.5)
+        assert httpx.get(f"{proc.url}/health", timeout=5).status_code == 200
+        r = httpx.post(f"{proc.url}/v1/completions", json={"prompt": "A list", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200
+
+
 def test_sigkill_of_the_front_end_takes_the_engine_process_with_it(server_model, tmp_path):
     proc = ServerProcess(server_model, tmp_path, *SERVER_ARGS, "--disable-log-requests")
     try:
