@@ -57,8 +57,8 @@ class OpenAIResponse:
         tokens and logprobs wait for the next chunk of their choice."""
         pending: dict[int, tuple[list, list]] = {}
         try:
-            if opening:
-                yield sse_event(self.chunk(opening))
+            if opening:  # with continuous usage every chunk has it, the opening one too (0 completion tokens)
+                yield sse_event(self.chunk(opening, self.usage(stream) if self.req.continuous_usage else None))
             async for u in timed(stream, timer):
                 self.cached[u.index] = u.num_cached_tokens
                 ids, lps = pending.setdefault(u.index, ([], []))

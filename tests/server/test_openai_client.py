@@ -196,6 +196,11 @@ def test_continuous_usage_stats_count_up_in_every_chunk(client):
     assert all(c.usage is not None for c in chunks)
     assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens == 12
     assert len(set(c.usage.prompt_tokens for c in chunks)) == 1
+    chat = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chat)   # the opening role chunk too, as vLLM sends it
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
 
 
 def test_models_list_and_errors_reach_the_client(client):
