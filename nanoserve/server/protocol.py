@@ -130,9 +130,10 @@ class SamplingFields(Strict):
             # ASCII digits only ("²".isdigit() is True), and few of them: int() of 5000 digits raises
             if not key.isascii() or not key.isdigit():
                 raise APIError(f"Invalid key in 'logit_bias': {key[:20]!r} is not a token id", param="logit_bias")
-            if len(key) > len(str(MAX_INT)) or int(key) > MAX_INT:
+            digits = key.lstrip("0") or "0"   # "007" is token 7
+            if len(digits) > len(str(MAX_INT)) or int(digits) > MAX_INT:
                 raise APIError(f"Token id {key[:20]} in 'logit_bias' is out of range", param="logit_bias")
-            bias[int(key)] = value
+            bias[int(digits)] = value
         return bias
 
     @property

@@ -96,3 +96,8 @@ def test_bundled_generation_config_sets_no_max_new_tokens():
     from nanoserve.config import DEFAULT_MODEL
     with open(f"{DEFAULT_MODEL}/generation_config.json") as f:
         assert "max_new_tokens" not in json.load(f)
+
+
+def test_logit_bias_keys_with_leading_zeros_name_their_token():
+    req = CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"00000000005": 2.0, "0": -1.0}})
+    assert req.sampling_params(4, None, {}).logit_bias == {5: 2.0, 0: -1.0}
