@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="names clients use in 'model' (default: the MODEL argument as given)")
-    serve.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
+    serve.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY") or None,
                        help="require 'Authorization: Bearer KEY' on every route but /health "
                             "(default: $NANOSERVE_API_KEY)")
     serve.add_argument("--max-queue-len", type=int, default=1024,
@@ -173,6 +173,12 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     if args.max_queue_len < 1:
         parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
+    if args.api_key is not None and (not args.api_key.strip() or not args.api_key.isascii()):
+        # an empty key (an unset variable spliced in) would leave every route open without a word
+        parser.error("--api-key is empty, blank or not ASCII: give a key of printable ASCII characters, "
+                     "or leave the flag out to serve without one")
+    if args.api_key is None and os.environ.get("NANOSERVE_API_KEY") == "":
+        print("nanoserve: warning: NANOSERVE_API_KEY is set but empty: serving without an API key", file=sys.stderr)
     if not args.engine_stall_timeout > 0:
         parser.error(f"--engine-stall-timeout must be a positive number of seconds, got {args.engine_stall_timeout}")
     try:
@@ -186,7 +192,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error(f"the model is given twice, as {args.model!r} and --model {args.model_flag!r}: give one")
         args.model = args.model_flag
     names = args.served_model_name or [args.model or os.path.basename(DEFAULT_MODEL)]
-    settings = ServerSettings(served_model_names=names, api_key=args.api_key or None,
+    settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                               allowed_origins=args.allowed_origins, chat_template=_chat_template(args.chat_template),
                               log_requests=not args.disable_log_requests,
                               engine_death_grace_s=args.engine_death_grace_period,

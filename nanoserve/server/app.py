@@ -22,7 +22,7 @@ from nanoserve import __version__
 from nanoserve.config import EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError
 from nanoserve.server import chat, completions, info
-from nanoserve.server.connections import ALWAYS_SERVED, uvicorn_options
+from nanoserve.server.connections import always_served, uvicorn_options
 from nanoserve.server.errors import APIError, install_handlers
 from nanoserve.server.limits import BodyLimitMiddleware
 from nanoserve.server.openapi import install_openapi
@@ -35,11 +35,13 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in ALWAYS_SERVED and scope["method"] != "OPTIONS":
-            given = Headers(scope=scope).get("authorization", "").encode()
+        if scope["type"] == "http" and not always_served(scope["path"]) and scope["method"] != "OPTIONS":
+            # the scheme's case is free (RFC 7235) and a stray space around the key is no reason to refuse
+            scheme, _, key = Headers(scope=scope).get("authorization", "").strip().partition(" ")
+            given = key.strip().encode() if scheme.lower() == "bearer" else b""
             if not hmac.compare_digest(given, self.expected):
                 response = APIError("Incorrect or missing API key: send the header 'Authorization: Bearer <key>' "
                                     "with the key given to --api-key", 401, code="invalid_api_key").response()

@@ -25,6 +25,11 @@ logger = logging.getLogger(__name__)
 
 # probes: load balancers and Docker's HEALTHCHECK reach these with no API key and past the connection cap
 ALWAYS_SERVED = {"/health"}
+
+
+def always_served(path: str) -> bool:
+    """A probe path: served without the API key and past the connection cap ("/health/" too)."""
+    return path.rstrip("/") in ALWAYS_SERVED
 # descriptors kept free beyond --max-connections: model files, the tensor-parallel sockets, and
 # the connections past the cap, which are accepted to be answered 503 (or /health) and closed
 RESERVED_FDS = 512
@@ -54,7 +59,7 @@ def over_capacity(app: ASGIApp, max_connections: int) -> ASGIApp:
                        headers={"connection": "close", "retry-after": "1"})
 
     async def app_over_capacity(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in ALWAYS_SERVED:
+        if scope["type"] != "http" or not always_served(scope["path"]):
             await refusal.response()(scope, receive, send)
             return
 

@@ -43,7 +43,7 @@ async def get_model(request: Request, name: str) -> Response:
     return json_response(_model_card(state, state.model_name(name)))
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])   # probes may ask with HEAD
 async def health(request: Request) -> Response:
     state = _state(request)
     engine = state.engine

@@ -191,9 +191,24 @@ def test_context_error_names_both_numbers(server):
 
 def test_health_is_open_and_everything_else_needs_the_key(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.head(f"{server.url}/health").status_code == 200   # probes that ask with HEAD
+    assert httpx.get(f"{server.url}/health/", follow_redirects=True).status_code == 200
     for path in ("/v1/models", "/metrics", "/version"):
         assert httpx.get(server.url + path).status_code == 401
         assert httpx.get(server.url + path, headers=server.headers).status_code == 200
+        # the scheme's case is free (RFC 7235); a stray space is no reason to refuse
+        for header in (f"bearer {KEY}", f"BEARER  {KEY}", f"Bearer \t{KEY}"):
+            assert httpx.get(server.url + path, headers={"Authorization": header}).status_code == 200, header
+        for header in (f"Basic {KEY}", f"Bearer {KEY}x", "Bearer", f"{KEY}"):
+            assert httpx.get(server.url + path, headers={"Authorization": header}).status_code == 401, header
+
+
+@pytest.mark.parametrize("key", ["", "   ", "sékret"])
+def test_an_empty_or_non_ascii_api_key_stops_serve_before_it_starts(key):
+    from tests.server.test_cli import run_cli
+
+    result = run_cli("serve", "--api-key", key, "--port", "1", timeout=60)
+    assert result.returncode != 0 and "--api-key" in result.stderr, result.stderr[-500:]
 
 
 def test_method_not_allowed_is_an_error_object(server):
