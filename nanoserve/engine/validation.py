@@ -13,15 +13,24 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> Non
     raise ValueError(f"Token id {bad} in {what} is out of range: the vocabulary has {vocab_size} tokens")
 
 
+class ContextLengthError(ValueError):
+    """The prompt, or the prompt with max_tokens, does not fit max_model_len; `param` names the field to change."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, max_model_len: int, vocab_size: int) -> None:
     """Raise ValueError naming the numbers when a prompt cannot be served as asked."""
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("The prompt is empty; it needs at least one token")
     if n >= max_model_len:
-        raise ValueError(f"The prompt has {n} tokens, but this model's maximum context length is "
-                         f"{max_model_len} tokens (max_model_len), which leaves no room for output")
+        raise ContextLengthError(f"The prompt has {n} tokens, but this model's maximum context length is "
+                                 f"{max_model_len} tokens (max_model_len), which leaves no room for output", "prompt")
     if max_tokens is not None and n + max_tokens > max_model_len:
-        raise ValueError(f"This model's maximum context length is {max_model_len} tokens, but {n + max_tokens} "
-                         f"were requested ({n} in the prompt and {max_tokens} for the completion)")
+        raise ContextLengthError(f"This model's maximum context length is {max_model_len} tokens, but "
+                                 f"{n + max_tokens} were requested ({n} in the prompt and {max_tokens} for the "
+                                 "completion)", "max_tokens")
     check_token_ids(prompt_token_ids, vocab_size, "the prompt")

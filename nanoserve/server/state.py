@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from nanoserve.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError,
                                           RequestStream, RequestUpdate)
+from nanoserve.engine.validation import ContextLengthError
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.defaults import sampling_defaults
 from nanoserve.server.errors import APIError
@@ -78,6 +79,8 @@ class ServerState:
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         try:
             return self.engine.add_request(request_id, prompts, params)
+        except ContextLengthError as exc:
+            raise APIError(str(exc), param=exc.param, code="context_length_exceeded") from None
         except ValueError as exc:
             raise APIError(str(exc), param="prompt" if "prompt" in str(exc).lower() else None) from None
         except QueueFullError as exc:
