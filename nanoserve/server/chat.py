@@ -77,7 +77,10 @@ class ChatCompletion(OpenAIResponse):
         self.prompt_lens = [len(self.prompt)]
         self.top_n = req.top_logprobs or 0
         reasoning = state.settings.reasoning_parser
-        self.readers = [ChoiceReader(tools, REASONING_PARSERS[reasoning]() if reasoning else None)
+        opened = False
+        if reasoning:   # a template may open the reasoning for the model, in the prompt's last tokens
+            opened = REASONING_PARSERS[reasoning]().opens_in(state.tokenizer.decode(self.prompt[-16:]))
+        self.readers = [ChoiceReader(tools, REASONING_PARSERS[reasoning](opened) if reasoning else None)
                         for _ in range(req.n)]
 
     def logprobs(self, token_ids: list[int], logprobs: list | None) -> dict | None:

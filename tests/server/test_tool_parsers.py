@@ -205,3 +205,18 @@ def test_a_call_cut_off_by_max_tokens_after_its_name_is_the_same_call_whole_and_
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert [c["function"]["name"] for c in calls if "id" in c] == [whole["tool_calls"][0]["function"]["name"]] == ["f"]
     assert "".join(c["function"]["arguments"] for c in calls) == whole["tool_calls"][0]["function"]["arguments"]
+
+
+def test_qwen3_reasoning_opened_by_the_template_in_the_prompt_is_still_reasoning():
+    """Thinking templates that end the prompt with `<think>` leave the output to start inside it."""
+    parser = Qwen3ReasoningParser()
+    assert parser.opens_in("<|im_start|>assistant\n<think>\n")
+    assert not parser.opens_in("<|im_start|>assistant\n<think>\n\n</think>\n\n")   # enable_thinking false
+    assert not parser.opens_in("<|im_start|>assistant\n")
+    text = "weigh it up\n</think>\n\nThe answer."
+    assert Qwen3ReasoningParser(opened_in_prompt=True).parse(text, True) == ("weigh it up\n", "\n\nThe answer.")
+    assert Qwen3ReasoningParser().parse(text, True) == (None, text)
+    reader = ChoiceReader(ToolPlan(), Qwen3ReasoningParser(opened_in_prompt=True))
+    deltas = [reader.delta(text[i:i + 2], "stop" if i + 2 >= len(text) else None)[0] for i in range(0, len(text), 2)]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "weigh it up\n"
+    assert "".join(d.get("content", "") for d in deltas) == "\n\nThe answer."
