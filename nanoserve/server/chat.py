@@ -55,6 +55,10 @@ def render_chat(state: ServerState, messages: list[ChatMessage], text_length: in
         raise APIError("This model has no chat template, so it cannot serve /v1/chat/completions; "
                        "use /v1/completions with a prompt instead", param="messages")
     conversation, extra = template_inputs(messages, tools, template_kwargs)
+    if "developer" not in tok.chat_template:
+        # OpenAI's developer messages are its system messages; a template that does not know the
+        # role would write it verbatim, a header the model never saw in training
+        conversation = [{**m, "role": "system"} if m["role"] == "developer" else m for m in conversation]
     try:
         text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
                                        **extra)

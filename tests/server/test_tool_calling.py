@@ -150,6 +150,9 @@ def test_chat_template_kwargs_and_tool_history_reach_the_template(tool_server):
             .json()["prompt"]
     off = tokenize({"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}})
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # OpenAI's developer role is its system role: Qwen3's template has no header of that name
+    developer = tokenize({"messages": [{"role": "developer", "content": "Be brief."}, *MESSAGES]})
+    assert "<|im_start|>system\nBe brief." in developer and "developer" not in developer
     assert not tokenize({"messages": MESSAGES}).endswith("</think>\n\n")
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
