@@ -112,7 +112,7 @@ def prompt_list(prompt: str | list) -> list:
 
 
 def refuse_unsupported(req: CompletionRequest) -> None:
-    if req.suffix is not None:
+    if req.suffix:   # an empty suffix asks for nothing
         raise APIError("'suffix' is not supported by this server (no fill-in-the-middle)", param="suffix",
                        code="unsupported_parameter")
     if req.best_of is not None and req.best_of != req.n:

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 # request fields of the OpenAI API that this server knows of but does not implement
 UNSUPPORTED_FIELDS = {"functions", "function_call",
-                      "audio", "modalities", "prediction", "web_search_options", "reasoning_effort"}
+                      "audio", "prediction", "web_search_options", "reasoning_effort"}
 
 
 class APIError(Exception):

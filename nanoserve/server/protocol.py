@@ -223,6 +223,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # the OpenAI API's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    modalities: list[Literal["text"]] | None = None  # text is what this server writes; "audio" is refused by name
 
 
 class TokenizeRequest(Strict):

@@ -56,6 +56,14 @@ def test_bookkeeping_fields_are_accepted_and_change_nothing(client, offline):
     chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
                                           **BOOKKEEPING)
     assert chat.choices[0].finish_reason == "length"
+    # the default values of output-changing fields are no change: accepted
+    same = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, suffix="")
+    assert same.choices[0].text == ref.text
+    text_only = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
+                                               modalities=["text"])
+    assert text_only.choices[0].message.content == chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="modalities"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, modalities=["text", "audio"])
 
 
 def test_completion_without_max_tokens_generates_16_tokens(client):
