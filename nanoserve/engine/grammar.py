@@ -144,9 +144,11 @@ class GrammarManager:
             matchers[rows[0]].fill_next_token_bitmask(bitmask, 0)
         else:
             self.batch.batch_fill_next_token_bitmask([matchers[r] for r in rows], bitmask)
-        for i, row in enumerate(rows):
-            if bans and row in bans:
-                _leave_out(bitmask[i].numpy().view(np.uint32), bans[row])
+        if bans:   # rare (min_tokens beside a grammar): no pass over every row without them
+            index = {row: i for i, row in enumerate(rows)}
+            for row, ban in bans.items():
+                if row in index:
+                    _leave_out(bitmask[index[row]].numpy().view(np.uint32), ban)
         return TokenMask(bitmask, rows)
 
     def advance(self, steps: list[tuple[xgr.GrammarMatcher, int]]) -> None:
