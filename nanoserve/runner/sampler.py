@@ -147,7 +147,9 @@ def draw(logits: torch.Tensor, rows: list[SequenceWork], token_mask: TokenMask |
     if adjusted:
         apply_penalties(logits, rows, prev_tokens)
     fused = logits.is_cuda and st.top_k is None and st.top_p is None and st.min_p is None
-    if token_mask is not None and not (fused and not st.seeds):
+    # the fused kernel reads a grammar's mask itself; the other paths (and seeded rows, redrawn
+    # from the logits) need it applied to the logits first
+    if token_mask is not None and (not fused or st.seeds):
         apply_token_mask(logits, token_mask)
         token_mask = None
     if fused:

@@ -80,12 +80,10 @@ class ChatCompletion(OpenAIResponse):
                                                req.chat_template_kwargs))
         self.prompt_lens = [len(self.prompt)]
         self.top_n = req.top_logprobs or 0
-        reasoning = state.settings.reasoning_parser
-        opened = False
-        if reasoning:   # a template may open the reasoning for the model, in the prompt's last tokens
-            opened = REASONING_PARSERS[reasoning]().opens_in(state.tokenizer.decode(self.prompt[-16:]))
-        self.readers = [ChoiceReader(tools, REASONING_PARSERS[reasoning](opened) if reasoning else None)
-                        for _ in range(req.n)]
+        parser = REASONING_PARSERS.get(state.settings.reasoning_parser)
+        # a template may open the reasoning for the model, in the prompt's last tokens
+        opened = parser is not None and parser.opens_in(state.tokenizer.decode(self.prompt[-16:]))
+        self.readers = [ChoiceReader(tools, parser(opened) if parser else None) for _ in range(req.n)]
 
     def logprobs(self, token_ids: list[int], logprobs: list | None) -> dict | None:
         return chat_logprobs(self.state.texts, token_ids, logprobs or [], self.top_n) if self.req.logprobs else None

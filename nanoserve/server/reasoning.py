@@ -20,9 +20,10 @@ class Qwen3ReasoningParser:
     def __init__(self, opened_in_prompt: bool = False) -> None:
         self.opened_in_prompt = opened_in_prompt
 
-    def opens_in(self, prompt_tail: str) -> bool:
+    @classmethod
+    def opens_in(cls, prompt_tail: str) -> bool:
         """Whether a prompt ending with this text leaves a `<think>` open for the output."""
-        return prompt_tail.rfind(self.START) > prompt_tail.rfind(self.END)
+        return prompt_tail.rfind(cls.START) > prompt_tail.rfind(cls.END)
 
     def parse(self, text: str, final: bool) -> tuple[str | None, str]:
         """(reasoning or None, content)."""

@@ -20,7 +20,6 @@ from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import SamplingFields
 
 
-
 def requested_spec(req: SamplingFields) -> tuple[str, StructuredOutputsParams] | None:
     """(the field that asked, the spec) for the request's one grammar; 400 when it asks twice."""
     asked: list[tuple[str, dict]] = []
