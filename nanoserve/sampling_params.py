@@ -51,21 +51,12 @@ class StructuredOutputsParams:
         """Equal for specs that compile to the same grammar: the compile cache's key."""
         return (self.json, self.json_object, self.regex, tuple(self.choice or ()), self.grammar, self.any_whitespace)
 
+
 # Every integer the sampler puts in a tensor must fit int32 (kernels index with it) and int64
 # (torch.tensor of a Python int past 2**63 raises inside the engine loop, killing every request)
 MAX_INT = 2**31 - 1
 # torch.Generator.manual_seed takes any integer in [-2**63, 2**64)
 SEED_RANGE = (-(2**63), 2**64 - 1)
-
-
-
-
-def fork_seed(seed: int, offset: int) -> int:
-    """seed + offset (the seed of an n > 1 request's later choices), wrapped into SEED_RANGE."""
-    low, high = SEED_RANGE
-    return (seed + offset - low) % (high - low + 1) + low
-
-
 # below this a temperature is greedy (as in vLLM): logits / 1e-300 overflow float32 to inf and NaN
 GREEDY_TEMPERATURE = 1e-5
 # below float32's smallest normal number a penalty rounds to 0 on the device: treat it as 0 here
@@ -74,6 +65,12 @@ TINY = 1.2e-38
 MIN_REPETITION_PENALTY = 0.01  # dividing logits by less overflows float32 (1e-300 rounds to 0)
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 100.0
+
+
+def fork_seed(seed: int, offset: int) -> int:
+    """seed + offset (the seed of an n > 1 request's later choices), wrapped into SEED_RANGE."""
+    low, high = SEED_RANGE
+    return (seed + offset - low) % (high - low + 1) + low
 
 
 class InvalidSamplingParam(ValueError):
