@@ -54,8 +54,8 @@ def requested_spec(req: SamplingFields) -> tuple[str, StructuredOutputsParams] |
 
 class SpecChecker:
     """Compiles specs with a compiler of the front end's own (the engine may live in another
-    process), built on first use; xgrammar caches the result, so a spec checked once is checked
-    for free afterwards."""
+    process), built on first use; xgrammar caches the result, so a spec checked again costs its
+    cache lookup and the one-row check that it admits a first token."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
