@@ -16,10 +16,9 @@ def triton_compiles() -> Iterator[dict[str, list[float]]]:
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:
-        yield seen
-        return
+        JITFunction = None
     original = getattr(JITFunction, "_do_compile", None)
-    if original is None:  # another Triton: nothing to watch
+    if original is None:  # no Triton, or another Triton: nothing to watch
         yield seen
         return
 
@@ -38,6 +37,4 @@ def triton_compiles() -> Iterator[dict[str, list[float]]]:
 
 
 def describe(compiles: dict[str, list[float]]) -> str:
-    if not compiles:
-        return "none"
     return ", ".join(f"{name} x{len(times)} ({sum(times):.2f} s)" for name, times in compiles.items())
