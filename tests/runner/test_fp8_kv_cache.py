@@ -111,7 +111,7 @@ DECODE_CASES = [
     (torch.float16, 64, 4, 3, 1.0, 1.0, 1.0, 12),
     (torch.float32, 128, 1, 3, 300.0, 4.0, 8.0, 13),
     (torch.float16, 64, 2, 1, 300.0, 4.0, 8.0, 14),
-    # a bf16 query, widening the cache to f16 (the interpreter cannot widen e4m3 to bf16)
+    # a bf16 query: by default the cache widens to f16 (the interpreter cannot widen e4m3 to bf16)
     (torch.bfloat16, 64, 4, 3, 1.0, 1.0, 1.0, 15),
     (torch.bfloat16, 128, 2, 1, 300.0, 4.0, 8.0, 16),
 ]
@@ -121,14 +121,13 @@ DECODE_CASES = [
                          DECODE_CASES)
 def test_triton_decode_over_fp8_matches_the_reference(
         dtype, head_dim, group, num_splits, magnitude, k_scale, v_scale, seed) -> None:
-    from nanoserve.runner.attention.triton_decode import _decode_config, paged_decode
+    from nanoserve.runner.attention.triton_decode import paged_decode
     specs = [(1, 70), (1, 0), (1, 33), (1, 5)]
     q, k, v, fp8, meta, scale, ref, exact_out, ref_caches = fp8_case(
         specs, dtype, magnitude, k_scale, v_scale, seed, block_size=16, group=group, head_dim=head_dim)
     store_kvcache(k, v, *fp8, meta.slot_mapping, k_scale, v_scale)
-    config = dict(_decode_config(q.device), FP8_VIA_F16=True) if dtype == torch.bfloat16 else None
     out = paged_decode(q, *fp8, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
-                       num_splits=num_splits, k_scale=k_scale, v_scale=v_scale, config=config)
+                       num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
     assert (out[1] == 0).all(), "a padding row must come back as zeros"
     assert rel_err(out, ref) < TOL[dtype]
     assert rel_err(out, exact_out) < FP8_REL_ERR

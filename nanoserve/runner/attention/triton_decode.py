@@ -142,9 +142,14 @@ def num_decode_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int)
     return max(1, min(want, by_len, MAX_SPLITS))
 
 
-def _decode_config(device: torch.device) -> dict:
+def _decode_config(device: torch.device, fp8: bool = False) -> dict:
     if device.type != "cuda":   # interpreter: small tiles keep masked work (and CPU time) low
         return dict(BLOCK_N=16, num_warps=1, num_stages=1)
+    if fp8:
+        # bench/attention_kernels.py --fp8-sweep on an H200 (95ceb44), batch 256 at 1k / 8k: an
+        # e4m3 cache widened to f16 in 128-key tiles took 231 / 1,779 us a layer; widened to bf16
+        # the best tile took 283 / 2,099 us
+        return dict(BLOCK_N=128, num_warps=4, num_stages=2)
     # best of BLOCK_N 32/64/128 x warps 4/8 x stages 2/3/4 at batch 256 on an H200 (bf16, dim 128)
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
@@ -167,7 +172,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"decode expects one query per sequence; got {batch} queries for "
                          f"{block_tables.shape[0]} block tables")
     group = q_heads // kv_heads
-    cfg = dict(config or _decode_config(q.device))
+    fp8 = is_fp8(k_cache)
+    cfg = dict(config or _decode_config(q.device, fp8))
+    # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
+    cfg.setdefault("FP8_VIA_F16", fp8 and q.dtype == torch.bfloat16)
     if num_splits is None:
         num_splits = num_decode_splits(batch, kv_heads, max_seq_len, _num_sms(q.device))
     out = torch.empty_like(q)
@@ -178,10 +186,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_lse = out   # unused
-    fp8 = is_fp8(k_cache)
-    # widening an e4m3 cache to f16 (a bf16 q only) is what bench/attention_kernels.py --fp8-sweep
-    # weighs against bf16; it becomes the default once measured faster on the device
-    cfg.setdefault("FP8_VIA_F16", False)
     _decode_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_lse,
         softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale, num_splits,
