@@ -1,7 +1,12 @@
-"""CUDA graphs of the decode forward pass, one per batch-size bucket, over static buffers."""
+"""CUDA graphs of the decode step, one per batch-size bucket, over static buffers.
+
+On one rank a graph holds the whole step: the forward pass, the LM head and a Gumbel-max draw
+(temperature only). The runner takes that draw when every row asks for no more; otherwise it
+samples the graph's logits as it samples any step's."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -10,6 +15,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
 from nanoserve.runner.layers.linear import building_graphs
 from nanoserve.runner.inputs import decode_columns, fill_pending_tokens, write_block_tables
+from nanoserve.runner.sampler import inverse_temperatures
 
 MAX_GRAPH_BATCH = 512
 
@@ -28,9 +34,10 @@ class HostStaging:
     host stages the next step: each set is rewritten only after its previous upload has run."""
 
     def __init__(self, n: int, max_blocks: int, pin: bool) -> None:
-        self.i64 = torch.zeros((3, n), dtype=torch.int64, pin_memory=pin)
+        self.i64 = torch.zeros((4, n), dtype=torch.int64, pin_memory=pin)
         i32 = torch.zeros(n * (1 + max_blocks), dtype=torch.int32, pin_memory=pin)
         self.lens, self.tables = i32[:n], i32[n:].view(n, max_blocks)
+        self.inv_temp = torch.zeros(n, dtype=torch.float32, pin_memory=pin)
         self.uploaded = torch.cuda.Event() if pin else None
 
     def wait_until_free(self) -> None:
@@ -45,15 +52,17 @@ class DecodeBuffers:
     """
 
     def __init__(self, max_batch: int, max_blocks: int, max_model_len: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, seed: int = 0) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         n = max_batch
         # two host sets, used in turn, so staging a step never waits for the one in flight
         self.staging = [HostStaging(n, max_blocks, device.type == "cuda") for _ in range(2)]
         self.turn = 0
-        # int64 rows: token ids, positions, slots
-        self.dev_i64 = torch.zeros((3, n), dtype=torch.int64, device=device)
+        # int64 rows: token ids, positions, slots, and the draw's noise seeds
+        self.dev_i64 = torch.zeros((4, n), dtype=torch.int64, device=device)
+        self.dev_inv_temp = torch.zeros(n, dtype=torch.float32, device=device)
+        self.rng = np.random.default_rng(seed)
         # int32: n seq lens, then n block-table rows; both contiguous (flash-attn wants that)
         dev_i32 = torch.zeros(n * (1 + max_blocks), dtype=torch.int32, device=device)
         self.dev_lens, self.dev_tables = dev_i32[:n], dev_i32[n:].view(n, max_blocks)
@@ -87,9 +96,15 @@ class DecodeBuffers:
         lens[:n] = i64[1, :n] + 1
         lens[n:batch] = 0
         write_block_tables(host.tables.numpy(), work)
+        # the in-graph draw's inputs; padding rows draw greedily
+        i64[3, :batch] = self.rng.integers(0, 2**31 - 1, batch)
+        inv_temp = host.inv_temp.numpy()
+        inverse_temperatures(work, inv_temp)
+        inv_temp[n:batch] = 0.0
         self.dev_i64[:, :batch].copy_(host.i64[:, :batch], non_blocking=True)
         self.dev_lens[:batch].copy_(host.lens[:batch], non_blocking=True)
         self.dev_tables[:batch].copy_(host.tables[:batch], non_blocking=True)
+        self.dev_inv_temp[:batch].copy_(host.inv_temp[:batch], non_blocking=True)
         if host.uploaded is not None:
             host.uploaded.record()
         fill_pending_tokens(self.dev_i64[0], work, None, prev_tokens)
@@ -102,21 +117,36 @@ class DecodeBuffers:
 
 
 class DecodeGraphs:
-    """Replays a captured decode step for any batch of single-token sequences that fits a bucket."""
+    """Replays a captured decode step for any batch of single-token sequences that fits a bucket.
 
-    def __init__(self, model: nn.Module, config: EngineConfig, show_progress: bool = False) -> None:
+    With `draws` (one rank) a replay yields logits and the in-graph draw; otherwise hidden states."""
+
+    def __init__(self, model: nn.Module, config: EngineConfig, show_progress: bool = False,
+                 draws: bool = False) -> None:
         self.model = model
+        self.draws = draws
         self.sizes = graph_batch_sizes(config.max_num_seqs)
         self.max_batch = self.sizes[-1]
+        device = torch.device(config.device)
         self.buffers = DecodeBuffers(self.max_batch, -(-config.max_model_len // config.block_size),
-                                     config.max_model_len, config.block_size, torch.device(config.device))
+                                     config.max_model_len, config.block_size, device, config.seed)
+        # every bucket's logits in one buffer: per-graph outputs of [batch, vocab] would add up
+        self.logits = torch.empty((self.max_batch, model.config.vocab_size), dtype=config.dtype,
+                                  device=device) if draws else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.drawn: dict[int, torch.Tensor] = {}
         self._capture(show_progress)
 
-    def _forward(self, batch: int) -> torch.Tensor:
+    def _step(self, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         b = self.buffers
-        return self.model(b.dev_i64[0, :batch], b.dev_i64[1, :batch], b.meta(batch))
+        hidden = self.model(b.dev_i64[0, :batch], b.dev_i64[1, :batch], b.meta(batch))
+        if not self.draws:
+            return hidden, None
+        from nanoserve.runner.sampling_kernel import gumbel_argmax_scaled
+
+        logits = self.model.compute_logits(hidden, out=self.logits[:batch])
+        return logits, gumbel_argmax_scaled(logits, b.dev_inv_temp[:batch], b.dev_i64[3, :batch])
 
     @torch.inference_mode()
     def _capture(self, show_progress: bool) -> None:
@@ -125,10 +155,12 @@ class DecodeGraphs:
         with building_graphs():   # the linear layers' skinny kernels run in graphs only
             for batch in tqdm(reversed(self.sizes), total=len(self.sizes), desc="Capturing CUDA graphs",
                               disable=not show_progress):
-                self._forward(batch)  # warm-up: autotuning and lazy init stay out of the graph
+                self._step(batch)  # warm-up: autotuning and lazy init stay out of the graph
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[batch] = self._forward(batch)
+                    self.outputs[batch], drawn = self._step(batch)
+                if drawn is not None:
+                    self.drawn[batch] = drawn
                 pool = graph.pool()
                 self.graphs[batch] = graph
         torch.cuda.synchronize()
@@ -136,9 +168,16 @@ class DecodeGraphs:
     def fits(self, work: list[SequenceWork]) -> bool:
         return len(work) <= self.max_batch and all(w.num_new == 1 and w.params is not None for w in work)
 
-    def run(self, work: list[SequenceWork], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states [len(work), hidden] of one decode step; `prev_tokens` fill pending ids."""
+    def run(self, work: list[SequenceWork], prev_tokens: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step of len(work) rows; `prev_tokens` fill pending ids. Returns the logits
+        and the in-graph draw (with `draws`), or the hidden states and None.
+
+        Both are views of static buffers that the next replay of the bucket overwrites; in stream
+        order, every reader of this step's tensors runs before that."""
         batch = next(s for s in self.sizes if s >= len(work))
         self.buffers.stage(work, batch, prev_tokens)
         self.graphs[batch].replay()
-        return self.outputs[batch][:len(work)]
+        n = len(work)
+        drawn = self.drawn.get(batch)
+        return self.outputs[batch][:n], (drawn[:n] if drawn is not None else None)

@@ -17,7 +17,7 @@ from nanoserve.runner.kv_cache import KVCache, blocks_for_cpu, blocks_for_gpu, p
 from nanoserve.runner.loader import fill_dummy_weights, load_weights
 from nanoserve.runner.models.registry import model_class
 from nanoserve.runner.parallel import SINGLE, TensorParallel
-from nanoserve.runner.sampler import draw, score_prompt
+from nanoserve.runner.sampler import draw, draws_in_graph, score_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ class StepLogits:
     logits: torch.Tensor | None
     rows: list[SequenceWork]
     prompt: list | None  # prompt logprobs, per asking sequence
+    drawn: torch.Tensor | None = None  # a decode graph's own draw, for rows that ask no more of it
 
 
 class PendingSample:
@@ -114,7 +115,8 @@ class ModelRunner:
         if uses_graphs:
             from nanoserve.runner.cuda_graph import DecodeGraphs
             start = time.perf_counter()
-            self.graphs = DecodeGraphs(self.model, config, show_progress)
+            # the LM head's gather across ranks stays out of the graphs
+            self.graphs = DecodeGraphs(self.model, config, show_progress, draws=self.tp.size == 1)
             self.graph_capture_seconds = time.perf_counter() - start
             logger.info("captured %d CUDA graphs in %.1f s", len(self.graphs.sizes), self.graph_capture_seconds)
         if self.device.type == "cuda" and self.tp.rank == 0:
@@ -177,7 +179,10 @@ class ModelRunner:
         prompt = None
         if self.graphs is not None and self.graphs.fits(work):
             # a decode step: every row has one new token and samples from it
-            hidden, rows = self.graphs.run(work, self.prev_tokens), work
+            out, drawn = self.graphs.run(work, self.prev_tokens)
+            if drawn is not None:   # the graph ran the LM head and a draw too
+                return StepLogits(out, work, None, drawn)
+            hidden, rows = out, work
         else:
             inputs = build_inputs(work, self.block_size, self.device, self.prev_tokens)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
@@ -197,8 +202,12 @@ class ModelRunner:
             return PendingSample(None, None, 0, step.prompt)
         if self.tp.rank != 0:
             return PendingSample(None, None, 0)  # rank 0 alone samples
-        # prev_tokens still holds the previous launch's ids: penalties count the pending ones there
-        tokens, logprobs = draw(step.logits, step.rows, token_mask, self.prev_tokens)
+        if step.drawn is not None and token_mask is None and draws_in_graph(step.rows):
+            # a copy: the bucket's next replay rewrites the draw before penalties could read it
+            tokens, logprobs = step.drawn.clone(), None
+        else:
+            # prev_tokens still holds the previous launch's ids: penalties count the pending ones there
+            tokens, logprobs = draw(step.logits, step.rows, token_mask, self.prev_tokens)
         self.prev_tokens = tokens
         return PendingSample(tokens, logprobs, len(step.rows), step.prompt)
 

@@ -163,6 +163,30 @@ def draw(logits: torch.Tensor, rows: list[SequenceWork], token_mask: TokenMask |
     return tokens, token_logprobs(tokens, raw_logprobs, st.top_logprobs)
 
 
+def draws_in_graph(rows: list[SequenceWork]) -> bool:
+    """Whether a decode graph's own draw (temperature and Gumbel noise over the whole vocabulary)
+    is the draw `draw` makes for every row: no filter, seed, penalty, bias, ban or logprobs.
+
+    A greedy row ignores its filters and seed in `draw` as well."""
+    for w in rows:
+        p = w.params
+        if p.logprobs is not None or w.banned_token_ids or p.logit_bias or p.uses_penalties:
+            return False
+        if p.temperature > 0.0 and (p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0 or p.seed is not None):
+            return False
+    return True
+
+
+def inverse_temperatures(rows: list[SequenceWork], out: np.ndarray) -> None:
+    """Each row's 1 / temperature in float32 (0 for greedy), bit for bit what `gumbel_argmax`
+    computes on the device, into out[:len(rows)]."""
+    from nanoserve.runner.sampling_kernel import MIN_TEMPERATURE
+
+    t = np.fromiter((w.params.temperature for w in rows), dtype=np.float32, count=len(rows))
+    scaled = np.float32(1.0) / np.maximum(t, np.float32(MIN_TEMPERATURE))
+    out[:len(rows)] = np.where(t > 0, scaled, np.float32(0.0))
+
+
 def _fused_draw(logits: torch.Tensor, st: SamplingTensors, token_mask: TokenMask | None = None) -> torch.Tensor:
     """The one-pass Gumbel-max kernel, for rows without top-k / top-p / min-p."""
     from nanoserve.runner.sampling_kernel import gumbel_argmax

@@ -17,6 +17,7 @@ from triton.language.random import uint_to_uniform_float
 
 BLOCK = 1024
 CHUNK = 4096  # vocabulary columns per program: rows x chunks programs keep every SM busy
+MIN_TEMPERATURE = 1e-6  # 1 / temperature stays finite
 
 
 @triton.jit
@@ -78,13 +79,21 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
 
     With a grammar: `bitmask` [masks, words] int32 of allowed tokens, and `mask_rows` [rows] int32,
     each row's bitmask row or -1 for a row that draws from the whole vocabulary."""
+    inv_temp = torch.where(temperature > 0, 1.0 / temperature.clamp(min=MIN_TEMPERATURE),
+                           torch.zeros_like(temperature))
+    return gumbel_argmax_scaled(logits, inv_temp.float(), seeds, bitmask, mask_rows)
+
+
+def gumbel_argmax_scaled(logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor,
+                         bitmask: torch.Tensor | None = None, mask_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """gumbel_argmax with each row's 1 / temperature given (float32, 0 = greedy): a decode graph
+    stages that on the host, so the draw inside the graph is this one kernel and its reduction."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
-    inv_temp = torch.where(temperature > 0, 1.0 / temperature.clamp(min=1e-6), torch.zeros_like(temperature))
     num_chunks = triton.cdiv(vocab, CHUNK)
     best = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
-    _chunk_kernel[(rows, num_chunks)](logits, logits.stride(0), inv_temp.float(), seeds, best, best_idx, vocab,
+    _chunk_kernel[(rows, num_chunks)](logits, logits.stride(0), inv_temp, seeds, best, best_idx, vocab,
                                       num_chunks, bitmask, mask_rows, bitmask.shape[1] if bitmask is not None else 0,
                                       CHUNK=CHUNK, BLOCK=BLOCK)
     # across chunks: torch.argmax takes the first maximum, so ties go to the lowest column

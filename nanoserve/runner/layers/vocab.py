@@ -45,7 +45,11 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the whole vocabulary from each rank's slice of the output projection."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is not None:
+            if self.tp.size > 1:
+                raise ValueError("logits into a given buffer need the whole vocabulary on one rank")
+            return torch.mm(hidden, self.weight.t(), out=out)
         logits = F.linear(hidden, self.weight)
         if self.tp.size == 1:
             return logits
