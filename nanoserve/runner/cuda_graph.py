@@ -27,6 +27,12 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def logits_buffer_bytes(config: EngineConfig, vocab_size: int) -> int:
+    """The decode graphs' logits buffer (with in-graph draws), which stays allocated: KV sizing
+    counts it beside the profiled peak, which holds only a step's transient logits."""
+    return graph_batch_sizes(config.max_num_seqs)[-1] * vocab_size * config.dtype.itemsize
+
+
 class HostStaging:
     """One pinned copy of the step inputs on the host, and the event after its last upload.
 

@@ -103,8 +103,12 @@ class ModelRunner:
             # Python launch cost to every step, so enforce_eager keeps cuBLAS throughout
             from nanoserve.runner.layers.skinny_choice import use_skinny_gemm_where_faster
             use_skinny_gemm_where_faster(self.model, config.max_num_seqs, self.device)
+        draws_in_graphs = uses_graphs and self.tp.size == 1   # the LM head's gather stays out of graphs
         if self.device.type == "cuda":
             peak = self.profile_peak_bytes()
+            if draws_in_graphs:
+                from nanoserve.runner.cuda_graph import logits_buffer_bytes
+                peak += logits_buffer_bytes(config, self.vocab_size)
             num_blocks = config.num_kvcache_blocks or blocks_for_gpu(config, peak)
         else:
             num_blocks = config.num_kvcache_blocks or blocks_for_cpu(config)
@@ -115,8 +119,7 @@ class ModelRunner:
         if uses_graphs:
             from nanoserve.runner.cuda_graph import DecodeGraphs
             start = time.perf_counter()
-            # the LM head's gather across ranks stays out of the graphs
-            self.graphs = DecodeGraphs(self.model, config, show_progress, draws=self.tp.size == 1)
+            self.graphs = DecodeGraphs(self.model, config, show_progress, draws=draws_in_graphs)
             self.graph_capture_seconds = time.perf_counter() - start
             logger.info("captured %d CUDA graphs in %.1f s", len(self.graphs.sizes), self.graph_capture_seconds)
         if self.device.type == "cuda" and self.tp.rank == 0:

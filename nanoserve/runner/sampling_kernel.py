@@ -79,9 +79,14 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
 
     With a grammar: `bitmask` [masks, words] int32 of allowed tokens, and `mask_rows` [rows] int32,
     each row's bitmask row or -1 for a row that draws from the whole vocabulary."""
-    inv_temp = torch.where(temperature > 0, 1.0 / temperature.clamp(min=MIN_TEMPERATURE),
-                           torch.zeros_like(temperature))
-    return gumbel_argmax_scaled(logits, inv_temp.float(), seeds, bitmask, mask_rows)
+    return gumbel_argmax_scaled(logits, inverse_temperature(temperature), seeds, bitmask, mask_rows)
+
+
+def inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    """1 / temperature in float32, 0 where the temperature is 0 (a greedy row)."""
+    temperature = temperature.float()
+    return torch.where(temperature > 0, 1.0 / temperature.clamp(min=MIN_TEMPERATURE),
+                       torch.zeros_like(temperature))
 
 
 def gumbel_argmax_scaled(logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor,

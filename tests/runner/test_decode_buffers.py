@@ -75,3 +75,26 @@ def test_padding_rows_never_carry_a_placeholder_from_an_earlier_step():
         ids, positions, meta = staged(buffers, decode_work(rng, 5), 8)
         assert (ids >= 0).all() and (positions >= 0).all()
         assert (ids[5:] == 0).all() and (meta.slot_mapping[5:] == -1).all()
+
+
+def test_the_in_graph_draw_reads_each_rows_inverse_temperature_bit_for_bit():
+    """Staged on the host, 1 / T must equal what gumbel_argmax computes on the device, or a graph's
+    draw could differ from the same draw outside it; padding rows draw greedily."""
+    from nanoserve.runner.sampling_kernel import inverse_temperature
+
+    rng = random.Random(3)
+    buffers = DecodeBuffers(16, max_blocks=8, max_model_len=32, block_size=BLOCK, device=torch.device("cpu"))
+    work = decode_work(rng, 13)
+    temps = [0.0, 1.0, 0.7, 1e-5, 3e-5, 2.0, 0.1, 1 / 3, 100.0, 0.0, 5.5, 0.123456789, 1e4]
+    for w, t in zip(work, temps):
+        w.params = SamplingParams(temperature=t)
+    staged(buffers, work, 16)
+    want = inverse_temperature(torch.tensor([w.params.temperature for w in work]))
+    got = buffers.dev_inv_temp
+    assert torch.equal(got[:13], want) and (got[13:] == 0).all()
+    assert got[0] == 0 and got[1] == 1
+    seeds = buffers.dev_i64[3, :16]
+    assert (seeds >= 0).all() and (seeds < 2**31 - 1).all() and len(set(seeds.tolist())) > 12
+    first = seeds.clone()
+    staged(buffers, work, 16)
+    assert not torch.equal(buffers.dev_i64[3, :16], first), "each step draws fresh noise"

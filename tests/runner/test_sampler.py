@@ -310,3 +310,22 @@ def test_a_pending_input_token_is_counted_from_the_previous_launch_on_the_device
     from nanoserve.runner.sampler import draw
     tokens_, _ = draw(logits.clone(), [work], prev_tokens=torch.tensor([7, 9]))
     assert tokens_.tolist() == [0]   # 9 and 3 lose 1.0 each: 2.0 wins
+
+
+def test_a_graph_takes_only_the_draws_that_need_nothing_but_temperature():
+    from nanoserve.runner.sampler import draws_in_graph
+
+    def row(banned=(), **kw):
+        return SequenceWork([1, 2], 1, 1, 1, [0], SamplingParams(**kw), banned_token_ids=banned)
+
+    plain = [row(temperature=0.0), row(temperature=0.8), row(temperature=1.0, max_tokens=3, stop=["x"])]
+    assert draws_in_graph(plain)
+    # a greedy row ignores its filters and seed in the sampler too
+    assert draws_in_graph([row(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2, seed=3)])
+    for asks_more in (dict(temperature=0.8, top_k=5), dict(temperature=0.8, top_p=0.9),
+                      dict(temperature=0.8, min_p=0.1), dict(temperature=0.8, seed=1),
+                      dict(temperature=0.0, logprobs=0), dict(temperature=0.0, presence_penalty=0.5),
+                      dict(temperature=0.0, frequency_penalty=-0.5), dict(temperature=0.0, repetition_penalty=1.2),
+                      dict(temperature=0.0, logit_bias={3: 5.0})):
+        assert not draws_in_graph(plain + [row(**asks_more)]), asks_more
+    assert not draws_in_graph(plain + [row(banned=(7,), temperature=0.0)])
