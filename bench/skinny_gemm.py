@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from nanoserve.runner.layers.ops import compiled_ops  # noqa: E402
 from nanoserve.runner.layers.skinny_choice import graph_us_per_call, rotated_weights  # noqa: E402
 from nanoserve.runner.layers.small_gemm import (SkinnyConfig, num_sms, skinny_config,  # noqa: E402
                                                 skinny_linear)
@@ -70,6 +71,7 @@ def main() -> None:
     parser.add_argument("--rows", default=ROWS, help="comma-separated row counts")
     args = parser.parse_args()
     row_counts = [int(r) for r in args.rows.split(",")]
+    silu_mul = compiled_ops().silu_mul   # the fused kernel a decode step runs
     device = torch.device("cuda")
     sms = num_sms(device)
     print(f"{torch.cuda.get_device_name()}, {sms} SMs, torch {torch.__version__}", flush=True)
@@ -89,6 +91,13 @@ def main() -> None:
                         f"triton {triton:7.1f} us {nbytes / triton / 1e6:5.2f} TB/s "
                         f"x{cublas / triton:4.2f} [n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} "
                         f"w{cfg.num_warps} st{cfg.num_stages}]")
+                if proj == "down" and rows <= 32:
+                    # SiLU-mul inside the kernel (a gated MLP's down): the SiLU-mul launch it saves
+                    # is timed beside it
+                    gate_up = torch.randn(rows, 2 * k, dtype=DTYPE, device=device)
+                    gated = graph_us_per_call(lambda w: skinny_linear(gate_up, w, gated=True), weights)
+                    act = graph_us_per_call(lambda _: silu_mul(gate_up), weights)
+                    line += f" | gated {gated:7.1f} us (SiLU-mul apart {act:5.1f} us)"
                 if args.sweep:
                     us, best = best_of_sweep(x, weights)
                     line += f" | sweep best {us:7.1f} us {best}"

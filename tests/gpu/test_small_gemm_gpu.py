@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoserve.runner.layers.skinny_choice import choose_skinny, row_buckets
+from nanoserve.runner.layers.skinny_choice import choose_gated, choose_skinny, row_buckets
 from nanoserve.runner.layers.small_gemm import skinny_config, skinny_linear
 
 pytestmark = pytest.mark.gpu
@@ -86,3 +86,24 @@ def test_a_skinny_kernel_that_fails_on_the_device_leaves_cublas_in_place(monkeyp
 
     monkeypatch.setattr(small_gemm, "skinny_linear", broken)
     assert choose_skinny([SHAPES["0.6b-o"]], 4, torch.device("cuda"), torch.bfloat16) == set()
+
+
+@pytest.mark.parametrize("name", ["0.6b-down", "8b-down"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 32, 100])
+def test_a_gated_input_matches_silu_mul_then_the_product(name, rows):
+    """silu(gate) * up computed as the kernel loads, against the unfused path in float32 (after
+    SiLU-mul's own bf16 rounding, which the kernel reproduces)."""
+    n, k = SHAPES[name]
+    gate_up, w = inputs(rows, n, 2 * k, seed=200 + rows)
+    w = w[:, :k].contiguous() * 2**0.5   # outputs ~ N(0, 1) over k inputs
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    x = (F.silu(gate) * up).bfloat16()
+    got = skinny_linear(gate_up, w, gated=True)
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), rtol=RTOL, atol=ATOL)
+
+
+def test_the_gated_choice_stays_within_the_plain_wins():
+    shape = SHAPES["0.6b-down"]
+    wins = choose_skinny([shape], 8, torch.device("cuda"), torch.bfloat16)
+    gated = choose_gated(wins, [shape], torch.device("cuda"), torch.bfloat16)
+    assert gated <= wins

@@ -186,3 +186,76 @@ def test_the_startup_check_passes_the_kernel_and_catches_a_wrong_one(rows) -> No
 
     assert not agrees_with_cublas(off_by_one_column, x, w)
     assert not agrees_with_cublas(dropped_tail, x, w)
+
+
+def check_gated(rows: int, n: int, k: int, dtype: torch.dtype, config: SkinnyConfig | None = None,
+                seed: int = 0) -> None:
+    """The gated kernel against torch over silu(gate) * up.
+
+    In float32 only the order of sums differs. In bf16 each x is rounded once more before the
+    product, as the separate SiLU-mul kernel stores it; the interpreter rounds toward zero there
+    (a GPU to nearest), up to 2^-7 of x: over k products of unit weights the sum moves by about
+    sqrt(k) 2^-8 rms(x), allowed 8 times that here (any wrong gate, up or SiLU is off by the
+    size of the output itself)."""
+    gen = torch.Generator().manual_seed(seed * 1000 + rows * 7 + n + k)
+    gate_up = (2 * torch.randn(rows, 2 * k, generator=gen)).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    x = F.silu(gate) * up
+    got = skinny_linear(gate_up, w, config=config, gated=True)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    rtol, atol = TOL[dtype]
+    if dtype != torch.float32:
+        atol = 2**-5 * x.pow(2).mean().sqrt().item()
+    torch.testing.assert_close(got.float(), x @ w.float().T, rtol=rtol, atol=atol * k ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 32, 40, 100])
+def test_gated_input_matches_silu_mul_then_the_product(dtype, rows) -> None:
+    """The CUDA-core rows (1-2), tl.dot rows, and row tiles past 64, with a ragged K and N."""
+    check_gated(rows, 36, 300, dtype, seed=8)
+    check_gated(rows, 48, 160, dtype, seed=9)
+
+
+@pytest.mark.parametrize("config", [SkinnyConfig(1, 8, 64, 4), SkinnyConfig(2, 4, 64, 1),
+                                    SkinnyConfig(16, 16, 32, 3), SkinnyConfig(64, 32, 64, 2)],
+                         ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}")
+def test_gated_input_with_split_k_and_even_k(config) -> None:
+    for rows in sorted({1, config.block_m}):
+        check_gated(rows, 37, 256, torch.float32, config, seed=10)
+
+
+def test_a_gated_input_must_be_twice_the_weights_width() -> None:
+    with pytest.raises(ValueError, match="width 63 \\(gated\\)"):
+        skinny_linear(torch.randn(2, 63), torch.randn(32, 31), gated=True)
+    with pytest.raises(ValueError, match="width 64 \\(gated\\)"):
+        skinny_linear(torch.randn(2, 64), torch.randn(32, 64), gated=True)
+
+
+def test_a_gated_mlps_down_takes_gate_and_up_itself_only_in_its_gated_buckets(monkeypatch) -> None:
+    from nanoserve.runner.layers.ops import silu_mul
+
+    torch.manual_seed(1)
+    down, other = RowParallelLinear(32, 64), RowParallelLinear(32, 64)
+    down.takes_gated_input = True
+    model = torch.nn.Sequential(down, other)
+    wins = {(64, 32, 1), (64, 32, 2), (64, 32, 4)}
+    assert enable_skinny_gemm(model, wins, gated={(64, 32, 1), (64, 32, 4), (64, 32, 8)}) == 2
+    # gated buckets stay within the skinny wins, and only on a layer that takes a gated input
+    assert down.gated_rows == {1, 4} and other.gated_rows == frozenset()
+    calls = []
+    monkeypatch.setattr(small_gemm, "skinny_linear",
+                        lambda x, *args, **kw: calls.append((x.shape[0], kw.get("gated", False)))
+                        or skinny_linear(x, *args, **kw))
+    gate_up = torch.randn(1, 64)
+    want = F.linear(silu_mul(gate_up), down.weight)
+    torch.testing.assert_close(down.forward_gated(gate_up, silu_mul), want)
+    assert calls == []   # eager: SiLU-mul and cuBLAS
+    with building_graphs():
+        for rows in (1, 2, 3):
+            gate_up = torch.randn(rows, 64)
+            torch.testing.assert_close(down.forward_gated(gate_up, silu_mul),
+                                       F.linear(silu_mul(gate_up), down.weight), rtol=1e-5, atol=1e-5)
+    # bucket 2 is a plain skinny win only: SiLU-mul apart, then the plain kernel
+    assert calls == [(1, True), (2, False), (3, True)]

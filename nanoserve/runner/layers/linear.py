@@ -8,7 +8,7 @@ buckets where it does. It stays empty on the CPU and with enforce_eager."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -38,11 +38,15 @@ def building_graphs() -> Iterator[None]:
         _graph_kernels = before
 
 
+def _skinny_takes(x: torch.Tensor, rows: frozenset[int]) -> bool:
+    return _graph_kernels and bool(rows) and x.dim() == 2 and x.shape[0] > 0 and row_bucket(x.shape[0]) in rows
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             skinny_rows: frozenset[int]) -> torch.Tensor:
     """x W^T (+ bias): the skinny Triton kernel where it won at startup for x's rows, while CUDA
     graphs are being built; else cuBLAS."""
-    if _graph_kernels and skinny_rows and x.dim() == 2 and x.shape[0] and row_bucket(x.shape[0]) in skinny_rows:
+    if _skinny_takes(x, skinny_rows):
         # imported here: Triton loads only where skinny GEMM is on (CUDA)
         from nanoserve.runner.layers.small_gemm import skinny_linear
         return skinny_linear(x, weight, bias)
@@ -87,6 +91,9 @@ class RowParallelLinear(nn.Linear):
         super().__init__(local, out_features, bias=False)
         self.weight.weight_loader = self.load
         self.skinny_rows: frozenset[int] = frozenset()
+        # row buckets where the skinny kernel takes a gated MLP's [gate | up] itself (forward_gated)
+        self.gated_rows: frozenset[int] = frozenset()
+        self.takes_gated_input = False   # set by a gated MLP: the startup choice then tries gated_rows
 
     def load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape[0] != param.shape[0] or loaded.shape[1] != param.shape[1] * self.tp.size:
@@ -96,3 +103,10 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(project(x, self.weight, None, self.skinny_rows))
+
+    def forward_gated(self, gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """forward(act(gate_up)), act being silu(gate) * up: in one kernel in the gated row buckets."""
+        if _skinny_takes(gate_up, self.gated_rows):
+            from nanoserve.runner.layers.small_gemm import skinny_linear
+            return self.tp.all_reduce(skinny_linear(gate_up, self.weight, gated=True))
+        return self.forward(act(gate_up))

@@ -109,16 +109,54 @@ def choose_skinny(weight_shapes: Iterable[tuple[int, int]], max_rows: int, devic
     return wins
 
 
+@torch.inference_mode()
+def choose_gated(wins: set[tuple[int, int, int]], gated_shapes: Iterable[tuple[int, int]], device: torch.device,
+                 dtype: torch.dtype, margin: float = MARGIN) -> set[tuple[int, int, int]]:
+    """Of the skinny wins of a gated MLP's `down` shapes, those where the kernel that computes
+    silu(gate) * up as it loads gives the unfused result and costs at most `margin` more than the
+    plain skinny GEMM: the SiLU-mul launch it replaces is then saved whole."""
+    from nanoserve.runner.layers.small_gemm import skinny_linear
+
+    chosen = set()
+    for n, k in sorted(set(gated_shapes)):
+        won = sorted(rows for wn, wk, rows in wins if (wn, wk) == (n, k))
+        weights = rotated_weights(n, k, dtype, device) if won else []
+        for rows in won:
+            gate_up = torch.randn(rows, 2 * k, dtype=dtype, device=device)
+            gate, up = gate_up.float().chunk(2, dim=-1)
+            x = (F.silu(gate) * up).to(dtype)   # what the separate SiLU-mul kernel hands the GEMM
+            try:
+                # checked against F.linear over x, the unfused input
+                agrees = agrees_with_cublas(lambda _x, w: skinny_linear(gate_up, w, gated=True), x, weights[0])
+                fused = graph_us_per_call(lambda w: skinny_linear(gate_up, w, gated=True), weights) if agrees else 0.0
+                plain = graph_us_per_call(lambda w: skinny_linear(x, w), weights)
+            except Exception as exc:  # a Triton build or launch failure on this device
+                logger.warning("gated skinny GEMM failed at %dx%d, %d rows (%s): SiLU-mul kept apart there",
+                               n, k, rows, exc)
+                torch.cuda.synchronize()
+                continue
+            logger.debug("%dx%d rows %d gated: %.1f us, plain %.1f us", n, k, rows, fused, plain)
+            if agrees and fused <= (1 + margin) * plain:
+                chosen.add((n, k, rows))
+        del weights
+    torch.cuda.empty_cache()
+    return chosen
+
+
 def skinny_layers(model: nn.Module) -> list[PackedLinear | RowParallelLinear]:
     return [m for m in model.modules() if isinstance(m, (PackedLinear, RowParallelLinear))]
 
 
-def enable_skinny_gemm(model: nn.Module, wins: set[tuple[int, int, int]]) -> int:
-    """Point each linear layer at its weight shape's winning row buckets; how many got any."""
+def enable_skinny_gemm(model: nn.Module, wins: set[tuple[int, int, int]],
+                       gated: set[tuple[int, int, int]] = frozenset()) -> int:
+    """Point each linear layer at its weight shape's winning row buckets (and a gated MLP's `down`
+    at its gated ones); how many got any."""
     enabled = 0
     for layer in skinny_layers(model):
         n, k = layer.weight.shape
         layer.skinny_rows = frozenset(rows for wn, wk, rows in wins if (wn, wk) == (n, k))
+        if getattr(layer, "takes_gated_input", False):
+            layer.gated_rows = frozenset(rows for wn, wk, rows in gated if (wn, wk) == (n, k)) & layer.skinny_rows
         enabled += bool(layer.skinny_rows)
     return enabled
 
@@ -138,8 +176,11 @@ def use_skinny_gemm_where_faster(model: nn.Module, max_rows: int, device: torch.
         return
     start = time.perf_counter()
     shapes = {tuple(layer.weight.shape) for layer in layers}
-    wins = choose_skinny(shapes, max_rows, device, layers[0].weight.dtype)
-    enabled = enable_skinny_gemm(model, wins)
-    logger.info("skinny GEMM: Triton for %s (%d of %d linear layers), cuBLAS elsewhere; "
-                "chosen in %.1f s", describe(wins), enabled, len(layers),
-                time.perf_counter() - start)
+    dtype = layers[0].weight.dtype
+    wins = choose_skinny(shapes, max_rows, device, dtype)
+    gated_shapes = {tuple(layer.weight.shape) for layer in layers if getattr(layer, "takes_gated_input", False)}
+    gated = choose_gated(wins, gated_shapes, device, dtype)
+    enabled = enable_skinny_gemm(model, wins, gated)
+    logger.info("skinny GEMM: Triton for %s (%d of %d linear layers), cuBLAS elsewhere; SiLU-mul "
+                "inside it for %s; chosen in %.1f s", describe(wins), enabled, len(layers),
+                describe(gated), time.perf_counter() - start)

@@ -13,6 +13,10 @@ split writes a float32 partial [split, rows, N] and a second kernel sums them in
 (and adds the bias): two launches, deterministic, no zeroed buffer. fp32 atomics into a zeroed
 buffer would need three (memset, matmul, cast to the output dtype) and sum in a varying order.
 
+Gated input (the `down` projection of a gated MLP): x holds [gate | up] and the kernel computes
+silu(gate) * up as it loads, rounded to x's dtype as the separate SiLU-mul kernel stores it, so
+that kernel and its launch drop out of the step.
+
 CUDA-graph safe: no host syncs; the config depends on (rows, N, K) and the device only, and the
 partials come from torch's allocator (the graph pool during capture).
 """
@@ -47,8 +51,20 @@ class SkinnyConfig:
 
 
 @triton.jit
-def _fma_steps(x_ptr, w_rows, M, K, k_start, k_end, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _load_x(ptrs, mask, K, GATED: tl.constexpr):
+    """A tile of x; for a gated input silu(gate) * up, with up K columns right of gate."""
+    if GATED:
+        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        return (gate * tl.sigmoid(gate) * up).to(ptrs.dtype.element_ty)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _fma_steps(x_ptr, x_stride, w_rows, M, K, k_start, k_end, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               GATED: tl.constexpr):
     """One or two rows on CUDA cores: products add up elementwise in [BLOCK_N, BLOCK_K] and are
     summed over K once at the end, so the loop is loads and FMAs only. Plain 2D tiles with x
     broadcast along N keep the weight load coalesced (a 3D rows x N x K product would not)."""
@@ -57,29 +73,28 @@ def _fma_steps(x_ptr, w_rows, M, K, k_start, k_end, BLOCK_M: tl.constexpr,
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)   # the second row; dead code for one row
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + offs_k
-        if EVEN_K:
+        if EVEN_K and not GATED:
             w = tl.load(w_rows + ks[None, :]).to(tl.float32)
             x0 = tl.load(x_ptr + ks).to(tl.float32)
         else:
             w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < k_end, other=0.0).to(tl.float32)
-            x0 = tl.load(x_ptr + ks, mask=ks < k_end, other=0.0).to(tl.float32)
+            x0 = _load_x(x_ptr + ks, ks < k_end, K, GATED).to(tl.float32)
         acc0 += w * x0[None, :]
         if BLOCK_M == 2:
             # a lone row reads itself again here; the duplicate sums are never stored
-            x1 = tl.load(x_ptr + tl.minimum(M - 1, 1) * K + ks, mask=ks < k_end,
-                         other=0.0).to(tl.float32)
+            x1 = _load_x(x_ptr + tl.minimum(M - 1, 1) * x_stride + ks, ks < k_end, K, GATED).to(tl.float32)
             acc1 += w * x1[None, :]
     rows = tl.arange(0, BLOCK_M)[:, None]
     return tl.where(rows == 0, tl.sum(acc0, 1)[None, :], tl.sum(acc1, 1)[None, :])
 
 
 @triton.jit
-def _dot_steps(x_ptr, w_rows, M, K, k_start, k_end, BLOCK_M: tl.constexpr,
+def _dot_steps(x_ptr, x_stride, w_rows, M, K, k_start, k_end, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               PRECISION: tl.constexpr):
+               PRECISION: tl.constexpr, GATED: tl.constexpr):
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
-    x_rows = x_ptr + offs_m[:, None] * K
+    x_rows = x_ptr + offs_m[:, None] * x_stride
     mask_m = offs_m[:, None] < M
     # W x^T: the weight is the tall operand, x^T the narrow one
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -87,10 +102,10 @@ def _dot_steps(x_ptr, w_rows, M, K, k_start, k_end, BLOCK_M: tl.constexpr,
         ks = k0 + offs_k
         if EVEN_K:
             w = tl.load(w_rows + ks[None, :])
-            x = tl.load(x_rows + ks[None, :], mask=mask_m, other=0.0)
+            x = _load_x(x_rows + ks[None, :], mask_m, K, GATED)
         else:
             w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < k_end, other=0.0)
-            x = tl.load(x_rows + ks[None, :], mask=mask_m & (ks[None, :] < k_end), other=0.0)
+            x = _load_x(x_rows + ks[None, :], mask_m & (ks[None, :] < k_end), K, GATED)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
     return tl.trans(acc)
 
@@ -98,15 +113,15 @@ def _dot_steps(x_ptr, w_rows, M, K, k_start, k_end, BLOCK_M: tl.constexpr,
 # M changes with the batch: unspecialized, one compile serves every row count of a bucket
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, x_stride, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     row0 = tl.program_id(2) * BLOCK_M   # this program's first row
     parts = out_ptr + split * M * N     # the split's partial (SPLIT), else the output itself
-    x_ptr += row0 * K
+    x_ptr += row0 * x_stride
     out_ptr = parts + row0 * N
     M -= row0                           # rows from row0 on
     offs_m = tl.arange(0, BLOCK_M)
@@ -118,10 +133,11 @@ def _skinny_kernel(
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if BLOCK_M >= 16:
-        acc = _dot_steps(x_ptr, w_rows, M, K, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-                         PRECISION)
+        acc = _dot_steps(x_ptr, x_stride, w_rows, M, K, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
+                         EVEN_K, PRECISION, GATED)
     else:
-        acc = _fma_steps(x_ptr, w_rows, M, K, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        acc = _fma_steps(x_ptr, x_stride, w_rows, M, K, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
+                         EVEN_K, GATED)
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT:
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
@@ -191,15 +207,19 @@ def skinny_config(rows: int, n: int, k: int, sms: int, elem_bytes: int = 2) -> S
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig | None = None) -> torch.Tensor:
+                  config: SkinnyConfig | None = None, gated: bool = False) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) in x's dtype, float32 sums; M <= MAX_ROWS.
 
+    gated: x is [M, 2K], gate then up, and the product is silu(gate) * up @ weight^T.
     `config` overrides the tile heuristic (tests, benchmarks)."""
-    m, k = x.shape
+    m, width = x.shape
+    k = width // 2 if gated else width
     n = weight.shape[0]
-    if weight.shape[1] != k or not weight.is_contiguous() or weight.dtype != x.dtype:
+    if (weight.shape[1] != k or (gated and width != 2 * k) or not weight.is_contiguous()
+            or weight.dtype != x.dtype):
         raise ValueError(f"skinny_linear needs a contiguous weight [N, {k}] of x's dtype "
-                         f"{x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+                         f"{x.dtype} for x of width {width}{' (gated)' if gated else ''}, got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
     if m > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}; use F.linear")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -215,9 +235,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     part = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device) if split else out
     has_bias = bias is not None
     _skinny_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))](
-        x, weight, bias if has_bias else weight, part, m, n, k, k_per_split,
+        x, weight, bias if has_bias else weight, part, m, n, k, width, k_per_split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, SPLIT=split, HAS_BIAS=has_bias,
+        EVEN_K=k % cfg.block_k == 0, SPLIT=split, HAS_BIAS=has_bias, GATED=gated,
         # float32 inputs keep full precision (tf32 would cost ~1e-3 relative error)
         PRECISION="ieee" if x.dtype == torch.float32 else None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -79,9 +79,10 @@ class GatedMLP(nn.Module):
         part = (intermediate_size, first, local)
         self.gate_up_proj = PackedLinear(hidden_size, {"gate": part, "up": part})
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
+        self.down_proj.takes_gated_input = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward_gated(self.gate_up_proj(x), self.ops.silu_mul)
 
 
 class DecoderLayer(nn.Module):
