@@ -179,8 +179,9 @@ class DecodeGraphs:
         """One decode step of len(work) rows; `prev_tokens` fill pending ids. Returns the logits
         and the in-graph draw (with `draws`), or the hidden states and None.
 
-        Both are views of static buffers that the next replay of the bucket overwrites; in stream
-        order, every reader of this step's tensors runs before that."""
+        Both are views of static buffers: the next replay overwrites the logits (one buffer serves
+        every bucket) and the next replay of this bucket the draw. In stream order every reader of
+        this step's tensors runs before either."""
         batch = next(s for s in self.sizes if s >= len(work))
         self.buffers.stage(work, batch, prev_tokens)
         self.graphs[batch].replay()
