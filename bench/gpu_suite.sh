@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [kernels]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +37,9 @@ for part in $parts; do
     prefill) python3 bench/prefill.py 2>&1 | tee "$out/prefill.log" | grep -vE "it/s|Capturing"
              python3 bench/prefill.py --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/prefill.log" | grep -vE "it/s|Capturing" ;;
     decode) python3 bench/decode_step.py 2>&1 | tee "$out/decode_step.log" | grep -vE "it/s|Capturing" ;;
+    kernels) # kernels per decode step and GPU time by kernel, batch 1 and 256 at context 1k
+         python3 bench/decode_step.py --profile --batch-sizes 1,256 --contexts 1024 2>&1 | tee "$out/decode_profile.log" \
+           | grep -vE "it/s|Capturing" | head -80 ;;
     fp8) python3 -m pytest -q -m gpu tests/gpu/test_fp8_kv_cache_gpu.py -s 2>&1 | tee "$out/tests-fp8.log" | tail -5
          python3 bench/attention_kernels.py --kv-cache-dtype fp8 2>&1 | tee "$out/attention-fp8.log" | tail -15
          python3 bench/decode_step.py --kv-cache-dtype fp8 2>&1 | tee "$out/decode_step-fp8.log" | grep -vE "it/s|Capturing"
