@@ -11,7 +11,7 @@ from starlette.responses import Response
 from nanoserve.engine.async_engine import RequestStream, RequestUpdate
 from nanoserve.engine.outputs import CompletionOutput
 from nanoserve.server.errors import APIError
-from nanoserve.server.logprobs import completion_logprobs
+from nanoserve.server.logprobs import TextOffsets, completion_logprobs
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.protocol import CompletionRequest
 from nanoserve.server.response import OpenAIResponse
@@ -69,6 +69,12 @@ class Completion(OpenAIResponse):
             return [], []
         return self.prompts[choice // self.req.n], out.prompt_logprobs or []
 
+    def text_offsets(self, choice: int) -> TextOffsets:
+        """Where a choice's tokens start in its text: a scored prompt's offsets count from its own
+        start, a choice's own tokens from the end of an echo without logprobs."""
+        start = 0 if self.scores_prompt else len(self.echo(choice))
+        return TextOffsets(self.state.texts, self.req.skip_special_tokens, start)
+
     async def collect(self, stream: RequestStream, timer: RequestTimer) -> dict:
         await self.drain(stream, timer)
         choices = []
@@ -77,28 +83,27 @@ class Completion(OpenAIResponse):
             logprobs = None
             if self.req.logprobs is not None:
                 ids, lps = self.echoed_tokens(c, out)
-                offset = 0 if self.scores_prompt else len(prefix)
-                logprobs, _ = completion_logprobs(self.state.texts, ids + out.token_ids, lps + (out.logprobs or []),
-                                                  offset)
+                logprobs = completion_logprobs(self.state.texts, ids + out.token_ids, lps + (out.logprobs or []),
+                                               self.text_offsets(c), num_prompt_tokens=len(ids))
             choices.append({"index": c, "text": prefix + out.text, "logprobs": logprobs,
                             "finish_reason": out.finish_reason})
         return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
 
     def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
-        # text_offset of each choice; a scored prompt's offsets count from its own start
-        offsets = [0 if self.scores_prompt else len(self.echo(c)) for c in range(len(stream.outputs))]
+        offsets = [self.text_offsets(c) for c in range(len(stream.outputs))]
         echoed: set[int] = set()
 
         def render(u: RequestUpdate, ids: list[int], lps: list) -> dict:
-            text = u.text
+            text, num_prompt_tokens = u.text, 0
             if self.scores_prompt and u.index not in echoed:
                 # a prompt's logprobs exist once it is computed, so it is echoed with the first tokens
                 echoed.add(u.index)
                 prompt_ids, prompt_lps = self.echoed_tokens(u.index, stream.outputs[u.index])
                 text, ids, lps = self.echo(u.index) + text, prompt_ids + ids, prompt_lps + lps
+                num_prompt_tokens = len(prompt_ids)
             logprobs = None
             if self.req.logprobs is not None:
-                logprobs, offsets[u.index] = completion_logprobs(self.state.texts, ids, lps, offsets[u.index])
+                logprobs = completion_logprobs(self.state.texts, ids, lps, offsets[u.index], num_prompt_tokens)
             return {"index": u.index, "text": text, "logprobs": logprobs, "finish_reason": u.finish_reason}
 
         opening = [{"index": c, "text": self.echo(c), "logprobs": None, "finish_reason": None}

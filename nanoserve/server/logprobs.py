@@ -6,6 +6,7 @@ A token may hold part of a UTF-8 character; its text is then written as the Open
 
 from __future__ import annotations
 
+import codecs
 import re
 
 from transformers import PreTrainedTokenizerBase
@@ -72,19 +73,39 @@ class TokenTexts:
         return piece.replace("\u2581", " ").encode()  # sentencepiece writes spaces as U+2581
 
 
+class TextOffsets:
+    """Where the tokens of one choice start in its text, counted in the text's characters.
+
+    A token's display text is no measure of what it adds: "bytes:\\xe6" adds a third of a
+    character, and a special token that the output skips adds nothing. The offset moves by the
+    characters that each token's bytes complete, as the detokenizer writes them."""
+
+    def __init__(self, texts: TokenTexts, skip_special_tokens: bool, start: int = 0) -> None:
+        self.texts, self.skip_special, self.offset = texts, skip_special_tokens, start
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, token_id: int, generated: bool) -> int:
+        """The offset of this token; the next one starts after it. An echoed prompt's special
+        tokens are in its text, a generated one only when special tokens are not skipped."""
+        start = self.offset
+        if not (generated and self.skip_special and token_id in self.texts.special):
+            self.offset += len(self._utf8.decode(self.texts.get(token_id)[0]))
+        return start
+
+
 def completion_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprob | None],
-                        offset: int) -> tuple[dict, int]:
-    """The /v1/completions `logprobs` object for these tokens, and the text offset after them.
+                        offsets: TextOffsets, num_prompt_tokens: int = 0) -> dict:
+    """The /v1/completions `logprobs` object for these tokens, the first `num_prompt_tokens` of
+    them an echoed prompt's; `offsets` moves past them.
 
     top_logprobs holds the top-N alternatives plus the chosen token, as vLLM returns them. A None
     entry (an echoed prompt's first token, which nothing predicts) gives null logprobs.
     """
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for token_id, scored in zip(token_ids, logprobs):
+    tokens, token_logprobs, top, text_offset = [], [], [], []
+    for i, (token_id, scored) in enumerate(zip(token_ids, logprobs)):
         text = texts.text(token_id)
         tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
+        text_offset.append(offsets.advance(token_id, generated=i >= num_prompt_tokens))
         if scored is None:
             token_logprobs.append(None)
             top.append(None)
@@ -94,7 +115,7 @@ def completion_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[
         entry = {texts.text(tid): lp for tid, lp in alternatives}
         entry.setdefault(text, chosen)
         top.append(entry)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, offset
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
 
 
 def chat_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprob], top_n: int) -> dict:

@@ -120,6 +120,31 @@ def test_completion_logprobs_shape_and_text_offsets(http):
     assert merged == lp
 
 
+def test_text_offsets_count_characters_of_the_text_not_of_byte_tokens(http):
+    # "日" is three byte tokens, shown as "bytes:\xe6"...; they add one character between them
+    body = {"prompt": "日本語 ok", "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 0}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    assert lp["tokens"][0].startswith("bytes:")
+    assert lp["text_offset"][:4] == [0, 0, 0, 1]
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] <= len(text)
+    for token, offset in zip(lp["tokens"], lp["text_offset"]):
+        if not token.startswith(("bytes:", "<|")):
+            assert text[offset:offset + len(token)] == token
+    chunks = stream(http, "/v1/completions", body)
+    assert sum((c["choices"][0]["logprobs"]["text_offset"] for c in chunks), []) == lp["text_offset"]
+
+
+def test_text_offsets_skip_the_special_tokens_the_text_skips(http):
+    # ignore_eos lets the end-of-text token come mid-output; the text leaves it out, so must the offsets
+    body = {"prompt": "A list", "max_tokens": 3, "ignore_eos": True, "logit_bias": {"0": 100}, "logprobs": 0}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"] == "" and choice["logprobs"]["text_offset"] == [0, 0, 0]
+    echoed = http.post("/v1/completions", json={**body, "prompt": [1, 2], "echo": True}).json()["choices"][0]
+    prompt_text = echoed["text"]   # an echoed prompt's special tokens are in its text
+    assert echoed["logprobs"]["text_offset"][2:] == [len(prompt_text)] * 3
+
+
 def test_chat_logprobs_shape(http):
     body = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, "logprobs": True,
                                                    "top_logprobs": 3, "ignore_eos": True}).json()
