@@ -19,6 +19,11 @@ from nanoserve.server.wire import json_response, parse_body
 router = APIRouter()
 
 
+def get(path: str):
+    """A GET route that answers HEAD too, as RFC 9110 asks of every server (probes and monitors use it)."""
+    return router.api_route(path, methods=["GET", "HEAD"])
+
+
 def _state(request: Request) -> ServerState:
     return request.app.state.server
 
@@ -30,20 +35,20 @@ def _model_card(state: ServerState, name: str) -> dict:
             "root": name, "max_model_len": state.engine.config.max_model_len}
 
 
-@router.get("/v1/models")
+@get("/v1/models")
 async def list_models(request: Request) -> Response:
     state = _state(request)
     return json_response({"object": "list",
                           "data": [_model_card(state, name) for name in state.settings.served_model_names]})
 
 
-@router.get("/v1/models/{name:path}")
+@get("/v1/models/{name:path}")
 async def get_model(request: Request, name: str) -> Response:
     state = _state(request)
     return json_response(_model_card(state, state.model_name(name)))
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])   # probes may ask with HEAD
+@get("/health")
 async def health(request: Request) -> Response:
     state = _state(request)
     engine = state.engine
@@ -57,12 +62,12 @@ async def health(request: Request) -> Response:
     return json_response({"status": "ok"})
 
 
-@router.get("/version")
+@get("/version")
 async def version() -> Response:
     return json_response({"version": __version__})
 
 
-@router.get("/metrics")
+@get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
@@ -98,7 +103,7 @@ async def detokenize(request: Request) -> Response:
     return json_response({"prompt": text})
 
 
-@router.get("/tokenizer_info")
+@get("/tokenizer_info")
 async def tokenizer_info(request: Request) -> Response:
     """The tokenizer's config as vLLM serves it, so that clients (lm-evaluation-harness) need no hub."""
     tok = _state(request).tokenizer

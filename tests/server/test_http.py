@@ -199,6 +199,15 @@ def test_models_health_version_metrics(http):
         assert f"nanoserve:{name}" in metrics.text
 
 
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/models/tiny", "/health", "/version", "/metrics",
+                                  "/tokenizer_info"])
+def test_every_get_route_answers_head_with_no_body(http, path):
+    got, head = http.get(path), http.head(path)
+    assert head.status_code == got.status_code == 200
+    assert head.content == b"" and head.headers["content-type"] == got.headers["content-type"]
+    assert http.head("/v1/models/nope").status_code == 404
+
+
 def test_tokenize_and_detokenize_round_trip(http, offline):
     text = "A dict maps keys to values: 日本"
     tok = http.post("/tokenize", json={"prompt": text}).json()
