@@ -37,7 +37,7 @@ from nanoserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineStats", "QueueFullError", "RequestFailedError",
-           "RequestStream", "RequestUpdate"]
+           "RequestStream", "RequestUpdate", "TooManySequencesError"]
 
 _SHUTDOWN_WAIT_S = 30.0  # for the core to close its workers before it is killed
 
@@ -48,6 +48,10 @@ class QueueFullError(RuntimeError):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class TooManySequencesError(ValueError):
+    """A request of more sequences (prompts × n) than the server ever holds at once: no retry helps."""
 
 
 class AsyncEngine:
@@ -200,8 +204,8 @@ class AsyncEngine:
             return
         capacity = self.config.max_num_seqs + self.max_queue_len
         if num_seqs > capacity:
-            raise ValueError(f"The request asks for {num_seqs} sequences (prompts × n), more than this server "
-                             f"ever holds at once ({capacity}: max_num_seqs + max_queue_len)")
+            raise TooManySequencesError(f"The request asks for {num_seqs} sequences (prompts × n), more than this "
+                                        f"server ever holds at once ({capacity}: max_num_seqs + max_queue_len)")
         if self.num_unfinished + num_seqs > capacity:
             waiting = max(0, self.num_unfinished - self.config.max_num_seqs)
             raise QueueFullError(f"{waiting} sequences are already waiting (max_queue_len {self.max_queue_len}); "

@@ -11,7 +11,7 @@ from typing import TypeVar
 from starlette.concurrency import run_in_threadpool
 
 from nanoserve.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError,
-                                          RequestStream, RequestUpdate)
+                                          RequestStream, RequestUpdate, TooManySequencesError)
 from nanoserve.engine.validation import ContextLengthError
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.defaults import sampling_defaults
@@ -81,6 +81,8 @@ class ServerState:
             return self.engine.add_request(request_id, prompts, params)
         except ContextLengthError as exc:
             raise APIError(str(exc), param=exc.param, code="context_length_exceeded") from None
+        except TooManySequencesError as exc:   # its text says "prompts × n", which is no reason to name the prompt
+            raise APIError(str(exc), param="n" if len(prompts) == 1 else "prompt", code="too_many_sequences") from None
         except ValueError as exc:
             raise APIError(str(exc), param="prompt" if "prompt" in str(exc).lower() else None) from None
         except QueueFullError as exc:

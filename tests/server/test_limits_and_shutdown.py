@@ -49,6 +49,19 @@ def test_a_burst_past_the_queue_limit_gets_503s_and_the_admitted_all_complete(li
     limited.wait_idle()
 
 
+def test_a_request_larger_than_the_server_ever_holds_names_n(limited):
+    # one running plus two waiting is the most the server holds: n=4 can never be admitted
+    chat = httpx.post(f"{limited.url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "n": 4, "max_tokens": 2}, timeout=30)
+    assert chat.status_code == 400
+    error = chat.json()["error"]
+    assert (error["param"], error["code"]) == ("n", "too_many_sequences") and "max_queue_len" in error["message"]
+    two_prompts = httpx.post(f"{limited.url}/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 2},
+                             timeout=30)
+    assert (two_prompts.status_code, two_prompts.json()["error"]["param"]) == (400, "prompt")
+    limited.wait_idle()
+
+
 def test_sigterm_lets_the_stream_in_flight_finish_then_exits(server_model, tmp_path, offline):
     # a deadline far beyond what 400 tokens take, even on a busy CI machine
     proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "128", "--block-size", "16",
