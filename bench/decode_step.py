@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanoserve.benchmarks.config_file import config_from_file  # noqa: E402
+from nanoserve.benchmarks.gpu_profile import print_gpu_profile  # noqa: E402
 from nanoserve import SamplingParams  # noqa: E402
 from nanoserve.runner.batch import SequenceWork  # noqa: E402
 from nanoserve.runner.kv_cache import block_bytes  # noqa: E402
@@ -74,30 +75,6 @@ def time_pipelined_step(runner: ModelRunner, work: list[SequenceWork], repeats: 
     return (time.perf_counter() - start) / repeats
 
 
-def profile_step(runner: ModelRunner, work: list[SequenceWork], steps: int = 20, top: int = 14) -> None:
-    """Kernels per step and where the GPU time goes, from torch.profiler over `steps` steps."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        runner.run(work)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            runner.run(work)
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    busy: dict[str, list[float]] = {}
-    for e in events:
-        busy.setdefault(e.name[:90], []).append(e.time_range.elapsed_us())
-    total = sum(sum(t) for t in busy.values()) / steps
-    span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / steps
-    print(f"  {len(events) / steps:.0f} GPU ops per step (kernels, copies, memsets), busy {total:.0f} us "
-          f"of {span:.0f} us per step")
-    for name, times in sorted(busy.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        print(f"  {sum(times) / steps:8.1f} us/step {len(times) / steps:6.1f}/step  {name}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="bench/configs/qwen3-0.6b.json")
@@ -144,7 +121,7 @@ def main() -> None:
             print(f"{batch:>6} {context:>8} {seconds * 1e3:>9.3f} {floor * 1e3:>9.3f} {floor / seconds:>10.2f} "
                   f"({seconds / floor:.2f}x floor; pipelined {piped * 1e3:.3f} ms, {piped / floor:.2f}x)")
             if args.profile:
-                profile_step(runner, work)
+                print_gpu_profile(lambda: runner.run(work))   # a call is one step
 
 
 if __name__ == "__main__":

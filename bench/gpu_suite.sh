@@ -34,7 +34,7 @@ for part in $parts; do
          python3 -m pytest -q -m gpu tests/gpu/test_fp8_kv_cache_gpu.py 2>&1 | tail -3
          for g in 2 4; do python3 bench/attention_kernels.py --fp8-sweep --group $g 2>&1 | tee "$out/fp8-sweep-g$g.log" | tail -20; done ;;
     gemv) python3 bench/skinny_gemm.py 2>&1 | tee "$out/skinny_gemm.log" ;;
-    prefill) python3 bench/prefill.py 2>&1 | tee "$out/prefill.log" | grep -vE "it/s|Capturing"
+    prefill) python3 bench/prefill.py --profile 2>&1 | tee "$out/prefill.log" | grep -vE "it/s|Capturing"
              python3 bench/prefill.py --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/prefill.log" | grep -vE "it/s|Capturing" ;;
     decode) python3 bench/decode_step.py 2>&1 | tee "$out/decode_step.log" | grep -vE "it/s|Capturing" ;;
     kernels) # kernels per decode step and GPU time by kernel, batch 1 and 256 at context 1k

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanoserve import SamplingParams  # noqa: E402
 from nanoserve.benchmarks.config_file import config_from_file  # noqa: E402
+from nanoserve.benchmarks.gpu_profile import print_gpu_profile  # noqa: E402
 from nanoserve.engine.llm import LLM  # noqa: E402
 from nanoserve.runner.models.decoder import head_dim_of  # noqa: E402
 
@@ -65,6 +66,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print GPU ops, busy time and span per prefill (torch.profiler)")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     config = config_from_file(args.config, max_model_len=max(lengths) + 1, max_num_seqs=1,
@@ -92,6 +95,9 @@ def main() -> None:
         ttft = statistics.median(times)
         floor = prefill_flops(hf, n) / rate
         print(f"{n:>7} {ttft * 1e3:>9.2f} {floor * 1e3:>9.2f} {ttft / floor:>12.2f}x")
+        if args.profile:   # a call is one whole prefill, fresh ids each time
+            print_gpu_profile(lambda: llm.generate([[rng.randrange(10000) for _ in range(n)]], params,
+                                                   use_tqdm=False), calls=5, top=8)
     llm.close()
 
 
