@@ -261,7 +261,7 @@ class LLMEngine:
         work = [SequenceWork(seq.token_ids, seq.num_prompt_tokens, seq.num_computed_tokens, n, seq.block_table,
                              seq.params if seq.num_computed_tokens + n == seq.num_tokens else None,
                              self._banned(seq) if seq.grammar is None else (), seq.pending_row,
-                             self._prompt_logprobs(seq))
+                             self._prompt_logprobs(seq), seq.seq_id)
                 for seq, n in zip(step.seqs, step.num_new_tokens)]
         sampling = [seq for seq, w in zip(step.seqs, work) if w.params is not None]
         constrained = ([row for row, seq in enumerate(sampling) if seq.grammar is not None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 
 from nanoserve.sampling_params import SamplingParams
 
@@ -11,6 +12,9 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
 
 
 class Sequence:
@@ -24,6 +28,7 @@ class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival: int = 0) -> None:
         self.request_id = request_id
+        self.seq_id = next(_seq_ids)   # unique in this process, unlike a client's request id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -32,6 +32,9 @@ class SequenceWork:
     # set: also return, for every prompt position of this chunk that has a next prompt token, the
     # logprob of that token and this many top alternatives (prompt logprobs)
     prompt_logprobs: int | None = None
+    # the sequence's id, unique for the engine's lifetime (-1: none, e.g. a profiling step); the
+    # runner keeps per-sequence state (penalty counts) under it from step to step
+    seq_id: int = -1
 
     def for_workers(self) -> SequenceWork:
         """What a tensor-parallel worker needs of this work: the tokens this step computes (and the

@@ -17,6 +17,7 @@ from nanoserve.runner.kv_cache import KVCache, blocks_for_cpu, blocks_for_gpu, p
 from nanoserve.runner.loader import fill_dummy_weights, load_weights
 from nanoserve.runner.models.registry import model_class
 from nanoserve.runner.parallel import SINGLE, TensorParallel
+from nanoserve.runner.penalties import PenaltyCounts
 from nanoserve.runner.sampler import draw, draws_in_graph, score_prompt
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class ModelRunner:
         self.graph_capture_seconds = 0.0
         self.prev_tokens: torch.Tensor | None = None  # the last launch's sampled ids, on the device
         self.prev_rows = 0  # how many ids the last launch sampled (what a worker receives)
+        self.penalty_counts = PenaltyCounts()  # penalized sequences' token counts, between steps
         self.backend = select_backend(config.attention_backend, config.device, config.block_size,
                                       config.kv_cache_dtype)
         uses_graphs = self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs
@@ -210,7 +212,7 @@ class ModelRunner:
             tokens, logprobs = step.drawn.clone(), None
         else:
             # prev_tokens still holds the previous launch's ids: penalties count the pending ones there
-            tokens, logprobs = draw(step.logits, step.rows, token_mask, self.prev_tokens)
+            tokens, logprobs = draw(step.logits, step.rows, token_mask, self.prev_tokens, self.penalty_counts)
         self.prev_tokens = tokens
         return PendingSample(tokens, logprobs, len(step.rows), step.prompt)
 

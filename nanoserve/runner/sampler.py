@@ -10,7 +10,7 @@ import torch
 
 from nanoserve.runner.batch import SampleOutput, SequenceWork, TokenMask
 from nanoserve.runner.inputs import PromptLogprobRows
-from nanoserve.runner.penalties import apply_penalties
+from nanoserve.runner.penalties import PenaltyCounts, apply_penalties
 
 # JSON has no -inf; OpenAI clients expect a large negative number instead
 MIN_LOGPROB = -9999.0
@@ -135,17 +135,19 @@ def sample(logits: torch.Tensor, rows: list[SequenceWork], token_mask: TokenMask
 
 
 def draw(logits: torch.Tensor, rows: list[SequenceWork], token_mask: TokenMask | None = None,
-         prev_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, list | None]:
+         prev_tokens: torch.Tensor | None = None, penalty_counts: PenaltyCounts | None = None
+         ) -> tuple[torch.Tensor, list | None]:
     """The sampled ids, left on the device, and the rows' logprobs (read now) when any row asks.
 
-    Logprobs are those of the model, before penalties and the grammar's mask (as vLLM reports them)."""
+    Logprobs are those of the model, before penalties and the grammar's mask (as vLLM reports them).
+    `penalty_counts` keeps penalized sequences' token counts from step to step."""
     st = SamplingTensors.build(rows, logits.shape[1], logits.device)
     adjusted = any(w.params.uses_penalties or w.params.logit_bias or w.banned_token_ids for w in rows)
     if adjusted or st.num_logprobs >= 0:
         logits = logits.float()  # once, for both
     raw_logprobs = logits.log_softmax(dim=-1) if st.num_logprobs >= 0 else None
     if adjusted:
-        apply_penalties(logits, rows, prev_tokens)
+        apply_penalties(logits, rows, prev_tokens, penalty_counts)
     fused = logits.is_cuda and st.top_k is None and st.top_p is None and st.min_p is None
     # the fused kernel reads a grammar's mask itself; the other paths (and seeded rows, redrawn
     # from the logits) need it applied to the logits first

@@ -113,3 +113,20 @@ def test_penalized_steps_are_pipelined():
                  SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.2),
                  use_tqdm=False)
     assert sum(overlapped) >= 25
+
+
+def test_penalty_counts_kept_between_steps_give_the_tokens_of_a_fresh_count(random_model):
+    """Through chunking, preemption, forks and pipelining, penalties from the counts the runner
+    keeps per sequence pick the same tokens as counting every row's whole history each step."""
+    prompts = random_prompts(10, 384, 20, 90, seed=6)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.4, presence_penalty=0.3, n=1 + i % 2) for i in range(len(prompts))]
+    outputs = []
+    for keep in (True, False):
+        llm = LLM(random_model, dtype="float32", device="cpu", block_size=8, num_kvcache_blocks=40,
+                  max_model_len=256, max_num_batched_tokens=48, max_num_seqs=8, async_scheduling=True)
+        if not keep:
+            llm.engine.runner.penalty_counts = None   # counted afresh at every step
+        outputs.append([[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert outputs[0] == outputs[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
@@ -329,3 +330,56 @@ def test_a_graph_takes_only_the_draws_that_need_nothing_but_temperature():
                       dict(temperature=0.0, logit_bias={3: 5.0})):
         assert not draws_in_graph(plain + [row(**asks_more)]), asks_more
     assert not draws_in_graph(plain + [row(banned=(7,), temperature=0.0)])
+
+
+def test_penalty_counts_kept_between_steps_equal_a_fresh_count_every_step():
+    """Sequences join, grow (some with a pending token on the device), leave, and a newcomer
+    takes a freed slot; rows without a sequence id count afresh. At every step the kept counts
+    equal counting each row's whole history."""
+    from nanoserve.runner.penalties import PenaltyCounts, token_counts
+
+    rng = random.Random(4)
+    params = SamplingParams(temperature=0, presence_penalty=0.5)
+    state = PenaltyCounts()
+    seqs = {}   # seq_id -> token list: a prompt of 3-6 ids, then outputs
+    prompt_len = {}
+    next_id = 0
+    for step in range(30):
+        if step % 4 == 0 or not seqs:
+            seqs[next_id] = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 6))]
+            prompt_len[next_id] = len(seqs[next_id])
+            next_id += 1
+        if step % 7 == 6:
+            seqs.pop(min(seqs))   # finished
+        rows, prev = [], []
+        for seq_id, tokens in seqs.items():
+            pending = rng.random() < 0.5 and len(tokens) > prompt_len[seq_id]
+            if pending:   # its last token (an output) is still on the device: a placeholder on the host
+                prev.append(tokens[-1])
+                tokens = tokens[:-1] + [-1]
+            rows.append(SequenceWork(tokens, prompt_len[seq_id], len(tokens) - 1, 1, [0], params,
+                                     prev_row=len(prev) - 1 if pending else -1, seq_id=seq_id))
+        rows.append(SequenceWork([1, 2, 3, 2], 2, 3, 1, [0], params))   # no sequence id
+        prev_tokens = torch.tensor(prev or [0])
+        kept = token_counts(rows, VOCAB, torch.device("cpu"), prev_tokens, state)
+        fresh = token_counts(rows, VOCAB, torch.device("cpu"), prev_tokens)
+        assert torch.equal(kept[0], fresh[0]) and torch.equal(kept[1], fresh[1]), f"step {step}"
+        for tokens in seqs.values():
+            tokens.append(rng.randrange(VOCAB))
+    assert len(state.slot_of) == len(seqs) + 1 and state.counts.shape[0] == 64
+
+
+def test_a_step_reads_only_what_a_sequence_added():
+    """The kept counts never read a sequence's history again: a token changed behind them (which a
+    real sequence never does) stays counted as it was."""
+    from nanoserve.runner.penalties import PenaltyCounts, token_counts
+
+    state = PenaltyCounts()
+    params = SamplingParams(temperature=0, frequency_penalty=1.0)
+    tokens = [40, 41, 5, 5]
+    token_counts([SequenceWork(tokens, 2, 3, 1, [0], params, seq_id=7)], VOCAB, torch.device("cpu"), None, state)
+    tokens[2] = 6
+    tokens.append(8)
+    counts, _ = token_counts([SequenceWork(tokens, 2, 4, 1, [0], params, seq_id=7)], VOCAB,
+                             torch.device("cpu"), None, state)
+    assert counts[0, 5] == 2 and counts[0, 6] == 0 and counts[0, 8] == 1
