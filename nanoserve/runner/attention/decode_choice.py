@@ -83,6 +83,7 @@ def choose_decode_config(k_cache: torch.Tensor, v_cache: torch.Tensor, q_heads: 
             logger.warning("decode attention on CUDA cores %s disagrees with tl.dot on this device", config)
         elif us < (1 - MARGIN) * min(best_us, dot_us) and few_us <= (1 + MARGIN) * dot_few_us:
             best, best_us = config, us
+    torch.cuda.empty_cache()   # the timing graphs' pools
     logger.info("decode attention at batch %d, context %d: %s (%.1f us a layer; tl.dot %.1f us)", batch,
                 context, "tl.dot" if best is None else f"CUDA cores, BLOCK_N {best['BLOCK_N']}", best_us, dot_us)
     return best
