@@ -31,13 +31,13 @@ from nanoserve.engine.messages import (AbortRequests, AddRequest, EngineDied, En
                                        Shutdown, input_encoder, output_decoder)
 from nanoserve.engine.outputs import RequestState
 from nanoserve.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream, RequestUpdate
-from nanoserve.engine.validation import check_prompt, check_token_ids
+from nanoserve.engine.validation import RequestRefused, check_prompt, check_token_ids
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineStats", "QueueFullError", "RequestFailedError",
-           "RequestStream", "RequestUpdate", "TooManySequencesError"]
+           "RequestStream", "RequestUpdate"]
 
 _SHUTDOWN_WAIT_S = 30.0  # for the core to close its workers before it is killed
 
@@ -48,10 +48,6 @@ class QueueFullError(RuntimeError):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
-
-
-class TooManySequencesError(ValueError):
-    """A request of more sequences (prompts × n) than the server ever holds at once: no retry helps."""
 
 
 class AsyncEngine:
@@ -163,7 +159,7 @@ class AsyncEngine:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def check_token_ids(self, token_ids: list[int], what: str) -> None:
-        """Raise ValueError for an id outside the vocabulary."""
+        """Raise RequestRefused for an id outside the vocabulary."""
         check_token_ids(token_ids, self.vocab_size, what)
 
     def add_request(self, request_id: str, prompts: Sequence[list[int]], params: SamplingParams) -> RequestStream:
@@ -172,25 +168,27 @@ class AsyncEngine:
         Choice `p * n + i` is the i-th completion of prompt p (the OpenAI API's order). n > 1
         becomes n engine requests that fork from the first once its prompt is cached, sharing its
         KV blocks. Raises ValueError for a prompt that cannot be served, QueueFullError when too
-        many sequences wait, EngineDeadError when the core is gone; nothing is queued then.
+        many sequences wait, EngineDeadError when the core is gone; nothing is queued then. The
+        ValueErrors are RequestRefused, which name the field to change.
         """
         if not self.healthy:
             raise self.error or EngineDeadError("The engine is not running yet")
         if not prompts:
-            raise ValueError("The request has no prompt")
+            raise RequestRefused("The request has no prompt", "prompt")
         for prompt in prompts:
             check_prompt(prompt, params.max_tokens, self.config.max_model_len, self.vocab_size)
         n = params.n
         ids = ([request_id] if len(prompts) * n == 1
                else [f"{request_id}-{c}" for c in range(len(prompts) * n)])
         if any(rid in self._streams for rid in ids):
-            raise ValueError(f"Request id {request_id!r} is already in use")
-        self._admit(len(ids))
+            raise RequestRefused(f"Request id {request_id!r} is already in use")
+        # past what the server ever holds, the request is too large by n, or by its prompts
+        self._admit(len(ids), "n" if len(prompts) == 1 else "prompt")
         try:  # encoded before anything is registered: a request the core cannot receive leaves no trace
             frames = [input_encoder.encode(AddRequest(ids[p * n], list(prompt), params, ids[p * n + 1:(p + 1) * n]))
                       for p, prompt in enumerate(prompts)]
         except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
-            raise ValueError(f"The request cannot be passed to the engine: {exc}") from None
+            raise RequestRefused(f"The request cannot be passed to the engine: {exc}") from None
         states = [RequestState(self.tokenizer, prompts[c // n], params, c) for c in range(len(ids))]
         stream = RequestStream(ids, states, self.abort)
         for rid in ids:
@@ -199,13 +197,14 @@ class AsyncEngine:
             self._send_frame(frame)
         return stream
 
-    def _admit(self, num_seqs: int) -> None:
+    def _admit(self, num_seqs: int, param: str) -> None:
         if self.max_queue_len is None:
             return
         capacity = self.config.max_num_seqs + self.max_queue_len
         if num_seqs > capacity:
-            raise TooManySequencesError(f"The request asks for {num_seqs} sequences (prompts × n), more than this "
-                                        f"server ever holds at once ({capacity}: max_num_seqs + max_queue_len)")
+            raise RequestRefused(f"The request asks for {num_seqs} sequences (prompts × n), more than this server "
+                                 f"ever holds at once ({capacity}: max_num_seqs + max_queue_len)", param,
+                                 "too_many_sequences")
         if self.num_unfinished + num_seqs > capacity:
             waiting = max(0, self.num_unfinished - self.config.max_num_seqs)
             raise QueueFullError(f"{waiting} sequences are already waiting (max_queue_len {self.max_queue_len}); "

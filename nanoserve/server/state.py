@@ -11,8 +11,8 @@ from typing import TypeVar
 from starlette.concurrency import run_in_threadpool
 
 from nanoserve.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError,
-                                          RequestStream, RequestUpdate, TooManySequencesError)
-from nanoserve.engine.validation import ContextLengthError
+                                          RequestStream, RequestUpdate)
+from nanoserve.engine.validation import RequestRefused
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.defaults import sampling_defaults
 from nanoserve.server.errors import APIError
@@ -69,7 +69,7 @@ class ServerState:
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         try:
             self.engine.check_token_ids(token_ids, f"'{param}'")
-        except ValueError as exc:
+        except RequestRefused as exc:
             raise APIError(str(exc), param=param) from None
 
     def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
@@ -79,12 +79,8 @@ class ServerState:
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         try:
             return self.engine.add_request(request_id, prompts, params)
-        except ContextLengthError as exc:
-            raise APIError(str(exc), param=exc.param, code="context_length_exceeded") from None
-        except TooManySequencesError as exc:   # its text says "prompts × n", which is no reason to name the prompt
-            raise APIError(str(exc), param="n" if len(prompts) == 1 else "prompt", code="too_many_sequences") from None
-        except ValueError as exc:
-            raise APIError(str(exc), param="prompt" if "prompt" in str(exc).lower() else None) from None
+        except RequestRefused as exc:
+            raise APIError(str(exc), param=exc.param, code=exc.code) from None
         except QueueFullError as exc:
             raise APIError(f"The server is overloaded: {exc}", 503, code="queue_full",
                            headers={"Retry-After": str(exc.retry_after_s)}) from None
