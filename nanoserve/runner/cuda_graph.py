@@ -15,7 +15,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
 from nanoserve.runner.layers.linear import building_graphs
 from nanoserve.runner.inputs import decode_columns, fill_pending_tokens, write_block_tables
-from nanoserve.runner.sampler import inverse_temperatures
+from nanoserve.runner.sampling_kernel import gumbel_argmax_scaled, inverse_temperature
 
 MAX_GRAPH_BATCH = 512
 
@@ -58,8 +58,10 @@ class DecodeBuffers:
     """
 
     def __init__(self, max_batch: int, max_blocks: int, max_model_len: int, block_size: int,
-                 device: torch.device, seed: int = 0) -> None:
+                 device: torch.device, seed: int = 0, draws: bool = True) -> None:
+        """`draws`: stage the in-graph draw's inputs too (1 / T and noise seeds)."""
         self.block_size = block_size
+        self.draws = draws
         self.max_model_len = max_model_len
         n = max_batch
         # two host sets, used in turn, so staging a step never waits for the one in flight
@@ -102,15 +104,15 @@ class DecodeBuffers:
         lens[:n] = i64[1, :n] + 1
         lens[n:batch] = 0
         write_block_tables(host.tables.numpy(), work)
-        # the in-graph draw's inputs; padding rows draw greedily
-        i64[3, :batch] = self.rng.integers(0, 2**31 - 1, batch)
-        inv_temp = host.inv_temp.numpy()
-        inverse_temperatures(work, inv_temp)
-        inv_temp[n:batch] = 0.0
+        if self.draws:   # padding rows draw greedily
+            i64[3, :batch] = self.rng.integers(0, 2**31 - 1, batch)
+            host.inv_temp[:n] = inverse_temperature(
+                torch.tensor([w.params.temperature for w in work], dtype=torch.float32))
+            host.inv_temp[n:batch] = 0.0
+            self.dev_inv_temp[:batch].copy_(host.inv_temp[:batch], non_blocking=True)
         self.dev_i64[:, :batch].copy_(host.i64[:, :batch], non_blocking=True)
         self.dev_lens[:batch].copy_(host.lens[:batch], non_blocking=True)
         self.dev_tables[:batch].copy_(host.tables[:batch], non_blocking=True)
-        self.dev_inv_temp[:batch].copy_(host.inv_temp[:batch], non_blocking=True)
         if host.uploaded is not None:
             host.uploaded.record()
         fill_pending_tokens(self.dev_i64[0], work, None, prev_tokens)
@@ -135,7 +137,7 @@ class DecodeGraphs:
         self.max_batch = self.sizes[-1]
         device = torch.device(config.device)
         self.buffers = DecodeBuffers(self.max_batch, -(-config.max_model_len // config.block_size),
-                                     config.max_model_len, config.block_size, device, config.seed)
+                                     config.max_model_len, config.block_size, device, config.seed, draws)
         # every bucket's logits in one buffer: per-graph outputs of [batch, vocab] would add up
         self.logits = torch.empty((self.max_batch, model.config.vocab_size), dtype=config.dtype,
                                   device=device) if draws else None
@@ -149,8 +151,6 @@ class DecodeGraphs:
         hidden = self.model(b.dev_i64[0, :batch], b.dev_i64[1, :batch], b.meta(batch))
         if not self.draws:
             return hidden, None
-        from nanoserve.runner.sampling_kernel import gumbel_argmax_scaled
-
         logits = self.model.compute_logits(hidden, out=self.logits[:batch])
         return logits, gumbel_argmax_scaled(logits, b.dev_inv_temp[:batch], b.dev_i64[3, :batch])
 

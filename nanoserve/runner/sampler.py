@@ -179,16 +179,6 @@ def draws_in_graph(rows: list[SequenceWork]) -> bool:
     return True
 
 
-def inverse_temperatures(rows: list[SequenceWork], out: np.ndarray) -> None:
-    """Each row's 1 / temperature in float32 (0 for greedy), bit for bit what `gumbel_argmax`
-    computes on the device, into out[:len(rows)]."""
-    from nanoserve.runner.sampling_kernel import MIN_TEMPERATURE
-
-    t = np.fromiter((w.params.temperature for w in rows), dtype=np.float32, count=len(rows))
-    scaled = np.float32(1.0) / np.maximum(t, np.float32(MIN_TEMPERATURE))
-    out[:len(rows)] = np.where(t > 0, scaled, np.float32(0.0))
-
-
 def _fused_draw(logits: torch.Tensor, st: SamplingTensors, token_mask: TokenMask | None = None) -> torch.Tensor:
     """The one-pass Gumbel-max kernel, for rows without top-k / top-p / min-p."""
     from nanoserve.runner.sampling_kernel import gumbel_argmax
