@@ -25,14 +25,14 @@ logger = logging.getLogger(__name__)
 
 # probes: load balancers and Docker's HEALTHCHECK reach these with no API key and past the connection cap
 ALWAYS_SERVED = {"/health"}
+# descriptors kept free beyond --max-connections: model files, the tensor-parallel sockets, and
+# the connections past the cap, which are accepted to be answered 503 (or /health) and closed
+RESERVED_FDS = 512
 
 
 def always_served(path: str) -> bool:
     """A probe path: served without the API key and past the connection cap ("/health/" too)."""
     return path.rstrip("/") in ALWAYS_SERVED
-# descriptors kept free beyond --max-connections: model files, the tensor-parallel sockets, and
-# the connections past the cap, which are accepted to be answered 503 (or /health) and closed
-RESERVED_FDS = 512
 
 
 def raise_open_file_limit(max_connections: int) -> None:

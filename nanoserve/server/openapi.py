@@ -12,7 +12,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from nanoserve.server.connections import ALWAYS_SERVED
+from nanoserve.server.connections import always_served
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 REF = "#/components/schemas/{model}"
@@ -46,7 +46,7 @@ STATUS_MEANING = {
 
 def error_statuses(path: str, has_api_key: bool) -> list[int]:
     """The statuses `path` can answer besides 200."""
-    if path in ALWAYS_SERVED:
+    if always_served(path):
         return [503]  # open to probes: no key, no connection cap
     statuses = [500, 503]  # any route: an internal error; past --max-connections
     if has_api_key:
