@@ -63,44 +63,47 @@ class PenaltyCounts:
         """Bring the counts of `rows` up to the token each samples now; their slots, [rows] int64."""
         keys = [w.seq_id if w.seq_id >= 0 else -1 - i for i, w in enumerate(rows)]
         self._take_slots(keys, vocab, device)
-        slots = np.fromiter((self.slot_of[k] for k in keys), dtype=np.int64, count=len(keys))
-        # a row without a sequence id is counted afresh every step, and so is one whose count ran
-        # past its tokens (never expected: sequences only grow)
-        first = [0 if k < 0 or self.counted[k] > w.start + w.num_new else self.counted[k]
-                 for k, w in zip(keys, rows)]
-        # the tokens before the one being sampled that this table has not counted; a placeholder
-        # (< 0) stands for a pending id
-        new_tokens = [w.token_ids[a:w.start + w.num_new] for w, a in zip(rows, first)]
-        lengths = np.fromiter(map(len, new_tokens), dtype=np.int64, count=len(rows))
-        ids = np.fromiter(itertools.chain.from_iterable(new_tokens), dtype=np.int64, count=int(lengths.sum()))
-        slot_of_id = np.repeat(slots, lengths)
-        position = (np.arange(len(ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-                    + np.repeat(np.asarray(first, dtype=np.int64), lengths))
-        prompt = np.fromiter((w.num_prompt_tokens for w in rows), dtype=np.int64, count=len(rows))
-        real = ids >= 0
-        is_output = real & (position >= np.repeat(prompt, lengths))
+        slots, restart, new, new_outputs, pending = [], [], [], [], []
+        for key, w in zip(keys, rows):
+            end = w.start + w.num_new   # the tokens before the one sampled now
+            # a row without a sequence id is counted afresh every step, and so is one whose count
+            # ran past its tokens (never expected: sequences only grow)
+            first = 0 if key < 0 or self.counted[key] > end else self.counted[key]
+            slot = self.slot_of[key]
+            slots.append(slot)
+            if first == 0:
+                restart.append(slot)
+            # what this table has not counted yet; a placeholder (< 0) stands for a pending id
+            new.append(w.token_ids[first:end])
+            new_outputs.append(w.token_ids[max(first, w.num_prompt_tokens):end])
+            if w.prev_row >= 0 and first <= w.start:
+                # its input token: an output the previous launch drew, not read back yet
+                pending.append((slot, w.prev_row))
+            self.counted[key] = end
+        slots = np.asarray(slots, dtype=np.int64)
 
-        def to_device(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(device, non_blocking=True)
+        def to_device(a) -> torch.Tensor:
+            return torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device, non_blocking=True)
 
-        restart = slots[np.asarray([a == 0 for a in first], dtype=bool)]
-        if len(restart):
+        def flat(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+            """(slot, id) of every known id in the rows' lists."""
+            lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+            ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(lengths.sum()))
+            known = ids >= 0
+            return to_device(np.repeat(slots, lengths)[known]), to_device(ids[known])
+
+        if restart:
             at = to_device(restart)
             self.counts[at] = 0.0
             self.seen[at] = False
-        out_slots, out_ids = to_device(slot_of_id[is_output]), to_device(ids[is_output])
-        self.counts.index_put_((out_slots, out_ids), torch.ones(len(out_ids), device=device), accumulate=True)
-        self.seen[to_device(slot_of_id[real]), to_device(ids[real])] = True
-        # each such row's input token: an output the previous launch drew, not read back yet
-        pending = [(slot, w.prev_row) for slot, w, a in zip(slots.tolist(), rows, first)
-                   if w.prev_row >= 0 and a <= w.start]
+        at, ids = flat(new_outputs)
+        self.counts.index_put_((at, ids), torch.ones(len(ids), device=device), accumulate=True)
+        self.seen[flat(new)] = True
         if pending and prev_tokens is not None:
-            at = to_device(np.array([s for s, _ in pending], dtype=np.int64))
-            pending_ids = prev_tokens[to_device(np.array([p for _, p in pending], dtype=np.int64))]
+            at = to_device([s for s, _ in pending])
+            pending_ids = prev_tokens[to_device([p for _, p in pending])]
             self.counts.index_put_((at, pending_ids), torch.ones(len(pending), device=device), accumulate=True)
             self.seen[at, pending_ids] = True
-        for k, w in zip(keys, rows):
-            self.counted[k] = w.start + w.num_new
         return to_device(slots)
 
 
