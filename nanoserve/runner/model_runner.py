@@ -101,7 +101,7 @@ class ModelRunner:
         self.prev_rows = 0  # how many ids the last launch sampled (what a worker receives)
         self.penalty_counts = PenaltyCounts()  # penalized sequences' token counts, between steps
         self.backend = select_backend(config.attention_backend, config.device, config.block_size,
-                                      config.kv_cache_dtype)
+                                      config.kv_cache_dtype, config.dtype)
         uses_graphs = self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs
         if uses_graphs:
             # timed under graph replay, where decode runs; eager launches would add Triton's

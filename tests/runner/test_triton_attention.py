@@ -190,3 +190,13 @@ def test_select_backend_picks_torch_on_cpu_and_explains_refusals(monkeypatch) ->
         select_backend("triton", "cpu", 16)
     with pytest.raises(ValueError, match="flash_attn"):
         select_backend("flash_attn", "cpu", 256)
+
+
+def test_select_backend_keeps_flash_attn_to_half_precision(monkeypatch) -> None:
+    """flash-attn computes in fp16/bf16 only: auto passes it over for a float32 model, and
+    asking for it by name with float32 is refused up front instead of failing at the first prefill."""
+    import nanoserve.runner.attention as attention
+    monkeypatch.setattr(attention, "_flash_attn_imports", lambda: True)
+    assert select_backend("auto", "cuda", 256, dtype=torch.float32).name == "triton"
+    with pytest.raises(ValueError, match="float16 or bfloat16, not float32"):
+        select_backend("flash_attn", "cuda", 256, dtype=torch.float32)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import torch
+
 from nanoserve.defaults import FP8_FLASH_ATTN_REFUSAL
 from nanoserve.runner.attention.torch_backend import TorchBackend
 
@@ -30,18 +32,24 @@ def _flash_attn_imports() -> bool:
     return True
 
 
-def select_backend(name: str, device: str, block_size: int, kv_cache_dtype: str = "auto"):
-    """The attention backend for `name` on `device` ("cpu", "cuda", "cuda:1", ...).
+FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 
-    auto: flash_attn when it imports, the device is CUDA, block_size is a multiple of 256 and
-    the KV cache is not fp8; else triton on CUDA and torch on the CPU.
+
+def select_backend(name: str, device: str, block_size: int, kv_cache_dtype: str = "auto",
+                   dtype: torch.dtype = torch.bfloat16):
+    """The attention backend for `name` on `device` ("cpu", "cuda", "cuda:1", ...), computing in `dtype`.
+
+    auto: flash_attn when it imports, the device is CUDA, block_size is a multiple of 256,
+    the model computes in fp16 or bf16 and the KV cache is not fp8; else triton on CUDA and
+    torch on the CPU.
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
     on_cuda = device.startswith("cuda")
     fp8 = kv_cache_dtype == "fp8"
     if name == "auto":
-        if on_cuda and block_size % 256 == 0 and not fp8 and _flash_attn_imports():
+        if (on_cuda and block_size % 256 == 0 and not fp8 and dtype in FLASH_ATTN_DTYPES
+                and _flash_attn_imports()):
             name = "flash_attn"
         else:
             name = "triton" if on_cuda else "torch"
@@ -52,6 +60,9 @@ def select_backend(name: str, device: str, block_size: int, kv_cache_dtype: str 
             raise ValueError(FP8_FLASH_ATTN_REFUSAL)
         if not on_cuda:
             raise ValueError(f"the flash_attn backend needs a CUDA device, got {device!r}")
+        if dtype not in FLASH_ATTN_DTYPES:
+            raise ValueError(f"the flash_attn backend computes in float16 or bfloat16, not "
+                             f"{str(dtype).removeprefix('torch.')}; use --attention-backend triton")
         if not _flash_attn_imports():
             raise ValueError("the flash_attn backend was asked for but `import flash_attn` "
                              "fails; install flash-attn or use --attention-backend triton")
