@@ -22,9 +22,6 @@ from nanoserve.runner.sampler import draw, draws_in_graph, score_prompt
 
 logger = logging.getLogger(__name__)
 
-# where the decode attention's variants are timed at startup: a busy server's step
-DECODE_CHOICE_BATCH, DECODE_CHOICE_CONTEXT = 128, 2048
-
 
 @dataclass
 class StepLogits:
@@ -121,8 +118,6 @@ class ModelRunner:
             num_blocks = self.tp.min(num_blocks)  # every rank holds the same block ids
         self.kv_cache = KVCache(config, num_blocks, self.device)
         self._bind(self.kv_cache)
-        if uses_graphs and self.backend.name == "triton":
-            self._choose_decode_kernel()
         if uses_graphs:
             from nanoserve.runner.cuda_graph import DecodeGraphs
             start = time.perf_counter()
@@ -238,16 +233,6 @@ class ModelRunner:
         del cache
         torch.cuda.empty_cache()
         return peak
-
-    def _choose_decode_kernel(self) -> None:
-        """Time the decode attention's variants on this device, on layer 0's cache, before the
-        graphs capture one: at the batch and context of a busy server's typical step."""
-        from nanoserve.runner.attention.decode_choice import choose_decode_config
-
-        attn = self.model.model.layers[0].self_attn
-        self.backend.decode_config = choose_decode_config(
-            attn.k_cache, attn.v_cache, attn.num_heads, batch=min(self.config.max_num_seqs, DECODE_CHOICE_BATCH),
-            context=min(self.config.max_model_len, DECODE_CHOICE_CONTEXT), dtype=self.config.dtype)
 
     def _bind(self, cache: KVCache | None) -> None:
         """Point every attention layer at its slice of `cache` (None: at nothing)."""

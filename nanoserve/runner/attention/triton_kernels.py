@@ -82,11 +82,6 @@ class TritonBackend:
     fuses_kv_store = True
     qkv_rope_store = staticmethod(qkv_rope_store)
 
-    def __init__(self) -> None:
-        # the decode kernel's config where the runner's startup choice found one faster than the
-        # default (attention/decode_choice.py); None: the default
-        self.decode_config: dict | None = None
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
@@ -99,7 +94,7 @@ class TritonBackend:
         """Attention over keys already in the cache (the new tokens' included)."""
         if meta.decode_only:
             return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
-                                meta.max_seq_len, config=self.decode_config, k_scale=k_scale, v_scale=v_scale)
+                                meta.max_seq_len, k_scale=k_scale, v_scale=v_scale)
         return paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                              meta.block_tables, scale, meta.max_query_len,
                              num_query_tokens=sum(meta.query_lens_host),
