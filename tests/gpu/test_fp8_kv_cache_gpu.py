@@ -119,17 +119,6 @@ def test_triton_decode_widening_fp8_to_bf16_for_a_bf16_query(group, magnitude, s
               block_size=256, group=group, head_dim=128, kv_heads=2)
 
 
-@pytest.mark.parametrize("group,magnitude,seed", [(2, 1.0, 23), (4, 300.0, 24), (1, 1.0, 25)])
-@pytest.mark.parametrize("block_n", [16, 64])
-def test_triton_decode_over_fp8_on_cuda_cores(group, magnitude, seed, block_n):
-    """Scores and values summed in float32 without tl.dot (CUDA_CORES), which
-    bench/attention_kernels.py --fp8-sweep weighs against the dot."""
-    config = dict(BLOCK_N=block_n, num_warps=4, num_stages=2, CUDA_CORES=True)
-    check_fp8(decode_specs(random.Random(seed), batch=29, max_len=3000), dtype=torch.bfloat16,
-              magnitude=magnitude, seed=seed, config=config, block_size=256, group=group, head_dim=128,
-              kv_heads=2)
-
-
 def test_triton_decode_over_fp8_32k_context_at_batch_1():
     check_fp8([(1, 32768)], dtype=torch.bfloat16, magnitude=300.0, seed=8, block_size=256,
               group=2, head_dim=128, kv_heads=8)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
-from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step, scores
+from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step
 
 MIN_TOKENS_PER_SPLIT = 256   # below this a split costs more in merging than it saves
 MAX_SPLITS = 64
@@ -47,7 +47,6 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
-    CUDA_CORES: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -64,7 +63,7 @@ def _decode_kernel(
     mask_h = offs_h < GROUP
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None], other=0.0)
-    if KV_FP8 and FP8_VIA_F16 and not CUDA_CORES:
+    if KV_FP8 and FP8_VIA_F16:
         # e4m3 widens to f16 in one instruction per pair (to bf16 it takes several); a bf16 q
         # loses no mantissa in f16, and attention queries stay far inside f16's range
         q = q.to(tl.float16)
@@ -79,12 +78,12 @@ def _decode_kernel(
         mask_n = offs_n < end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
-        if KV_FP8 and not CUDA_CORES:
+        if KV_FP8:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        qk = scores(q, k, PRECISION, CUDA_CORES) * scale_log2
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         # every tile holds at least one key of this split
-        m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION, CUDA_CORES)
+        m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
 
     has_keys = l > 0
     l = tl.where(has_keys, l, 1.0)
@@ -177,9 +176,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cfg = dict(config or _decode_config(q.device, fp8))
     # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
     cfg.setdefault("FP8_VIA_F16", fp8 and q.dtype == torch.bfloat16)
-    # CUDA_CORES: scores and values summed in float32 without tl.dot, the group's rows unpadded;
-    # what bench/attention_kernels.py --fp8-sweep weighs against the dot for a small GQA group
-    cuda_cores = cfg.setdefault("CUDA_CORES", False)
     if num_splits is None:
         num_splits = num_decode_splits(batch, kv_heads, max_seq_len, _num_sms(q.device))
     out = torch.empty_like(q)
@@ -197,7 +193,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_H=max(2 if cuda_cores else 16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
         **cfg,
     )

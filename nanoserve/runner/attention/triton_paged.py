@@ -22,26 +22,12 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_
 
 
 @triton.jit
-def scores(q, k, PRECISION: tl.constexpr, CUDA_CORES: tl.constexpr = False):
-    """q [rows, dim] . k [keys, dim] -> [rows, keys]: a tl.dot, or on CUDA cores in float32
-    (products summed over dim) for a few rows, where a dot would pad them to 16."""
-    if CUDA_CORES:
-        return tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-    else:
-        return tl.dot(q, tl.trans(k), input_precision=PRECISION)
-
-
-@triton.jit
-def online_softmax_step(qk, v, m, l, acc, PRECISION: tl.constexpr, CUDA_CORES: tl.constexpr = False):
+def online_softmax_step(qk, v, m, l, acc, PRECISION: tl.constexpr):
     """Fold one tile of base-2 scores (masked ones -inf) and its values into (m, l, acc).
     Each row must see at least one unmasked key per tile, so m stays finite."""
     m_new = tl.maximum(m, tl.max(qk, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    if CUDA_CORES:
-        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-    else:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    acc = acc * alpha[:, None] + pv
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l, acc
