@@ -124,7 +124,7 @@ def tile_sweep(caches: Caches) -> None:
 def fp8_sweep(caches: Caches) -> None:
     """An e4m3 cache: widening to f16 or to bf16, by tile config (the bf16 cache's tuning need not fit)."""
     print(f"\nfp8 sweep (us), {Q_HEADS} q heads: widen-to / BLOCK_N / num_warps / num_stages")
-    cases = [(256, 1024), (256, 8192)]
+    cases = [(256, 1024), (256, 8192), (16, 8192)]
     print("config               " + "".join(f"  b{b:<4}c{c:<6}" for b, c in cases))
     for via_f16 in (False, True):
         for block_n in (64, 128):
