@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.runner.layers import ops
 from nanoserve.runner.layers.linear import PackedLinear, RowParallelLinear, row_bucket
 
 logger = logging.getLogger(__name__)
@@ -115,10 +116,12 @@ def choose_skinny(weight_shapes: Iterable[tuple[int, int]], max_rows: int, devic
 
 @torch.inference_mode()
 def choose_gated(wins: set[tuple[int, int, int]], gated_shapes: Iterable[tuple[int, int]], device: torch.device,
-                 dtype: torch.dtype, margin: float = MARGIN) -> set[tuple[int, int, int]]:
+                 dtype: torch.dtype, silu_mul: Callable[[torch.Tensor], torch.Tensor] = ops.silu_mul
+                 ) -> set[tuple[int, int, int]]:
     """Of the skinny wins of a gated MLP's `down` shapes, those where the kernel that computes
-    silu(gate) * up as it loads gives the unfused result and costs at most `margin` more than the
-    plain skinny GEMM: the SiLU-mul launch it replaces is then saved whole."""
+    silu(gate) * up as it loads gives the unfused result and takes less time than the SiLU-mul
+    kernel and the plain skinny GEMM it replaces, timed together in one graph (`silu_mul`: the
+    model's own, compiled where it runs compiled)."""
     from nanoserve.runner.layers.small_gemm import skinny_linear
 
     chosen = set()
@@ -132,14 +135,14 @@ def choose_gated(wins: set[tuple[int, int, int]], gated_shapes: Iterable[tuple[i
             try:
                 agrees = same_product(skinny_linear(gate_up, weights[0], gated=True), F.linear(x, weights[0]))
                 fused = graph_us_per_call(lambda w: skinny_linear(gate_up, w, gated=True), weights) if agrees else 0.0
-                plain = graph_us_per_call(lambda w: skinny_linear(x, w), weights)
+                apart = graph_us_per_call(lambda w: skinny_linear(silu_mul(gate_up), w), weights)
             except Exception as exc:  # a Triton build or launch failure on this device
                 logger.warning("gated skinny GEMM failed at %dx%d, %d rows (%s): SiLU-mul kept apart there",
                                n, k, rows, exc)
                 torch.cuda.synchronize()
                 continue
-            logger.debug("%dx%d rows %d gated: %.1f us, plain %.1f us", n, k, rows, fused, plain)
-            if agrees and fused <= (1 + margin) * plain:
+            logger.debug("%dx%d rows %d gated: %.1f us, SiLU-mul then GEMM %.1f us", n, k, rows, fused, apart)
+            if agrees and fused < apart:
                 chosen.add((n, k, rows))
         del weights
     torch.cuda.empty_cache()
@@ -182,7 +185,8 @@ def use_skinny_gemm_where_faster(model: nn.Module, max_rows: int, device: torch.
     dtype = layers[0].weight.dtype
     wins = choose_skinny(shapes, max_rows, device, dtype)
     gated_shapes = {tuple(layer.weight.shape) for layer in layers if getattr(layer, "takes_gated_input", False)}
-    gated = choose_gated(wins, gated_shapes, device, dtype)
+    mlp_ops = next((m.ops for m in model.modules() if hasattr(m, "ops")), ops.EAGER_OPS)
+    gated = choose_gated(wins, gated_shapes, device, dtype, mlp_ops.silu_mul)
     enabled = enable_skinny_gemm(model, wins, gated)
     logger.info("skinny GEMM: Triton for %s (%d of %d linear layers), cuBLAS elsewhere; SiLU-mul "
                 "inside it for %s; chosen in %.1f s", describe(wins), enabled, len(layers),
