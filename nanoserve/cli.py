@@ -39,7 +39,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of equal prefixes")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="auto: flash_attn when it imports (fp16/bf16 models, bf16 KV), else triton on CUDA, "
+                   help="auto: flash_attn when it imports (fp16/bf16 models, KV cache not fp8), else triton on CUDA, "
                         "torch on the CPU")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="fp8: K/V stored as e4m3 (twice the tokens fit; scales from the checkpoint or 1.0)")
