@@ -113,6 +113,7 @@ class EngineConfig:
             set_("block_size", 16 if device == "cpu" else 256)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        self._check_attention_backend(device)
         if self.num_kvcache_blocks is not None:
             needed = -(-self.max_model_len // self.block_size)
             if self.num_kvcache_blocks < needed:
@@ -123,6 +124,31 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+
+    def _check_attention_backend(self, device: str) -> None:
+        """Refuse a backend that cannot run here, or would compute wrongly, before a weight loads:
+        the runner's own refusal comes only once the model is in memory, in the engine's process."""
+        name, on_cuda = self.attention_backend, device.startswith("cuda")
+        if name == "flash_attn" and not on_cuda:
+            raise ValueError(f"attention_backend='flash_attn' needs a CUDA device, got {device!r}; "
+                             "use --attention-backend torch (or auto) on the CPU")
+        if name == "flash_attn" and self.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"attention_backend='flash_attn' computes in float16 or bfloat16, not "
+                             f"{str(self.dtype).removeprefix('torch.')}; use --attention-backend triton")
+        # auto on CUDA is triton unless flash_attn takes it, and flash_attn needs blocks of 256
+        if (name == "triton" or (name == "auto" and on_cuda)) and self.block_size < 16:
+            raise ValueError(f"the triton attention backend needs block_size >= 16, got {self.block_size}; "
+                             "use --block-size 16 or more")
+        if name != "triton" or on_cuda:
+            return
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"attention_backend='triton' needs a CUDA device, got {device!r}; use "
+                             "--attention-backend torch (or auto) on the CPU, or set TRITON_INTERPRET=1 to run "
+                             "the kernels in Triton's interpreter, slowly")
+        if self.dtype == torch.bfloat16:
+            # the interpreter's tl.dot returns garbage in bfloat16 (Triton 3.9): the server answered nonsense
+            raise ValueError("attention_backend='triton' on the CPU runs in Triton's interpreter, which "
+                             "computes bfloat16 wrongly; use --dtype float32 or float16, or --attention-backend torch")
 
     def _check_tensor_parallel(self, device: str) -> None:
         size, hf = self.tensor_parallel_size, self.hf_config

@@ -184,3 +184,21 @@ def test_device_defaults_resolve_in_the_config():
     cpu = EngineConfig(device="cpu")
     assert (cpu.async_scheduling, cpu.block_size, cpu.max_num_batched_tokens) == (False, 16, 2048)
     assert EngineConfig(device="cpu", async_scheduling=True).async_scheduling is True
+
+
+@pytest.mark.parametrize("kwargs, interpret, refusal", [
+    (dict(attention_backend="triton", dtype="bfloat16"), "1", "computes bfloat16 wrongly; use --dtype float32"),
+    (dict(attention_backend="triton"), "0", "needs a CUDA device, got 'cpu'; use --attention-backend torch"),
+    (dict(attention_backend="triton", block_size=8), "1", "needs block_size >= 16, got 8"),
+    (dict(attention_backend="flash_attn"), "1", "'flash_attn' needs a CUDA device"),
+])
+def test_the_config_refuses_attention_backends_that_cannot_run_here(monkeypatch, kwargs, interpret, refusal):
+    """Before any weight loads, not in the engine's process once the model is in memory; triton's
+    interpreter on the CPU answered nonsense in bfloat16 rather than failing."""
+    from nanoserve import EngineConfig
+
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    with pytest.raises(ValueError, match=refusal):
+        EngineConfig(device="cpu", **kwargs)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert EngineConfig(device="cpu", attention_backend="triton", dtype="float16").attention_backend == "triton"
