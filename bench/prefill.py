@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--prefill-cuda-graphs", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="also print GPU ops, busy time and span per prefill (torch.profiler)")
     args = parser.parse_args()
@@ -73,14 +74,15 @@ def main() -> None:
     config = config_from_file(args.config, max_model_len=max(lengths) + 1, max_num_seqs=1,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
-                              enable_prefix_caching=False)
+                              prefill_cuda_graphs=args.prefill_cuda_graphs, enable_prefix_caching=False)
     llm = LLM(config=config)
     hf = config.hf_config
     rate = matmul_flops_per_second()
     rng = Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     print(f"bf16 GEMM rate {rate / 1e12:.0f} TFLOP/s, {os.path.basename(args.config)}, "
-          f"chunks of {args.max_num_batched_tokens}, backend {llm.engine.runner.backend.name}, kv {config.kv_cache_dtype}")
+          f"chunks of {args.max_num_batched_tokens}, backend {llm.engine.runner.backend.name}, kv {config.kv_cache_dtype}, "
+          f"prefill graphs {'on' if llm.engine.runner.prefill_graphs is not None else 'off'}")
     print(f"{'tokens':>7} {'TTFT ms':>9} {'floor ms':>9} {'TTFT / floor':>13}")
     for n in lengths:
         prompt = [rng.randrange(10000) for _ in range(n)]

@@ -44,6 +44,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="fp8: K/V stored as e4m3 (twice the tokens fit; scales from the checkpoint or 1.0)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--prefill-cuda-graphs", action="store_true",
+                   help="also replay prefill steps of up to 4 sequences from CUDA graphs (Triton "
+                        "attention, one GPU): a short prompt's time to first token is then mostly GPU time")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next step before reading this one's sampled ids, overlapping host and "
                         "GPU (default: on for CUDA, off on the CPU)")
@@ -93,7 +96,8 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
         num_kvcache_blocks=args.num_kvcache_blocks, enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling, load_format=args.load_format, seed=args.seed,
+        prefill_cuda_graphs=args.prefill_cuda_graphs, async_scheduling=args.async_scheduling,
+        load_format=args.load_format, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, tokenizer=args.tokenizer)
 
 

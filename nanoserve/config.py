@@ -50,6 +50,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     load_format: str = "auto"
     enforce_eager: bool = False
+    # CUDA graphs for prefill steps of a few sequences too (runner/prefill_graph.py): one graph
+    # replay instead of a Python launch per kernel; off until it has been measured on a GPU
+    prefill_cuda_graphs: bool = False
     # launch step N+1 before reading step N's sampled ids; None: on for CUDA, where the host's
     # bookkeeping then overlaps the device's work, off on the CPU, where nothing runs beside it
     async_scheduling: bool | None = None
@@ -109,6 +112,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype == "fp8" and self.attention_backend == "flash_attn":
             raise ValueError(FP8_FLASH_ATTN_REFUSAL)
+        if self.prefill_cuda_graphs:
+            self._check_prefill_graphs(device)
         if self.block_size is None:
             set_("block_size", 16 if device == "cpu" else 256)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -124,6 +129,16 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+
+    def _check_prefill_graphs(self, device: str) -> None:
+        """Prefill graphs replay the Triton prefill kernel on one GPU: refuse what rules that out."""
+        why = ("--enforce-eager turns CUDA graphs off" if self.enforce_eager else
+               "they run on one GPU" if self.tensor_parallel_size > 1 else
+               f"they need the triton attention backend, not {self.attention_backend}"
+               if self.attention_backend in ("torch", "flash_attn") else
+               "they need CUDA" if not device.startswith("cuda") else None)
+        if why:
+            raise ValueError(f"prefill_cuda_graphs (--prefill-cuda-graphs) cannot be used here: {why}")
 
     def _check_attention_backend(self, device: str) -> None:
         """Refuse a backend that cannot run here, or would compute wrongly, before a weight loads:

@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0: off (Qwen3's generation config asks for 0.95)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--prefill-cuda-graphs", action="store_true")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="launch step N+1 before reading step N's sampled ids (default: on for CUDA)")
     parser.add_argument("--attention-backend", default="auto")
@@ -69,8 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     settings = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-                    async_scheduling=args.async_scheduling, attention_backend=args.attention_backend,
-                    kv_cache_dtype=args.kv_cache_dtype,
+                    prefill_cuda_graphs=args.prefill_cuda_graphs, async_scheduling=args.async_scheduling,
+                    attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
                     block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
                     tensor_parallel_size=args.tensor_parallel_size, device=args.device)
     config = (EngineConfig(model=args.model, **settings) if args.model

@@ -93,6 +93,7 @@ class ModelRunner:
         self.model.eval()
         self.vocab_size = hf.vocab_size
         self.graphs = None
+        self.prefill_graphs = None
         self.graph_capture_seconds = 0.0
         self.prev_tokens: torch.Tensor | None = None  # the last launch's sampled ids, on the device
         self.prev_rows = 0  # how many ids the last launch sampled (what a worker receives)
@@ -106,11 +107,15 @@ class ModelRunner:
             from nanoserve.runner.layers.skinny_choice import use_skinny_gemm_where_faster
             use_skinny_gemm_where_faster(self.model, config.max_num_seqs, self.device)
         draws_in_graphs = uses_graphs and self.tp.size == 1   # the LM head's gather stays out of graphs
+        graphs_prefill = uses_graphs and config.prefill_cuda_graphs and self._prefill_graphs_supported()
         if self.device.type == "cuda":
             peak = self.profile_peak_bytes()
             if draws_in_graphs:
                 from nanoserve.runner.cuda_graph import logits_buffer_bytes
                 peak += logits_buffer_bytes(config, self.vocab_size)
+            if graphs_prefill:
+                from nanoserve.runner.prefill_graph import prefill_graph_bytes
+                peak = prefill_graph_bytes(config, hf.hidden_size, peak)
             num_blocks = config.num_kvcache_blocks or blocks_for_gpu(config, peak)
         else:
             num_blocks = config.num_kvcache_blocks or blocks_for_cpu(config)
@@ -124,6 +129,13 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, config, show_progress, draws=draws_in_graphs)
             self.graph_capture_seconds = time.perf_counter() - start
             logger.info("captured %d CUDA graphs in %.1f s", len(self.graphs.sizes), self.graph_capture_seconds)
+        if graphs_prefill:
+            from nanoserve.runner.prefill_graph import PrefillGraphs
+            start = time.perf_counter()
+            self.prefill_graphs = PrefillGraphs(self.model, config, show_progress)
+            self.graph_capture_seconds += time.perf_counter() - start
+            logger.info("captured %d prefill CUDA graphs (up to %d tokens) in %.1f s", len(self.prefill_graphs.sizes),
+                        self.prefill_graphs.max_tokens, time.perf_counter() - start)
         if self.device.type == "cuda" and self.tp.rank == 0:
             from nanoserve.runner.sampling_kernel import warm_up
             warm_up(self.vocab_size, config.dtype, self.device)
@@ -188,6 +200,9 @@ class ModelRunner:
             if drawn is not None:   # the graph ran the LM head and a draw too
                 return StepLogits(out, work, None, drawn)
             hidden, rows = out, work
+        elif self.prefill_graphs is not None and self.prefill_graphs.fits(work):
+            hidden, inputs = self.prefill_graphs.run(work, self.prev_tokens)
+            hidden, rows = hidden[inputs.logits_indices], inputs.sample_rows
         else:
             inputs = build_inputs(work, self.block_size, self.device, self.prev_tokens)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
@@ -233,6 +248,14 @@ class ModelRunner:
         del cache
         torch.cuda.empty_cache()
         return peak
+
+    def _prefill_graphs_supported(self) -> bool:
+        """Prefill graphs replay the Triton prefill kernel, whose grid a bucket fixes, on one rank."""
+        if self.backend.name == "triton" and self.tp.size == 1:
+            return True
+        logger.warning("prefill CUDA graphs need the triton attention backend on one GPU (here %s, %d "
+                       "GPUs): prefill steps run eagerly", self.backend.name, self.tp.size)
+        return False
 
     def _bind(self, cache: KVCache | None) -> None:
         """Point every attention layer at its slice of `cache` (None: at nothing)."""

@@ -1,0 +1,155 @@
+"""CUDA graphs of small prefill steps: a lone prompt, or a few, padded to a token-count bucket.
+
+An eager prefill pays a Python launch for every kernel of every layer; for a 1k-token prompt
+alone that host time was ~4x the GPU's (bench/prefill.py --profile). A graph replays the whole
+forward pass, up to the last hidden states, for any step of at most PREFILL_GRAPH_SEQS sequences
+and at most the largest bucket's tokens. The LM head and sampling run after it, as they do
+after an eager forward.
+
+Static inputs, and what padding means in them:
+- tokens past the step's own: id 0 at position 0, cache slot -1 (nothing stored), and no sequence
+  owns them, so attention never writes their rows; every other layer works row by row, so
+  whatever those rows hold stays in them and nobody reads them;
+- sequences past the step's own: zero queries (query_start_loc repeats the total) and zero keys,
+  so their attention programs return at once.
+The prefill attention kernel takes its grid from the bucket (max_query_len = the bucket), and
+each program reads its sequence's real query range from the buffers, so one capture serves any
+split of the bucket's tokens over the sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from nanoserve.config import EngineConfig
+from nanoserve.runner.batch import AttentionMetadata, SequenceWork
+from nanoserve.runner.inputs import StepInputs, build_inputs
+from nanoserve.runner.layers.linear import building_graphs
+
+PREFILL_GRAPH_SEQS = 4      # sequences a graphed prefill step may hold: a lightly loaded server's steps
+SMALLEST_BUCKET = 16
+STEP_PAST_1K = 1024         # buckets double up to 1k tokens, then grow by 1k: padding stays under 1k
+
+
+def prefill_token_buckets(max_tokens: int) -> list[int]:
+    """Token counts a graph is captured for: 16, 32, ..., 1024, then steps of 1024, up to max_tokens."""
+    sizes, size = [], SMALLEST_BUCKET
+    while size < min(max_tokens, STEP_PAST_1K):
+        sizes.append(size)
+        size *= 2
+    sizes += list(range(STEP_PAST_1K, max_tokens, STEP_PAST_1K))
+    return sorted(set(sizes + [max_tokens]))
+
+
+def prefill_graph_bytes(config: EngineConfig, hidden_size: int, activation_peak: int) -> int:
+    """What the prefill graphs keep allocated, for KV sizing: their pool holds the largest bucket's
+    activations (at most the profiled peak of a full token budget) and every bucket's output."""
+    outputs = sum(prefill_token_buckets(config.max_num_batched_tokens)) * hidden_size * config.dtype.itemsize
+    return activation_peak + outputs
+
+
+def fits_prefill_graph(work: list[SequenceWork], max_tokens: int) -> bool:
+    """A step the graphs can run: a few sequences, no prompt logprobs (they read every row's
+    logits), and at most the largest bucket's tokens."""
+    return (len(work) <= PREFILL_GRAPH_SEQS and sum(w.num_new for w in work) <= max_tokens
+            and all(w.prompt_logprobs is None for w in work))
+
+
+class PrefillBuffers:
+    """The static inputs of the prefill graphs: token rows for the largest bucket, and
+    PREFILL_GRAPH_SEQS sequences of up to max_model_len keys."""
+
+    def __init__(self, max_tokens: int, max_blocks: int, device: torch.device) -> None:
+        n, s = max_tokens, PREFILL_GRAPH_SEQS
+        self.i64 = torch.zeros((3, n), dtype=torch.int64, device=device)   # ids, positions, slots
+        self.query_start = torch.zeros(s + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((s, max_blocks), dtype=torch.int32, device=device)
+
+    def meta(self, bucket: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.i64[2, :bucket],
+            query_start_loc=self.query_start,
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            max_query_len=bucket,    # sizes the attention grid: any sequence's queries fit
+            max_seq_len=bucket,
+            # the bucket's rows, all "owned": the kernel leaves padding rows as they are
+            query_lens_host=[bucket],
+            seq_lens_host=[bucket],
+        )
+
+    def clear(self, bucket: int) -> None:
+        """Every row padding, every sequence empty: what capture runs over (it stores nothing)."""
+        self.i64[:2, :bucket].zero_()
+        self.i64[2, :bucket].fill_(-1)
+        self.query_start.zero_()
+        self.seq_lens.zero_()
+
+    def stage(self, inputs: StepInputs, bucket: int) -> None:
+        """Copy a step's packed inputs (already on the device) into the first rows, padding the rest."""
+        n, seqs = inputs.input_ids.shape[0], inputs.meta.seq_lens.shape[0]
+        self.i64[0, :n].copy_(inputs.input_ids)
+        self.i64[1, :n].copy_(inputs.positions)
+        self.i64[2, :n].copy_(inputs.meta.slot_mapping)
+        if n < bucket:
+            self.i64[:2, n:bucket].zero_()
+            self.i64[2, n:bucket].fill_(-1)
+        self.query_start[:seqs + 1].copy_(inputs.meta.query_start_loc)
+        self.query_start[seqs + 1:].fill_(n)
+        self.seq_lens[:seqs].copy_(inputs.meta.seq_lens)
+        self.seq_lens[seqs:].zero_()
+        tables = inputs.meta.block_tables
+        self.block_tables[:seqs, :tables.shape[1]].copy_(tables)
+
+
+class PrefillGraphs:
+    """Replays a captured forward pass for prefill (and mixed) steps of a few sequences."""
+
+    def __init__(self, model: nn.Module, config: EngineConfig, show_progress: bool = False) -> None:
+        self.model = model
+        self.block_size = config.block_size
+        self.device = torch.device(config.device)
+        self.sizes = prefill_token_buckets(config.max_num_batched_tokens)
+        self.max_tokens = self.sizes[-1]
+        self.buffers = PrefillBuffers(self.max_tokens, -(-config.max_model_len // config.block_size), self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._capture(show_progress)
+
+    def _step(self, bucket: int) -> torch.Tensor:
+        b = self.buffers
+        return self.model(b.i64[0, :bucket], b.i64[1, :bucket], b.meta(bucket))
+
+    @torch.inference_mode()
+    def _capture(self, show_progress: bool) -> None:
+        pool = None
+        with building_graphs():
+            for bucket in tqdm(reversed(self.sizes), total=len(self.sizes), desc="Capturing prefill graphs",
+                               disable=not show_progress):
+                self.buffers.clear(bucket)
+                self._step(bucket)   # warm-up: compiles for this token count stay out of the graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[bucket] = self._step(bucket)
+                pool = graph.pool()
+                self.graphs[bucket] = graph
+        torch.cuda.synchronize()
+
+    def fits(self, work: list[SequenceWork]) -> bool:
+        return fits_prefill_graph(work, self.max_tokens)
+
+    def run(self, work: list[SequenceWork], prev_tokens: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, StepInputs]:
+        """The step's last hidden states (a view of the bucket's static output: read it before the
+        next replay of that bucket, as stream order does) and its packed inputs."""
+        inputs = build_inputs(work, self.block_size, self.device, prev_tokens)
+        bucket = self.bucket(inputs.input_ids.shape[0])
+        self.buffers.stage(inputs, bucket)
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][:inputs.input_ids.shape[0]], inputs
+
+    def bucket(self, tokens: int) -> int:
+        return next(s for s in self.sizes if s >= tokens)

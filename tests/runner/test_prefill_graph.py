@@ -1,0 +1,100 @@
+"""Prefill graphs' static inputs on the CPU (the Triton kernels under the interpreter, no capture):
+a step staged into the padded buffers of a larger bucket gives the eager forward's hidden states,
+stores nothing for its padding rows, and leaves no trace of an earlier, larger step. The bucket
+list, which steps fit, and the flag combinations refused up front."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve import SamplingParams
+from nanoserve.config import EngineConfig
+from nanoserve.engine.llm import LLM
+from nanoserve.runner.batch import SequenceWork
+from nanoserve.runner.inputs import build_inputs
+from nanoserve.runner.prefill_graph import (PREFILL_GRAPH_SEQS, PrefillBuffers, fits_prefill_graph,
+                                            prefill_token_buckets)
+
+if torch.cuda.is_available():
+    pytest.skip("CPU checks of the static inputs; tests/gpu replays the graphs", allow_module_level=True)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    llm = LLM(device="cpu", attention_backend="triton", max_model_len=128, num_kvcache_blocks=64)
+    yield llm.engine.runner
+    llm.close()
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(1, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def padded_forward(runner, work: list[SequenceWork], buffers: PrefillBuffers, bucket: int) -> torch.Tensor:
+    inputs = build_inputs(work, runner.block_size, runner.device)
+    buffers.stage(inputs, bucket)
+    hidden = runner.model(buffers.i64[0, :bucket], buffers.i64[1, :bucket], buffers.meta(bucket))
+    return hidden[:inputs.input_ids.shape[0]]
+
+
+@torch.inference_mode()
+def test_a_padded_step_gives_the_eager_hidden_states_and_stores_only_its_own_slots(runner) -> None:
+    bs = runner.block_size
+    a, b, c = ids(40, 1), ids(20, 2), ids(9, 3)
+    runner.kv_cache.tensor.zero_()   # a fresh cache holds whatever memory held, NaNs included
+    # a's first 24 tokens are already cached (a chunked prefill's history), c has 8 of its 9
+    runner.run([SequenceWork(a, 40, 0, 24, [0, 1, 2], None), SequenceWork(c, 9, 0, 8, [10], None)])
+    work = [SequenceWork(a, 40, 24, 16, [0, 1, 2], GREEDY),   # the rest of a: keys 0..39
+            SequenceWork(b, 20, 0, 20, [5, 6], GREEDY),       # a whole prompt
+            SequenceWork(c, 9, 8, 1, [10], GREEDY)]           # one new token, as a decode row is
+    cache = runner.kv_cache.tensor
+    before = cache.clone()
+    buffers = PrefillBuffers(128, 128 // bs, runner.device)
+    # an earlier, larger step leaves stale ids, sequences and tables in the buffers
+    big = [SequenceWork(ids(30, 4 + i), 30, 0, 30, [20 + 2 * i, 21 + 2 * i], None) for i in range(PREFILL_GRAPH_SEQS)]
+    padded_forward(runner, big, buffers, 128)
+    before[:, :, 20:28] = cache[:, :, 20:28]
+    got = padded_forward(runner, work, buffers, 64)
+    # what is not the step's own is padding: no queries, no keys, no stores
+    n = sum(w.num_new for w in work)
+    assert buffers.query_start[len(work) + 1:].tolist() == [n] * (PREFILL_GRAPH_SEQS - len(work))
+    assert buffers.seq_lens[len(work):].tolist() == [0] * (PREFILL_GRAPH_SEQS - len(work))
+    assert buffers.i64[2, n:64].eq(-1).all() and buffers.i64[:2, n:64].eq(0).all()
+    stored = cache.clone()
+    want = runner.model(*(lambda i: (i.input_ids, i.positions, i.meta))(build_inputs(work, bs, runner.device)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache, stored, rtol=1e-5, atol=1e-5)   # the eager pass stored the same K/V
+    slots = {blk * bs + p % bs for w in work for p in range(w.start, w.start + w.num_new)
+             for blk in [w.block_table[p // bs]]}
+    changed = (stored != before).any(-1).any(-1).any(0).any(0).flatten()   # [blocks, block_size] -> slot
+    assert set(torch.nonzero(changed).flatten().tolist()) <= slots
+
+
+def test_buckets_double_to_1k_then_grow_by_1k() -> None:
+    assert prefill_token_buckets(8192) == [16, 32, 64, 128, 256, 512] + list(range(1024, 8193, 1024))
+    assert prefill_token_buckets(100) == [16, 32, 64, 100]
+    assert prefill_token_buckets(3000) == [16, 32, 64, 128, 256, 512, 1024, 2048, 3000]
+
+
+def test_which_steps_fit() -> None:
+    one = lambda n, **kw: SequenceWork(list(range(n)), n, 0, n, [0], GREEDY, **kw)  # noqa: E731
+    assert fits_prefill_graph([one(1000)], 1024)
+    assert fits_prefill_graph([one(10)] * PREFILL_GRAPH_SEQS, 1024)
+    assert not fits_prefill_graph([one(10)] * (PREFILL_GRAPH_SEQS + 1), 1024)
+    assert not fits_prefill_graph([one(600), one(600)], 1024)
+    assert not fits_prefill_graph([one(10, prompt_logprobs=1)], 1024)
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    (dict(), "need CUDA"),
+    (dict(enforce_eager=True), "enforce-eager"),
+    (dict(tensor_parallel_size=2), "one GPU"),
+    (dict(attention_backend="flash_attn"), "triton attention backend, not flash_attn"),
+    (dict(attention_backend="torch"), "triton attention backend, not torch"),
+])
+def test_flag_combinations_that_rule_prefill_graphs_out_are_refused(kwargs, why) -> None:
+    with pytest.raises(ValueError, match=why):
+        EngineConfig(device="cpu", prefill_cuda_graphs=True, **kwargs)
