@@ -11,6 +11,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, FP8_FLASH_ATTN_REFUSAL,  # noqa: F401 - re-exported
                                 KV_CACHE_DTYPES)
+from nanoserve.sampling_params import SEED_RANGE
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -129,6 +130,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            # past it torch.manual_seed failed in the engine's process with "Overflow when unpacking long long"
+            raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (what torch's generator takes), "
+                             f"got {self.seed}")
 
     def _check_prefill_graphs(self, device: str) -> None:
         """Prefill graphs replay the Triton prefill kernel on one GPU: refuse what rules that out."""

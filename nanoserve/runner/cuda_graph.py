@@ -70,7 +70,8 @@ class DecodeBuffers:
         # int64 rows: token ids, positions, slots, and the draw's noise seeds
         self.dev_i64 = torch.zeros((4, n), dtype=torch.int64, device=device)
         self.dev_inv_temp = torch.zeros(n, dtype=torch.float32, device=device)
-        self.rng = np.random.default_rng(seed)
+        # numpy takes no negative seed; torch reads -1 as 2**64 - 1, and so does this
+        self.rng = np.random.default_rng(seed % 2**64)
         # int32: n seq lens, then n block-table rows; both contiguous (flash-attn wants that)
         dev_i32 = torch.zeros(n * (1 + max_blocks), dtype=torch.int32, device=device)
         self.dev_lens, self.dev_tables = dev_i32[:n], dev_i32[n:].view(n, max_blocks)

@@ -202,3 +202,13 @@ def test_the_config_refuses_attention_backends_that_cannot_run_here(monkeypatch,
         EngineConfig(device="cpu", **kwargs)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert EngineConfig(device="cpu", attention_backend="triton", dtype="float16").attention_backend == "triton"
+
+
+def test_the_config_takes_the_seeds_torch_takes_and_names_the_range_past_them():
+    from nanoserve import EngineConfig
+
+    for seed in (-(2**63), -1, 2**64 - 1):
+        assert EngineConfig(device="cpu", seed=seed).seed == seed
+    for seed in (-(2**63) - 1, 2**64):
+        with pytest.raises(ValueError, match=r"seed must be in \[-9223372036854775808, 18446744073709551615\]"):
+            EngineConfig(device="cpu", seed=seed)

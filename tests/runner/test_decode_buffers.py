@@ -32,6 +32,17 @@ def staged(buffers: DecodeBuffers, work: list[SequenceWork], batch: int, prev=No
     return buffers.dev_i64[0, :batch], buffers.dev_i64[1, :batch], meta
 
 
+def test_a_negative_engine_seed_seeds_the_draws_as_torch_reads_it():
+    """numpy refuses negative seeds: `serve --seed -1` failed to start wherever decode graphs are captured."""
+    def noise_seeds(seed: int) -> torch.Tensor:
+        buffers = DecodeBuffers(4, max_blocks=8, max_model_len=32, block_size=BLOCK, device=torch.device("cpu"),
+                                seed=seed)
+        buffers.stage(decode_work(random.Random(0), 4), 4, None)
+        return buffers.dev_i64[3].clone()
+
+    assert torch.equal(noise_seeds(-1), noise_seeds(2**64 - 1))
+
+
 def test_staged_rows_equal_the_eager_inputs_and_padding_reads_nothing():
     rng = random.Random(0)
     buffers = DecodeBuffers(16, max_blocks=8, max_model_len=32, block_size=BLOCK, device=torch.device("cpu"))
