@@ -119,6 +119,12 @@ class EngineConfig:
             set_("block_size", 16 if device == "cpu" else 256)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        # every sequence holds at least one whole block, and the torch backend reads it whole: with
+        # --block-size 1048576 the server made 0.7 tokens a second, and 2**30 asked for 4 TiB at startup
+        largest = max(256, 1 << (self.max_model_len - 1).bit_length())   # 256: CUDA's default, flash_attn's block
+        if self.block_size > largest:
+            raise ValueError(f"block_size ({self.block_size}) is more than a sequence of max_model_len "
+                             f"({self.max_model_len}) can fill; use a block_size of at most {largest}")
         self._check_attention_backend(device)
         if self.num_kvcache_blocks is not None:
             needed = -(-self.max_model_len // self.block_size)

@@ -204,6 +204,16 @@ def test_the_config_refuses_attention_backends_that_cannot_run_here(monkeypatch,
     assert EngineConfig(device="cpu", attention_backend="triton", dtype="float16").attention_backend == "triton"
 
 
+def test_the_config_refuses_a_block_no_sequence_can_fill():
+    from nanoserve import EngineConfig
+
+    with pytest.raises(ValueError, match=r"block_size \(4096\) is more than a sequence of max_model_len "
+                                         r"\(2048\) can fill; use a block_size of at most 2048"):
+        EngineConfig(device="cpu", block_size=4096)
+    assert EngineConfig(device="cpu", block_size=2048, max_model_len=1500).block_size == 2048
+    assert EngineConfig(device="cpu", block_size=256, max_model_len=100).block_size == 256
+
+
 def test_the_config_takes_the_seeds_torch_takes_and_names_the_range_past_them():
     from nanoserve import EngineConfig
 
