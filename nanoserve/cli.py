@@ -178,6 +178,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     if args.max_queue_len < 1:
         parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
+    if not 0 <= args.port <= 65535:   # else bind() raised OverflowError, traceback and all
+        parser.error(f"--port must be in 0-65535, got {args.port}")
     if args.api_key is not None and (not args.api_key.strip() or not args.api_key.isascii()):
         # an empty key (an unset variable spliced in) would leave every route open without a word
         parser.error("--api-key is empty, blank or not ASCII: give a key of printable ASCII characters, "

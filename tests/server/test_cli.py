@@ -155,6 +155,20 @@ def test_generate_checks_its_flags_before_loading_weights(monkeypatch, capsys):
         assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [(["--port", "70000"], "--port must be in 0-65535, got 70000"),
+                                            (["--port", "-1"], "--port must be in 0-65535, got -1")])
+def test_serve_checks_its_flags_before_loading_weights(monkeypatch, capsys, flags, message):
+    import nanoserve.server.app
+
+    def no_serving(*args, **kwargs):
+        raise AssertionError("the server started before the flags were checked")
+
+    monkeypatch.setattr(nanoserve.server.app, "serve", no_serving)
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--device", "cpu", *flags])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_serve_takes_the_model_as_a_flag_too(server_model):
     args = build_parser().parse_args(["serve", "--model", "/models/x"])
     assert (args.model, args.model_flag) == (None, "/models/x")
