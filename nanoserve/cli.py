@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import sys
 
 from nanoserve import __version__
-from nanoserve.defaults import ATTENTION_BACKENDS, DEFAULT_MODEL, KV_CACHE_DTYPES, LOG_FORMAT
+from nanoserve.defaults import ATTENTION_BACKENDS, DEFAULT_MODEL, ENGINE_HEARTBEAT_S, KV_CACHE_DTYPES, LOG_FORMAT
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
@@ -186,8 +187,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                      "or leave the flag out to serve without one")
     if args.api_key is None and os.environ.get("NANOSERVE_API_KEY") == "":
         print("nanoserve: warning: NANOSERVE_API_KEY is set but empty: serving without an API key", file=sys.stderr)
-    if not args.engine_stall_timeout > 0:
-        parser.error(f"--engine-stall-timeout must be a positive number of seconds, got {args.engine_stall_timeout}")
+    _check_seconds(args, parser)
     try:
         check_generation_config(args.generation_config)
     except ValueError as exc:
@@ -212,6 +212,23 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     raise_open_file_limit(settings.limits.max_connections)
     serve(EngineConfig(**_engine_kwargs(args, args.model)), settings, args.host, args.port, args.max_queue_len,
           args.shutdown_timeout, args.log_level)
+
+
+def _check_seconds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The serve flags that are durations; each misbehaved only later, once serving."""
+    shortest_stall = 3 * ENGINE_HEARTBEAT_S
+    if not args.engine_stall_timeout >= shortest_stall:
+        # idle heartbeats come up to 2 s apart: /health answered 503 engine_stalled for a healthy engine
+        parser.error(f"--engine-stall-timeout must be at least {shortest_stall:g} seconds (the engine core's "
+                     f"heartbeat comes every {ENGINE_HEARTBEAT_S:g} s), got {args.engine_stall_timeout}")
+    if not 0 <= args.engine_death_grace_period < math.inf:
+        # nan or inf: the server never exited after its engine died, so no supervisor restarted it
+        parser.error(f"--engine-death-grace-period must be a finite number of seconds >= 0, "
+                     f"got {args.engine_death_grace_period}")
+    if not args.shutdown_timeout >= 0:
+        # nan: the drain on SIGTERM crashed with a traceback and cut every request at once
+        parser.error(f"--shutdown-timeout must be a number of seconds >= 0 (inf: wait for every request), "
+                     f"got {args.shutdown_timeout}")
 
 
 def _chat_template(value: str | None) -> str | None:

@@ -13,4 +13,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")  # vLLM's names: auto = the model's dtype, fp8
 FP8_FLASH_ATTN_REFUSAL = ("kv_cache_dtype='fp8' needs the triton attention backend (torch on the CPU): the "
                           "flash_attn backend cannot read an fp8 KV cache; use --attention-backend triton (or "
                           "torch on the CPU) with --kv-cache-dtype fp8, or --kv-cache-dtype auto")
+# a core that has nothing to say still says so this often (the front end's liveness); idle, it
+# looks up from its input socket once a second, so two heartbeats can be up to 2 s apart
+ENGINE_HEARTBEAT_S = 1.0
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"   # the server's and the engine process's

@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from nanoserve.config import EngineConfig
-from nanoserve.defaults import LOG_FORMAT
+from nanoserve.defaults import ENGINE_HEARTBEAT_S, LOG_FORMAT
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.messages import (AbortRequests, AddRequest, EngineDied, EngineOutputs, EngineReady,
                                        RequestFailed, Shutdown, input_decoder, output_encoder)
@@ -29,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 _PARENT_CHECK_MS = 1000  # how often an idle core checks that its front end still lives
 _STALLED_WAIT_MS = 1     # how long a core whose step did nothing waits before trying again
-HEARTBEAT_S = 1.0        # a core that has nothing to say still says so this often (the front end's liveness)
 
 
 class EngineCore:
@@ -81,7 +80,7 @@ class EngineCore:
             if not engine.has_unfinished_requests() and not self.inputs.poll(_PARENT_CHECK_MS):
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     return  # orphaned where the kernel could not be asked to kill us
-                if time.monotonic() - last_sent >= HEARTBEAT_S:
+                if time.monotonic() - last_sent >= ENGINE_HEARTBEAT_S:
                     self.send(EngineOutputs([], engine.stats(), []))  # alive, and idle
                     last_sent = time.monotonic()
                 continue
@@ -91,7 +90,7 @@ class EngineCore:
             outputs = engine.step() if engine.has_unfinished_requests() else []
             failed += [RequestFailed(ids, why) for ids, why in engine.take_failures()]
             stats = engine.stats()
-            if outputs or failed or stats != last_stats or time.monotonic() - last_sent >= HEARTBEAT_S:
+            if outputs or failed or stats != last_stats or time.monotonic() - last_sent >= ENGINE_HEARTBEAT_S:
                 self.send(EngineOutputs(outputs, stats, failed))
                 last_stats, last_sent = stats, time.monotonic()
             elif engine.has_unfinished_requests():

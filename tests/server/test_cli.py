@@ -155,8 +155,17 @@ def test_generate_checks_its_flags_before_loading_weights(monkeypatch, capsys):
         assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, message", [(["--port", "70000"], "--port must be in 0-65535, got 70000"),
-                                            (["--port", "-1"], "--port must be in 0-65535, got -1")])
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "70000"], "--port must be in 0-65535, got 70000"),
+    (["--port", "-1"], "--port must be in 0-65535, got -1"),
+    (["--engine-stall-timeout", "0.5"], "--engine-stall-timeout must be at least 3 seconds"),
+    (["--engine-stall-timeout", "nan"], "--engine-stall-timeout must be at least 3 seconds"),
+    (["--engine-death-grace-period", "nan"], "--engine-death-grace-period must be a finite number of seconds >= 0"),
+    (["--engine-death-grace-period", "inf"], "--engine-death-grace-period must be a finite number of seconds >= 0"),
+    (["--engine-death-grace-period", "-5"], "--engine-death-grace-period must be a finite number of seconds >= 0"),
+    (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a number of seconds >= 0"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0"),
+])
 def test_serve_checks_its_flags_before_loading_weights(monkeypatch, capsys, flags, message):
     import nanoserve.server.app
 
