@@ -36,3 +36,14 @@ def hf_model(path: str, dtype: torch.dtype):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
     model.generation_config.eos_token_id = None
     return model
+
+
+def assert_transformers_greedy(path: str, prompts: list[list[int]], ours: list[list[int]]) -> None:
+    """Each of our greedy continuations equals transformers' float32 greedy continuation of its prompt."""
+    model = hf_model(path, torch.float32)
+    with torch.no_grad():
+        for ids, got in zip(prompts, ours):
+            out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=len(got), do_sample=False,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
+                                 pad_token_id=0)
+            assert got == out[0, len(ids):].tolist()

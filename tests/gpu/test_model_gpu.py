@@ -7,7 +7,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from tests.conftest import random_prompts
-from tests.gpu.conftest import hf_model
+from tests.gpu.conftest import assert_transformers_greedy, hf_model
 
 pytestmark = pytest.mark.gpu
 
@@ -21,13 +21,7 @@ def test_float32_greedy_matches_transformers(qwen3_06b, enforce_eager, async_sch
     # lengths 49..64: the batch shrinks step by step, so graph buckets run with padding rows
     params = [SamplingParams(temperature=0, max_tokens=49 + i, ignore_eos=True) for i in range(len(prompts))]
     ours = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    model = hf_model(qwen3_06b, torch.float32)
-    with torch.no_grad():
-        for ids, got in zip(prompts, ours):
-            out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=64, do_sample=False,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
-                                 pad_token_id=0)
-            assert got == out[0, len(ids):len(ids) + len(got)].tolist()
+    assert_transformers_greedy(qwen3_06b, prompts, ours)
 
 
 def test_bf16_first_step_logits_close_to_transformers(qwen3_06b):

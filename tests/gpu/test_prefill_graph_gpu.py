@@ -5,11 +5,10 @@ mixed with decode rows."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from nanoserve import LLM, SamplingParams
 from tests.conftest import random_prompts
-from tests.gpu.conftest import hf_model
+from tests.gpu.conftest import assert_transformers_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -39,12 +38,6 @@ def test_graphed_prefill_gives_transformers_greedy_tokens(qwen3_06b, max_num_seq
     prompts += random_prompts(2, 10000, 20, 60, seed=12, shared_prefix=600)   # alone, the second finds 512 keys cached
     ours = greedy(llm, prompts)
     assert replays >= len(prompts)
-    model = hf_model(qwen3_06b, torch.float32)
-    with torch.no_grad():
-        for ids, got in zip(prompts, ours):
-            out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=len(got), do_sample=False,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
-                                 pad_token_id=0)
-            assert got == out[0, len(ids):].tolist()
+    assert_transformers_greedy(qwen3_06b, prompts, ours)
     llm.close()
 

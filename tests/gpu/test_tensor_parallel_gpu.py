@@ -8,7 +8,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from tests.conftest import random_prompts
-from tests.gpu.conftest import hf_model
+from tests.gpu.conftest import assert_transformers_greedy
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -21,10 +21,4 @@ def test_two_gpus_match_transformers(qwen3_06b, enforce_eager):
     with LLM(qwen3_06b, dtype="float32", device="cuda", tensor_parallel_size=2, max_model_len=1024,
              max_num_seqs=8, num_kvcache_blocks=64, enforce_eager=enforce_eager) as llm:
         ours = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    model = hf_model(qwen3_06b, torch.float32)
-    with torch.no_grad():
-        for ids, got in zip(prompts, ours):
-            out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=len(got), do_sample=False,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
-                                 pad_token_id=0)
-            assert got == out[0, len(ids):].tolist()
+    assert_transformers_greedy(qwen3_06b, prompts, ours)
