@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanoserve.attention_support import attention_refusal
 from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, FP8_FLASH_ATTN_REFUSAL,  # noqa: F401 - re-exported
                                 KV_CACHE_DTYPES)
 from nanoserve.sampling_params import SEED_RANGE
@@ -111,8 +112,6 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype == "fp8" and self.attention_backend == "flash_attn":
-            raise ValueError(FP8_FLASH_ATTN_REFUSAL)
         if self.prefill_cuda_graphs:
             self._check_prefill_graphs(device)
         if self.block_size is None:
@@ -154,27 +153,13 @@ class EngineConfig:
     def _check_attention_backend(self, device: str) -> None:
         """Refuse a backend that cannot run here, or would compute wrongly, before a weight loads:
         the runner's own refusal comes only once the model is in memory, in the engine's process."""
-        name, on_cuda = self.attention_backend, device.startswith("cuda")
-        if name == "flash_attn" and not on_cuda:
-            raise ValueError(f"attention_backend='flash_attn' needs a CUDA device, got {device!r}; "
-                             "use --attention-backend torch (or auto) on the CPU")
-        if name == "flash_attn" and self.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"attention_backend='flash_attn' computes in float16 or bfloat16, not "
-                             f"{str(self.dtype).removeprefix('torch.')}; use --attention-backend triton")
-        # auto on CUDA is triton unless flash_attn takes it, and flash_attn needs blocks of 256
-        if (name == "triton" or (name == "auto" and on_cuda)) and self.block_size < 16:
-            raise ValueError(f"the triton attention backend needs block_size >= 16, got {self.block_size}; "
-                             "use --block-size 16 or more")
-        if name != "triton" or on_cuda:
-            return
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"attention_backend='triton' needs a CUDA device, got {device!r}; use "
-                             "--attention-backend torch (or auto) on the CPU, or set TRITON_INTERPRET=1 to run "
-                             "the kernels in Triton's interpreter, slowly")
-        if self.dtype == torch.bfloat16:
-            # the interpreter's tl.dot returns garbage in bfloat16 (Triton 3.9): the server answered nonsense
-            raise ValueError("attention_backend='triton' on the CPU runs in Triton's interpreter, which "
-                             "computes bfloat16 wrongly; use --dtype float32 or float16, or --attention-backend torch")
+        name = self.attention_backend
+        if name == "auto":
+            # on CUDA auto is triton unless flash_attn takes it, which needs blocks of 256
+            name = "triton" if device.startswith("cuda") and self.block_size % 256 else None
+        why = name and attention_refusal(name, device, self.block_size, self.kv_cache_dtype, self.dtype)
+        if why:
+            raise ValueError(why)
 
     def _check_tensor_parallel(self, device: str) -> None:
         size, hf = self.tensor_parallel_size, self.hf_config

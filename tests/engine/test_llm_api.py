@@ -189,7 +189,7 @@ def test_device_defaults_resolve_in_the_config():
 @pytest.mark.parametrize("kwargs, interpret, refusal", [
     (dict(attention_backend="triton", dtype="bfloat16"), "1", "computes bfloat16 wrongly; use --dtype float32"),
     (dict(attention_backend="triton"), "0", "needs a CUDA device, got 'cpu'; use --attention-backend torch"),
-    (dict(attention_backend="triton", block_size=8), "1", "needs block_size >= 16, got 8"),
+    (dict(attention_backend="triton", block_size=8), "1", "block_size >= 16, got 8"),
     (dict(attention_backend="flash_attn"), "1", "'flash_attn' needs a CUDA device"),
 ])
 def test_the_config_refuses_attention_backends_that_cannot_run_here(monkeypatch, kwargs, interpret, refusal):
