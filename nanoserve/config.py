@@ -106,7 +106,9 @@ class EngineConfig:
                              f"max_model_len ({self.max_model_len}) unless chunked prefill is enabled")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"need 1 <= max_num_seqs ({self.max_num_seqs}) <= "
-                             f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+                             f"max_num_batched_tokens ({self.max_num_batched_tokens}): every running "
+                             f"sequence decodes a token each step; lower --max-num-seqs or raise "
+                             f"--max-num-batched-tokens")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")

@@ -222,3 +222,10 @@ def test_the_config_takes_the_seeds_torch_takes_and_names_the_range_past_them():
     for seed in (-(2**63) - 1, 2**64):
         with pytest.raises(ValueError, match=r"seed must be in \[-9223372036854775808, 18446744073709551615\]"):
             EngineConfig(device="cpu", seed=seed)
+
+
+def test_a_token_budget_under_max_num_seqs_is_refused_with_what_to_change():
+    from nanoserve import EngineConfig
+
+    with pytest.raises(ValueError, match="lower --max-num-seqs or raise --max-num-batched-tokens"):
+        EngineConfig(device="cpu", max_num_batched_tokens=16)
