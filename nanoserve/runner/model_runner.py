@@ -109,13 +109,13 @@ class ModelRunner:
         draws_in_graphs = uses_graphs and self.tp.size == 1   # the LM head's gather stays out of graphs
         graphs_prefill = uses_graphs and config.prefill_cuda_graphs and self._prefill_graphs_supported()
         if self.device.type == "cuda":
-            peak = self.profile_peak_bytes()
+            peak = activations = self.profile_peak_bytes()
             if draws_in_graphs:
                 from nanoserve.runner.cuda_graph import logits_buffer_bytes
                 peak += logits_buffer_bytes(config, self.vocab_size)
-            if graphs_prefill:
+            if graphs_prefill:   # their pool is held beside the eager steps' memory
                 from nanoserve.runner.prefill_graph import prefill_graph_bytes
-                peak = prefill_graph_bytes(config, hf.hidden_size, peak)
+                peak += prefill_graph_bytes(config, hf.hidden_size, activations)
             num_blocks = config.num_kvcache_blocks or blocks_for_gpu(config, peak)
         else:
             num_blocks = config.num_kvcache_blocks or blocks_for_cpu(config)
