@@ -64,6 +64,10 @@ def render_chat(state: ServerState, messages: list[ChatMessage], text_length: in
                                        **extra)
     except (jinja2.TemplateError, TypeError, ValueError) as exc:  # e.g. "roles must alternate user/assistant"
         raise APIError(f"The chat template refused these messages: {exc}", param="messages") from None
+    # tools and reasoning_content are written by the template but not counted above: 25 MB of a
+    # tool's description took 40 s and 3.6 GB to tokenize before the token count refused it
+    state.prompt_size.check(len(text), "messages", "conversation as the chat template writes it (tools and "
+                            "reasoning_content included)")
     # the template already wrote every special token the model expects (BOS included)
     return tok.encode(text, add_special_tokens=False)
 

@@ -192,6 +192,20 @@ def test_a_conversation_of_more_messages_than_the_context_holds_is_refused_befor
     assert httpx.get(f"{tool_server.url}/health", timeout=10).status_code == 200
 
 
+@pytest.mark.parametrize("where", ["tool description", "reasoning_content"])
+def test_text_only_the_template_writes_is_bounded_before_tokenizing(tool_server, where):
+    # the template writes tools and reasoning_content; 25 MB of either took 40 s and 3.6 GB to tokenize
+    big = "word " * 200_000
+    body = {"messages": [*MESSAGES, {"role": "assistant", "content": "x", "reasoning_content": big}]} \
+        if where == "reasoning_content" else \
+        {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f", "description": big}}]}
+    for path, extra in (("/v1/chat/completions", {"max_tokens": 4}), ("/tokenize", {})):
+        r = httpx.post(f"{tool_server.url}{path}", json={**body, **extra}, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "context_length_exceeded" and "as the chat template writes it" in error["message"]
+
+
 def test_auto_tool_choice_needs_the_server_flags(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, "tools": TOOLS},
                    timeout=30)
