@@ -25,7 +25,8 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str | None       # "stop", "length", "abort" once finished
     num_prompt_tokens: int
     num_cached_tokens: int
-    # with the first token of a request that asked for them: one entry per prompt token, None first
+    # with the first token of a request that asked for them: one entry per prompt token, None first;
+    # siblings (n > 1) get none, their prompt's are those of its first choice
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 

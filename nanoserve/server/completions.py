@@ -9,7 +9,6 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from nanoserve.engine.async_engine import RequestStream, RequestUpdate
-from nanoserve.engine.outputs import CompletionOutput
 from nanoserve.server.errors import APIError
 from nanoserve.server.logprobs import TextOffsets, completion_logprobs
 from nanoserve.server.metrics import RequestTimer
@@ -63,11 +62,14 @@ class Completion(OpenAIResponse):
         """echo with logprobs: the echoed prompt carries its own tokens' logprobs."""
         return self.req.echo and self.req.logprobs is not None
 
-    def echoed_tokens(self, choice: int, out: CompletionOutput) -> tuple[list[int], list]:
-        """Prompt token ids and logprobs that lead a choice's logprobs when the prompt is scored."""
+    def echoed_tokens(self, choice: int, stream: RequestStream) -> tuple[list[int], list]:
+        """Prompt token ids and logprobs that lead a choice's logprobs when the prompt is scored.
+        The engine scores a prompt once, for its first choice, which has produced a token (and
+        so its prompt's logprobs) before any of its siblings starts."""
         if not self.scores_prompt:
             return [], []
-        return self.prompts[choice // self.req.n], out.prompt_logprobs or []
+        p = choice // self.req.n
+        return self.prompts[p], stream.outputs[p * self.req.n].prompt_logprobs or []
 
     def text_offsets(self, choice: int) -> TextOffsets:
         """Where a choice's tokens start in its text: a scored prompt's offsets count from its own
@@ -82,7 +84,7 @@ class Completion(OpenAIResponse):
             prefix = self.echo(c)
             logprobs = None
             if self.req.logprobs is not None:
-                ids, lps = self.echoed_tokens(c, out)
+                ids, lps = self.echoed_tokens(c, stream)
                 logprobs = completion_logprobs(self.state.texts, ids + out.token_ids, lps + (out.logprobs or []),
                                                self.text_offsets(c), num_prompt_tokens=len(ids))
             choices.append({"index": c, "text": prefix + out.text, "logprobs": logprobs,
@@ -98,7 +100,7 @@ class Completion(OpenAIResponse):
             if self.scores_prompt and u.index not in echoed:
                 # a prompt's logprobs exist once it is computed, so it is echoed with the first tokens
                 echoed.add(u.index)
-                prompt_ids, prompt_lps = self.echoed_tokens(u.index, stream.outputs[u.index])
+                prompt_ids, prompt_lps = self.echoed_tokens(u.index, stream)
                 text, ids, lps = self.echo(u.index) + text, prompt_ids + ids, prompt_lps + lps
                 num_prompt_tokens = len(prompt_ids)
             logprobs = None

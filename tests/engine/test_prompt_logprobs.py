@@ -57,6 +57,18 @@ def test_a_cached_prefix_is_scored_all_the_same(qwen3_model):
     assert_matches_hf(qwen3_model, prompt, scored.prompt_logprobs)
 
 
+def test_n_choices_score_their_prompt_once_and_share_its_blocks(qwen3_model):
+    prompt = random_prompts(1, 384, 70, 70, seed=13)[0]
+    llm = LLM(qwen3_model, dtype="float32", device="cpu", block_size=16)
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, prompt_logprobs=TOP, n=4)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert_matches_hf(qwen3_model, prompt, out.prompt_logprobs)
+    # the siblings start from the first choice's cached prompt, where each once prefilled it anew
+    assert out.num_cached_tokens == 64 and len(out.outputs) == 4
+    assert all(len(o.token_ids) == 3 for o in out.outputs)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
 def test_prompt_logprobs_range_is_checked():
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
