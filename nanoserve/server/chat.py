@@ -97,8 +97,9 @@ class ChatCompletion(OpenAIResponse):
         choices = []
         for c, out in enumerate(stream.outputs):
             message, finish_reason = self.readers[c].message(out.text, out.finish_reason)
-            choices.append({"index": c, "message": message, "logprobs": self.logprobs(out.token_ids, out.logprobs),
-                            "finish_reason": finish_reason})
+            logprobs = self.logprobs(out.token_ids, out.logprobs)
+            choices.append(await self.serialized({"index": c, "message": message, "logprobs": logprobs,
+                                                  "finish_reason": finish_reason}))
         return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
 
     def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:

@@ -87,8 +87,8 @@ class Completion(OpenAIResponse):
                 ids, lps = self.echoed_tokens(c, stream)
                 logprobs = completion_logprobs(self.state.texts, ids + out.token_ids, lps + (out.logprobs or []),
                                                self.text_offsets(c), num_prompt_tokens=len(ids))
-            choices.append({"index": c, "text": prefix + out.text, "logprobs": logprobs,
-                            "finish_reason": out.finish_reason})
+            choices.append(await self.serialized({"index": c, "text": prefix + out.text, "logprobs": logprobs,
+                                                  "finish_reason": out.finish_reason}))
         return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
 
     def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+
+import orjson
 
 from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream, RequestUpdate
 from nanoserve.server.metrics import RequestTimer
@@ -45,6 +48,15 @@ class OpenAIResponse:
             raise engine_error(exc) from None
         finally:
             stream.close()
+
+    @staticmethod
+    async def serialized(choice: dict) -> orjson.Fragment:
+        """A choice of a whole response as JSON, written now, then a pause for the event loop: 128
+        choices with 2k echoed tokens of logprobs each, built and written at once, held every
+        other request for 1.5 s."""
+        fragment = orjson.Fragment(orjson.dumps(choice))
+        await asyncio.sleep(0)
+        return fragment
 
     def usage(self, stream: RequestStream) -> dict:
         return usage(stream, self.req.n, self.prompt_lens, self.cached)
