@@ -92,17 +92,22 @@ class IncrementalDetokenizer:
     Never emits half a character: a token that ends inside one adds nothing until the character
     is complete. Text that might be the start of a stop string is held back until it is known not
     to be one; a matched stop string ends the text and is not returned (unless include_stop is set).
+    Stop strings count only once more than `min_tokens` tokens are in, as stop tokens do, and only
+    where they start after those tokens' text.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
                  stop: list[str] | None = None, include_stop: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         backend = getattr(tokenizer, "_tokenizer", None)
         self.decoder = (_StreamDecoder(backend, tokenizer, context, skip_special_tokens)
                         if isinstance(backend, Tokenizer) else _WindowDecoder(tokenizer, context, skip_special_tokens))
         self.stop = [s for s in (stop or []) if s]
         self.include_stop = include_stop
+        self.min_tokens = min_tokens
+        self.num_tokens = 0     # tokens added so far
+        self.stop_from = 0      # where a stop string may start: after the first min_tokens tokens' text
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""          # all text decoded so far (before stop truncation)
         self.emitted = 0        # characters of self.text already returned
@@ -112,15 +117,18 @@ class IncrementalDetokenizer:
         """Append tokens; return the text that is now safe to show."""
         if self.stopped is not None:
             return ""
+        self.num_tokens += len(new_token_ids)
         self.text += "".join([self.decoder.add(token) for token in new_token_ids])
+        if self.num_tokens <= self.min_tokens:
+            self.stop_from = len(self.text)
         if finished:
             self.text += self.decoder.flush()
         return self._release(finished)
 
     def _release(self, finished: bool) -> str:
-        if self.stop:
+        if self.stop and self.num_tokens > self.min_tokens:
             # a stop string may start inside text already emitted minus the held-back tail
-            search_from = max(0, self.emitted - self.hold)
+            search_from = max(self.stop_from, self.emitted - self.hold)
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
             if hits:
                 index, stop = min(hits)

@@ -44,7 +44,8 @@ class RequestState:
         # without streaming or stop strings, one decode at the end gives the same text for less work
         self.incremental = streaming or bool(params.stop)
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop,
-                                                  params.include_stop_str_in_output, params.skip_special_tokens)
+                                                  params.include_stop_str_in_output, params.skip_special_tokens,
+                                                  params.min_tokens)
         self.output = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
 
     @property

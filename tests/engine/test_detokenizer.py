@@ -84,6 +84,19 @@ def test_include_stop_str_in_output_keeps_the_stop_string(tokenizer):
     assert "".join(feed(detok, ids)) == "The quick brown f"
 
 
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    # min_tokens 5 with a stop string in the first token ended the text empty, with finish "stop"
+    ids = tokenizer.encode("a list holds items in order")
+    assert len(ids) > 6
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["a", "in order"], min_tokens=5)
+    assert "".join(feed(detok, ids)) == "a list holds items "
+    assert detok.stopped == "in order"
+    # a stop string inside the first min_tokens tokens' text does not end it later either
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["items"], min_tokens=len(ids) - 1)
+    assert "".join(feed(detok, ids)) == tokenizer.decode(ids)
+    assert detok.stopped is None
+
+
 def test_earliest_of_several_stop_strings_wins(tokenizer):
     ids = tokenizer.encode("a list holds items in order")
     detok = IncrementalDetokenizer(tokenizer, [], stop=["in order", "holds"])
