@@ -52,6 +52,12 @@ class RequestState:
     def stopped(self) -> bool:
         return self.detokenizer.stopped is not None
 
+    def _ended_by_stop_token(self, step: StepOutput) -> bool:
+        # the engine's "stop" is always a token's: EOS, a stop_token_id, or the stop token that
+        # completes a grammar; stop strings end the output here, on this side
+        return (step.finished and step.finish_reason == "stop" and bool(step.new_token_ids)
+                and not self.params.include_stop_str_in_output)
+
     def update(self, step: StepOutput) -> CompletionOutput:
         out = self.output
         if out.finished:
@@ -65,6 +71,10 @@ class RequestState:
             out.prompt_logprobs = step.prompt_logprobs
         if self.params.detokenize and (self.incremental or step.finished):
             pending = tokens if self.incremental else out.token_ids
+            if self._ended_by_stop_token(step):
+                # as in vLLM, the EOS or stop token that ended the output is in its token ids, not
+                # its text (a non-special stop token, or EOS with special tokens shown, would be)
+                pending = pending[:-1]
             out.text_delta = self.detokenizer.add(pending, finished=step.finished)
             out.text += out.text_delta
         if self.stopped:

@@ -137,6 +137,31 @@ def test_stop_string_cuts_the_text_streamed_and_whole(client, offline):
     assert whole.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_stop_token_is_in_the_token_ids_not_the_text_streamed_and_whole(client, offline):
+    """As in vLLM: the EOS or stop_token_id that ended a choice is not written into its text, unless
+    include_stop_str_in_output asks for it; it still counts as a completion token."""
+    ref = reference(offline, PROMPTS[2], temperature=0.0, max_tokens=12, ignore_eos=True)
+    stop_id = ref.token_ids[4]
+    cut = ref.token_ids[:ref.token_ids.index(stop_id) + 1]
+    kwargs = dict(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0, logprobs=0)
+    for include in (False, True):
+        extra = {"ignore_eos": True, "stop_token_ids": [stop_id], "include_stop_str_in_output": include}
+        expected = offline.tokenizer.decode(cut if include else cut[:-1])
+        whole = client.completions.create(**kwargs, extra_body=extra)
+        chunks = list(client.completions.create(**kwargs, extra_body=extra, stream=True))
+        assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks) == expected
+        assert whole.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == "stop"
+        assert whole.usage.completion_tokens == len(whole.choices[0].logprobs.tokens) == len(cut)
+    # the end-of-text token, shown when special tokens are not skipped, is left out the same way
+    eos = offline.tokenizer.eos_token_id
+    extra = {"skip_special_tokens": False, "logit_bias": {str(eos): 100}}
+    for include in (False, True):
+        out = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, temperature=0,
+                                             extra_body={**extra, "include_stop_str_in_output": include})
+        assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 1
+        assert out.choices[0].message.content == (offline.tokenizer.decode([eos]) if include else None)
+
+
 def test_logprobs_through_the_client(client):
     out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3)
     lp = out.choices[0].logprobs
