@@ -30,6 +30,7 @@ class RequestUpdate:
     num_prompt_tokens: int
     num_cached_tokens: int                  # prompt tokens found in the prefix cache
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first update, when asked for
+    stop_reason: str | int | None = None    # with a "stop": the stop string or stop token id, None for EOS
 
     def merge(self, later: RequestUpdate) -> None:
         """Fold a later update of the same choice into this one, as if both had come at once."""
@@ -41,6 +42,7 @@ class RequestUpdate:
             else:
                 self.logprobs += later.logprobs
         self.finish_reason = later.finish_reason or self.finish_reason
+        self.stop_reason = later.stop_reason if later.stop_reason is not None else self.stop_reason
         self.num_cached_tokens = later.num_cached_tokens
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
 
@@ -94,7 +96,8 @@ class RequestStream:
             return False  # steps already in flight when a stop string ended the choice
         out = self._states[step.request_id].update(step)
         update = RequestUpdate(out.index, out.text_delta, step.new_token_ids, step.logprobs, out.finish_reason,
-                               step.num_prompt_tokens, step.num_cached_tokens, step.prompt_logprobs)
+                               step.num_prompt_tokens, step.num_cached_tokens, step.prompt_logprobs,
+                               out.stop_reason)
         earlier = self._pending.get(out.index)
         if earlier is None:
             self._pending[out.index] = update

@@ -99,18 +99,18 @@ class ChatCompletion(OpenAIResponse):
             message, finish_reason = self.readers[c].message(out.text, out.finish_reason)
             logprobs = self.logprobs(out.token_ids, out.logprobs)
             choices.append(await self.serialized({"index": c, "message": message, "logprobs": logprobs,
-                                                  "finish_reason": finish_reason}))
+                                                  "finish_reason": finish_reason, "stop_reason": out.stop_reason}))
         return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
 
     def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
         def render(u: RequestUpdate, ids: list[int], lps: list) -> dict:
             delta, finish_reason = self.readers[u.index].delta(u.text, u.finish_reason)
             return {"index": u.index, "delta": delta, "logprobs": self.logprobs(ids, lps),
-                    "finish_reason": finish_reason}
+                    "finish_reason": finish_reason, "stop_reason": u.stop_reason}
 
         # the role comes first, in a delta of its own for every choice
         opening = [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None} for c in range(len(stream.outputs))]
+                    "finish_reason": None, "stop_reason": None} for c in range(len(stream.outputs))]
         return self.sse(stream, timer, opening, render)
 
 

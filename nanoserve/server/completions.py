@@ -88,7 +88,8 @@ class Completion(OpenAIResponse):
                 logprobs = completion_logprobs(self.state.texts, ids + out.token_ids, lps + (out.logprobs or []),
                                                self.text_offsets(c), num_prompt_tokens=len(ids))
             choices.append(await self.serialized({"index": c, "text": prefix + out.text, "logprobs": logprobs,
-                                                  "finish_reason": out.finish_reason}))
+                                                  "finish_reason": out.finish_reason,
+                                                  "stop_reason": out.stop_reason}))
         return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
 
     def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
@@ -106,9 +107,10 @@ class Completion(OpenAIResponse):
             logprobs = None
             if self.req.logprobs is not None:
                 logprobs = completion_logprobs(self.state.texts, ids, lps, offsets[u.index], num_prompt_tokens)
-            return {"index": u.index, "text": text, "logprobs": logprobs, "finish_reason": u.finish_reason}
+            return {"index": u.index, "text": text, "logprobs": logprobs, "finish_reason": u.finish_reason,
+                    "stop_reason": u.stop_reason}
 
-        opening = [{"index": c, "text": self.echo(c), "logprobs": None, "finish_reason": None}
+        opening = [{"index": c, "text": self.echo(c), "logprobs": None, "finish_reason": None, "stop_reason": None}
                    for c in range(len(stream.outputs))] if self.req.echo and not self.scores_prompt else []
         return self.sse(stream, timer, opening, render)
 

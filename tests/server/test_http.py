@@ -56,7 +56,7 @@ def test_completion_stream_framing_and_usage_chunk(http):
     for chunk in text_chunks:
         assert chunk["usage"] is None
         (choice,) = chunk["choices"]
-        assert set(choice) == {"index", "text", "logprobs", "finish_reason"}
+        assert set(choice) == {"index", "text", "logprobs", "finish_reason", "stop_reason"}
     assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == "length"
     assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])
     whole = http.post("/v1/completions", json={**body, "stream_options": None}).json()
@@ -81,7 +81,7 @@ def test_chat_stream_role_first_then_content_then_finish(http):
     assert finishes == {0: "length", 1: "length"}
     for chunk in middle:
         (choice,) = chunk["choices"]
-        assert set(choice) == {"index", "delta", "logprobs", "finish_reason"}
+        assert set(choice) == {"index", "delta", "logprobs", "finish_reason", "stop_reason"}
         assert set(choice["delta"]) <= {"content"}
 
 
@@ -92,7 +92,7 @@ def test_completion_response_shape(http):
     body = r.json()
     assert set(body) == COMPLETION_KEYS and body["object"] == "text_completion"
     assert body["model"] == "tiny"  # the name asked for, defaulting to the first served name
-    assert [set(c) for c in body["choices"]] == [{"index", "text", "logprobs", "finish_reason"}] * 2
+    assert [set(c) for c in body["choices"]] == [{"index", "text", "logprobs", "finish_reason", "stop_reason"}] * 2
     assert body["usage"]["completion_tokens"] == 8 and set(body["usage"]) == USAGE_KEYS
 
 
@@ -100,7 +100,7 @@ def test_chat_response_shape(http):
     body = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 3}).json()
     assert set(body) == COMPLETION_KEYS and body["object"] == "chat.completion"
     (choice,) = body["choices"]
-    assert set(choice) == {"index", "message", "logprobs", "finish_reason"}
+    assert set(choice) == {"index", "message", "logprobs", "finish_reason", "stop_reason"}
     assert set(choice["message"]) == {"role", "content"} and choice["logprobs"] is None
 
 

@@ -162,6 +162,26 @@ def test_stop_token_is_in_the_token_ids_not_the_text_streamed_and_whole(client, 
         assert out.choices[0].message.content == (offline.tokenizer.decode([eos]) if include else None)
 
 
+def test_stop_reason_names_the_stop_string_or_token_as_vllm_does(client, offline):
+    """vLLM's choice field: the stop string or stop_token_id that ended a choice, None when EOS,
+    the length, or nothing yet ended it; streamed chunks carry it with the finish_reason."""
+    ref = reference(offline, PROMPTS[2], temperature=0.0, max_tokens=12, ignore_eos=True)
+    stop_id, stop_text = ref.token_ids[4], offline.tokenizer.decode(ref.token_ids[6:8])
+    assert stop_text
+    kwargs = dict(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0)
+    for stops, want in (({"stop_token_ids": [stop_id]}, stop_id), ({"stop": [stop_text]}, stop_text), ({}, None)):
+        extra = {"ignore_eos": True, **stops}
+        whole = client.completions.create(**kwargs, extra_body=extra)
+        chunks = list(client.completions.create(**kwargs, extra_body=extra, stream=True))
+        assert whole.choices[0].stop_reason == want
+        assert whole.choices[0].finish_reason == ("length" if want is None else "stop")
+        assert [c.choices[0].stop_reason for c in chunks] == [None] * (len(chunks) - 1) + [want]
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=5, temperature=0,
+                                          extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    assert chat.choices[0].stop_reason in (None, stop_id)
+    assert (chat.choices[0].stop_reason == stop_id) == (chat.choices[0].finish_reason == "stop")
+
+
 def test_logprobs_through_the_client(client):
     out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3)
     lp = out.choices[0].logprobs
