@@ -175,8 +175,10 @@ def describe(wins: set[tuple[int, int, int]]) -> str:
     return "; ".join(f"{n}x{k} at rows {','.join(map(str, r))}" for (n, k), r in rows.items()) or "no shape"
 
 
-def use_skinny_gemm_where_faster(model: nn.Module, max_rows: int, device: torch.device) -> None:
-    """Time, choose and enable skinny GEMM for `model`'s linear layers; one log line."""
+def use_skinny_gemm_where_faster(model: nn.Module, max_rows: int, device: torch.device,
+                                 silu_mul: Callable[[torch.Tensor], torch.Tensor] = ops.silu_mul) -> None:
+    """Time, choose and enable skinny GEMM for `model`'s linear layers; one log line. `silu_mul`:
+    the one the model runs, which the gated GEMM must beat together with the plain one."""
     layers = skinny_layers(model)
     if not layers:
         return
@@ -185,8 +187,7 @@ def use_skinny_gemm_where_faster(model: nn.Module, max_rows: int, device: torch.
     dtype = layers[0].weight.dtype
     wins = choose_skinny(shapes, max_rows, device, dtype)
     gated_shapes = {tuple(layer.weight.shape) for layer in layers if getattr(layer, "takes_gated_input", False)}
-    mlp_ops = next((m.ops for m in model.modules() if hasattr(m, "ops")), ops.EAGER_OPS)
-    gated = choose_gated(wins, gated_shapes, device, dtype, mlp_ops.silu_mul)
+    gated = choose_gated(wins, gated_shapes, device, dtype, silu_mul)
     enabled = enable_skinny_gemm(model, wins, gated)
     logger.info("skinny GEMM: Triton for %s (%d of %d linear layers), cuBLAS elsewhere; SiLU-mul "
                 "inside it for %s; chosen in %.1f s", describe(wins), enabled, len(layers),
