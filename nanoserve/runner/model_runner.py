@@ -133,9 +133,10 @@ class ModelRunner:
             from nanoserve.runner.prefill_graph import PrefillGraphs
             start = time.perf_counter()
             self.prefill_graphs = PrefillGraphs(self.model, config, show_progress)
-            self.graph_capture_seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.graph_capture_seconds += seconds
             logger.info("captured %d prefill CUDA graphs (up to %d tokens) in %.1f s", len(self.prefill_graphs.sizes),
-                        self.prefill_graphs.max_tokens, time.perf_counter() - start)
+                        self.prefill_graphs.max_tokens, seconds)
         if self.device.type == "cuda" and self.tp.rank == 0:
             from nanoserve.runner.sampling_kernel import warm_up
             warm_up(self.vocab_size, config.dtype, self.device)
@@ -250,11 +251,12 @@ class ModelRunner:
         return peak
 
     def _prefill_graphs_supported(self) -> bool:
-        """Prefill graphs replay the Triton prefill kernel, whose grid a bucket fixes, on one rank."""
-        if self.backend.name == "triton" and self.tp.size == 1:
+        """Prefill graphs replay the Triton prefill kernel, whose grid a bucket fixes. The config
+        refuses what rules them out up front; only auto's pick of flash_attn is known no sooner."""
+        if self.backend.name == "triton":
             return True
-        logger.warning("prefill CUDA graphs need the triton attention backend on one GPU (here %s, %d "
-                       "GPUs): prefill steps run eagerly", self.backend.name, self.tp.size)
+        logger.warning("prefill CUDA graphs need the triton attention backend, not %s: prefill steps run eagerly",
+                       self.backend.name)
         return False
 
     def _bind(self, cache: KVCache | None) -> None:
