@@ -29,7 +29,7 @@ def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, max_mo
         raise RequestRefused("The prompt is empty; it needs at least one token", "prompt")
     if n >= max_model_len:
         raise RequestRefused(f"The prompt has {n} tokens, but this model's maximum context length is "
-                                 f"{max_model_len} tokens (max_model_len), which leaves no room for output", "prompt",
+                             f"{max_model_len} tokens (max_model_len), which leaves no room for output", "prompt",
                              "context_length_exceeded")
     if max_tokens is not None and n + max_tokens > max_model_len:
         raise RequestRefused(f"This model's maximum context length is {max_model_len} tokens, but "
