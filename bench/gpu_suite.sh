@@ -35,11 +35,11 @@ for part in $parts; do
          for g in 2 4; do python3 bench/attention_kernels.py --fp8-sweep --group $g 2>&1 | tee "$out/fp8-sweep-g$g.log" | tail -20; done ;;
     gemv) python3 bench/skinny_gemm.py 2>&1 | tee "$out/skinny_gemm.log" ;;
     silu) python3 bench/silu_mul.py 2>&1 | tee "$out/silu_mul.log" ;;
-    prefill-graphs) # TTFT with prefill steps eager, then replayed from graphs; throughput with them on
-         for flag in "" --prefill-cuda-graphs; do
+    prefill-graphs) # TTFT with prefill steps eager, then replayed from graphs; throughput with them off (t256: on)
+         for flag in --no-prefill-cuda-graphs --prefill-cuda-graphs; do
            python3 bench/prefill.py --lengths 128,1024,4096 $flag 2>&1 | tee -a "$out/prefill-graphs.log" | grep -vE "it/s|Capturing"
          done
-         python3 bench/throughput.py --num-seqs 256 --prefill-cuda-graphs 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
+         python3 bench/throughput.py --num-seqs 256 --no-prefill-cuda-graphs 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
     prefill) python3 bench/prefill.py --profile 2>&1 | tee "$out/prefill.log" | grep -vE "it/s|Capturing"
              python3 bench/prefill.py --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/prefill.log" | grep -vE "it/s|Capturing" ;;
     decode) python3 bench/decode_step.py 2>&1 | tee "$out/decode_step.log" | grep -vE "it/s|Capturing" ;;

@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--prefill-cuda-graphs", action="store_true")
+    parser.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--profile", action="store_true",
                         help="also print GPU ops, busy time and span per prefill (torch.profiler)")
     args = parser.parse_args()

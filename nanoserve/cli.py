@@ -45,9 +45,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="fp8: K/V stored as e4m3 (twice the tokens fit; scales from the checkpoint or 1.0)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--prefill-cuda-graphs", action="store_true",
-                   help="also replay prefill steps of up to 4 sequences from CUDA graphs (Triton "
-                        "attention, one GPU): a short prompt's time to first token is then mostly GPU time")
+    p.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="also replay prefill steps of up to 4 sequences from CUDA graphs, so a short prompt's "
+                        "time to first token is mostly GPU time (default: on where they can run: one GPU, "
+                        "CUDA graphs on, Triton attention)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next step before reading this one's sampled ids, overlapping host and "
                         "GPU (default: on for CUDA, off on the CPU)")

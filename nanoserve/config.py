@@ -53,8 +53,9 @@ class EngineConfig:
     load_format: str = "auto"
     enforce_eager: bool = False
     # CUDA graphs for prefill steps of a few sequences too (runner/prefill_graph.py): one graph
-    # replay instead of a Python launch per kernel; off until it has been measured on a GPU
-    prefill_cuda_graphs: bool = False
+    # replay instead of a Python launch per kernel (a lone 1k prompt: 16.6 -> 4.5 ms on an H200).
+    # None: on where they can run (one CUDA GPU, graphs on, Triton attention); True: refused elsewhere
+    prefill_cuda_graphs: bool | None = None
     # launch step N+1 before reading step N's sampled ids; None: on for CUDA, where the host's
     # bookkeeping then overlaps the device's work, off on the CPU, where nothing runs beside it
     async_scheduling: bool | None = None
@@ -114,8 +115,11 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.prefill_cuda_graphs:
-            self._check_prefill_graphs(device)
+        refusal = self._prefill_graphs_refusal(device)
+        if self.prefill_cuda_graphs and refusal:
+            raise ValueError(f"prefill_cuda_graphs (--prefill-cuda-graphs) cannot be used here: {refusal}")
+        if self.prefill_cuda_graphs is None:
+            set_("prefill_cuda_graphs", refusal is None)
         if self.block_size is None:
             set_("block_size", 16 if device == "cpu" else 256)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -142,15 +146,14 @@ class EngineConfig:
             raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (what torch's generator takes), "
                              f"got {self.seed}")
 
-    def _check_prefill_graphs(self, device: str) -> None:
-        """Prefill graphs replay the Triton prefill kernel on one GPU: refuse what rules that out."""
-        why = ("--enforce-eager turns CUDA graphs off" if self.enforce_eager else
-               "they run on one GPU" if self.tensor_parallel_size > 1 else
-               f"they need the triton attention backend, not {self.attention_backend}"
-               if self.attention_backend in ("torch", "flash_attn") else
-               "they need CUDA" if not device.startswith("cuda") else None)
-        if why:
-            raise ValueError(f"prefill_cuda_graphs (--prefill-cuda-graphs) cannot be used here: {why}")
+    def _prefill_graphs_refusal(self, device: str) -> str | None:
+        """Why prefill graphs cannot run here (None: they can). They replay the Triton prefill
+        kernel on one GPU; auto's pick of flash_attn is known only to the runner."""
+        return ("--enforce-eager turns CUDA graphs off" if self.enforce_eager else
+                "they run on one GPU" if self.tensor_parallel_size > 1 else
+                f"they need the triton attention backend, not {self.attention_backend}"
+                if self.attention_backend in ("torch", "flash_attn") else
+                "they need CUDA" if not device.startswith("cuda") else None)
 
     def _check_attention_backend(self, device: str) -> None:
         """Refuse a backend that cannot run here, or would compute wrongly, before a weight loads:

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0: off (Qwen3's generation config asks for 0.95)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--prefill-cuda-graphs", action="store_true")
+    parser.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="launch step N+1 before reading step N's sampled ids (default: on for CUDA)")
     parser.add_argument("--attention-backend", default="auto")
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
 
     backend = llm.engine.runner.backend.name
     graphs = "eager" if llm.engine.runner.graphs is None else "cuda-graphs"
+    graphs += " + prefill graphs" if llm.engine.runner.prefill_graphs is not None else ""
     graphs += ", async scheduling" if config.async_scheduling else ", sync scheduling"
     graphs += ", json_schema" if schema else ""
     prompt_tokens = sum(map(len, prompts))

@@ -255,8 +255,8 @@ class ModelRunner:
         refuses what rules them out up front; only auto's pick of flash_attn is known no sooner."""
         if self.backend.name == "triton":
             return True
-        logger.warning("prefill CUDA graphs need the triton attention backend, not %s: prefill steps run eagerly",
-                       self.backend.name)
+        logger.info("prefill CUDA graphs need the triton attention backend, not %s: prefill steps run eagerly",
+                    self.backend.name)
         return False
 
     def _bind(self, cache: KVCache | None) -> None:

@@ -98,3 +98,9 @@ def test_which_steps_fit() -> None:
 def test_flag_combinations_that_rule_prefill_graphs_out_are_refused(kwargs, why) -> None:
     with pytest.raises(ValueError, match=why):
         EngineConfig(device="cpu", prefill_cuda_graphs=True, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(enforce_eager=True), dict(tensor_parallel_size=2),
+                                    dict(attention_backend="torch")])
+def test_prefill_graphs_by_default_turn_off_quietly_where_they_cannot_run(kwargs) -> None:
+    assert EngineConfig(device="cpu", **kwargs).prefill_cuda_graphs is False
