@@ -61,13 +61,21 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None, auto_enabled
                            param="tool_choice")
         return ToolPlan("auto", TOOL_PARSERS[parser_name]())
     if choice == "required":
-        return ToolPlan("required", spec=StructuredOutputsParams(json=calls_schema(tools, req.parallel_tool_calls)))
+        return ToolPlan("required", spec=call_spec(calls_schema(tools, req.parallel_tool_calls)))
     named = {t.function.name: t for t in tools}.get(choice.function.name)
     if named is None:
         raise APIError(f"tool_choice names the function {choice.function.name!r}, which is not among the tools "
                        f"{[t.function.name for t in tools]}", param="tool_choice")
     return ToolPlan("named", function=named.function.name,
-                    spec=StructuredOutputsParams(json=named.function.parameters or ANY_ARGUMENTS))
+                    spec=call_spec(named.function.parameters or ANY_ARGUMENTS))
+
+
+def call_spec(schema: dict) -> StructuredOutputsParams:
+    """The grammar that enforces a call; 400 when the tools' schemas are past what one spec may hold."""
+    try:
+        return StructuredOutputsParams(json=schema)
+    except ValueError as exc:
+        raise APIError(f"The tools' parameter schemas cannot be enforced: {exc}", param="tools") from None
 
 
 def calls_schema(tools: list[Tool], parallel: bool | None) -> dict:

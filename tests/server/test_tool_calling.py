@@ -163,6 +163,10 @@ def test_chat_template_kwargs_and_tool_history_reach_the_template(tool_server):
     assert "<tool_response>\n21 degrees\n</tool_response>" in text and '"name": "Add"' in text
 
 
+BIG_TOOLS = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+    "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(7000)}}}} for i in range(2)]
+
+
 @pytest.mark.parametrize("body, words", [
     ({"tool_choice": "required"}, "needs 'tools'"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
@@ -176,6 +180,9 @@ def test_chat_template_kwargs_and_tool_history_reach_the_template(tool_server):
     ({"chat_template_kwargs": {"return_assistant_tokens_mask": True}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"sanitize_control_tokens": 1}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"truncation": True, "max_length": 3}}, "chat_template_kwargs"),
+    # the grammar that enforces the call is built from the tools' schemas: past the spec limit it was a 500
+    ({"tools": BIG_TOOLS, "tool_choice": "required"}, "characters long"),
+    ({"tools": BIG_TOOLS, "tool_choice": {"type": "function", "function": {"name": "f0"}}}, "characters long"),
 ])
 def test_tool_requests_it_cannot_honour_are_400s(tool_server, body, words):
     r = httpx.post(f"{tool_server.url}/v1/chat/completions",
