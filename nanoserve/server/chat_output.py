@@ -50,9 +50,9 @@ class ChoiceReader:
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The whole message and the finish reason ("tool_calls" when the model called)."""
         reasoning, content, parsed = self.parse(text, final=True)
-        # cut off by max_tokens inside a call: the call as far as it got, as OpenAI returns it and
-        # as the stream announced it
-        calls = [c for c in parsed.calls if c.complete or (finish_reason == "length" and c.name is not None)]
+        # ended inside a call (max_tokens, a stop string or token): the call as far as it got, as
+        # OpenAI returns it and as the stream announced it once its name was written
+        calls = [c for c in parsed.calls if c.complete or c.name is not None]
         message: dict = {"role": "assistant", "content": parsed.content or None}
         if reasoning is not None:
             message["reasoning_content"] = reasoning

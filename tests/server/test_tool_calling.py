@@ -106,6 +106,20 @@ def test_required_with_three_sampled_choices_each_call_validly(client):
             check_call(call.function.name, call.function.arguments)
 
 
+def test_a_call_a_stop_string_cuts_off_after_its_name_is_the_same_call_whole_and_streamed(client):
+    # the stream has announced the call by its name before the stop string ends the output: the
+    # whole message said "no call" and gave the cut-off JSON as content
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS,
+                  temperature=0, stop=["parameters"])
+    whole = client.chat.completions.create(**kwargs)
+    content, calls, finish, _ = streamed_message(client.chat.completions.create(**kwargs, stream=True))
+    assert calls and calls[0]["name"] in ("GetWeather", "Add")
+    message = whole.choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == \
+        [(c["name"], c["arguments"]) for c in calls]
+    assert (message.content or "") == content and whole.choices[0].finish_reason == finish
+
+
 HERMES_CALL = r'<tool_call>\n\{"name": "GetWeather", "arguments": \{"city": "[A-Z][a-z]{2,8}", "unit": "celsius"\}\}\n</tool_call>'
 
 
