@@ -220,3 +220,18 @@ def test_qwen3_reasoning_opened_by_the_template_in_the_prompt_is_still_reasoning
     deltas = [reader.delta(text[i:i + 2], "stop" if i + 2 >= len(text) else None)[0] for i in range(0, len(text), 2)]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "weigh it up\n"
     assert "".join(d.get("content", "") for d in deltas) == "\n\nThe answer."
+
+
+@pytest.mark.parametrize("text", ['{"name": "f", "parameters": {"a": 1}', '{"name": "f", "parameters": {}} and more'])
+def test_a_llama3_json_call_the_stream_announced_is_not_repeated_as_content(text):
+    """Text after a call, or a call left open, at the end: the stream had announced the call by its
+    name, then sent the whole text as content too; the whole message had content and no call."""
+    plan = lambda: ToolPlan("auto", TOOL_PARSERS["llama3_json"]())  # noqa: E731
+    whole, finish = ChoiceReader(plan(), None).message(text, "stop")
+    deltas = stream(ChoiceReader(plan(), None), text, "stop")
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [c["function"]["name"] for c in calls if "id" in c] == \
+        [c["function"]["name"] for c in whole["tool_calls"]] == ["f"]
+    assert "".join(c["function"]["arguments"] for c in calls) == whole["tool_calls"][0]["function"]["arguments"]
+    assert "".join(d.get("content", "") for d in deltas) == (whole["content"] or "") == ""
+    assert finish == "tool_calls"

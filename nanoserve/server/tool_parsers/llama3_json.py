@@ -19,7 +19,8 @@ class Llama3JsonToolParser(ToolParser):
             return Parsed()  # nothing, or the start of the tag: too early to tell
         if not body.lstrip().startswith("{"):
             return Parsed(text if final or body.strip() else "")
-        calls, only_calls = scan_call_list(body, ";")
-        if final and (not only_calls or not all(c.complete for c in calls)):
-            return Parsed(text)  # JSON that is not (only) calls is an answer
+        calls, _ = scan_call_list(body, ";")
+        if final and calls[0].name is None:
+            return Parsed(text)  # JSON that is not a call is an answer
+        # a call is streamed once its name is written: from then on the reply is calls, whatever follows
         return Parsed("", calls)
