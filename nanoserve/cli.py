@@ -209,10 +209,13 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                               enable_auto_tool_choice=args.enable_auto_tool_choice,
                               reasoning_parser=args.reasoning_parser)
     from nanoserve.config import EngineConfig
+    from nanoserve.cpu_threads import cpu_compute_threads
 
     raise_open_file_limit(settings.limits.max_connections)
-    serve(EngineConfig(**_engine_kwargs(args, args.model)), settings, args.host, args.port, args.max_queue_len,
-          args.shutdown_timeout, args.log_level)
+    # on the CPU the front end (HTTP, tokenizing, SSE) keeps a core of its own beside the engine
+    threads = cpu_compute_threads(args.tensor_parallel_size, reserved=1)
+    serve(EngineConfig(**_engine_kwargs(args, args.model), cpu_threads=threads), settings, args.host, args.port,
+          args.max_queue_len, args.shutdown_timeout, args.log_level)
 
 
 def _check_seconds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -63,6 +63,9 @@ class EngineConfig:
     # fp8: K and V stored as e4m3 with a per-layer scale (1.0, or the checkpoint's k_scale/v_scale)
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
+    # torch's threads per rank on the CPU; None: torch's default, shared among the ranks
+    # (nanoserve/cpu_threads.py; `serve` keeps a core for its front end)
+    cpu_threads: int | None = None
     seed: int = 0
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
 
@@ -141,6 +144,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             # past it torch.manual_seed failed in the engine's process with "Overflow when unpacking long long"
             raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (what torch's generator takes), "

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.cpu_threads import cpu_compute_threads
 from nanoserve.runner.attention import select_backend
 from nanoserve.runner.batch import SampleOutput, SequenceWork, TokenMask
 from nanoserve.runner.inputs import build_inputs
@@ -73,6 +74,10 @@ class ModelRunner:
         self.tp = tp or SINGLE
         show_progress = show_progress and self.tp.rank == 0
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            threads = config.cpu_threads or cpu_compute_threads(config.tensor_parallel_size)
+            if threads:
+                torch.set_num_threads(threads)
         self.block_size = config.block_size
         hf = config.hf_config
         cls = model_class(hf, config.max_model_len)
