@@ -235,3 +235,18 @@ def test_a_llama3_json_call_the_stream_announced_is_not_repeated_as_content(text
     assert "".join(c["function"]["arguments"] for c in calls) == whole["tool_calls"][0]["function"]["arguments"]
     assert "".join(d.get("content", "") for d in deltas) == (whole["content"] or "") == ""
     assert finish == "tool_calls"
+
+
+@pytest.mark.parametrize("value", ["</tool_call>", "<tool_call>"])
+def test_a_hermes_tag_inside_an_argument_string_is_part_of_the_argument(value):
+    """The call's JSON decides where it ends: a tag written inside a string cut the call there,
+    and the whole message lost it to content."""
+    arguments = json.dumps({"html": f"a {value} b"})
+    text = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+    plan = lambda: ToolPlan("auto", TOOL_PARSERS["hermes"]())  # noqa: E731
+    whole, finish = ChoiceReader(plan(), None).message(text, "stop")
+    assert finish == "tool_calls" and not whole["content"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]] == [("f", arguments)]
+    calls = [c for d in stream(ChoiceReader(plan(), None), text, "stop") for c in d.get("tool_calls", [])]
+    assert [c["function"]["name"] for c in calls if "id" in c] == ["f"]
+    assert "".join(c["function"]["arguments"] for c in calls) == arguments
