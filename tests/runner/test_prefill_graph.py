@@ -77,6 +77,8 @@ def test_buckets_double_to_1k_then_grow_by_1k() -> None:
     assert prefill_token_buckets(8192) == [16, 32, 64, 128, 256, 512] + list(range(1024, 8193, 1024))
     assert prefill_token_buckets(100) == [16, 32, 64, 100]
     assert prefill_token_buckets(3000) == [16, 32, 64, 128, 256, 512, 1024, 2048, 3000]
+    # a large token budget captures no more graphs: larger steps run eagerly
+    assert prefill_token_buckets(16384) == prefill_token_buckets(131072) == prefill_token_buckets(8192)
 
 
 def test_which_steps_fit() -> None:
