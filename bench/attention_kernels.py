@@ -9,6 +9,7 @@ graph (as the runner replays decode) and timed with triton.testing.do_bench (med
     python bench/attention_kernels.py            # the table
     python bench/attention_kernels.py --tiles --splits   # plus tile and split-count sweeps
     python bench/attention_kernels.py --kv-cache-dtype fp8   # an e4m3 cache (no flash-attn column)
+    python bench/attention_kernels.py --prefill-sweep --group 2   # prefill tiles for lone prompts
 """
 
 from __future__ import annotations
@@ -104,6 +105,42 @@ def prefill_line(caches: Caches, seqs: int = 16, prompt: int = 1024) -> str:
     return line
 
 
+def prefill_sweep(caches: Caches) -> None:
+    """Prefill tiles for lone prompts (a lightly loaded server's TTFT): TFLOP/s by config, each
+    checked against the default config's output."""
+    cases = [(1, 1024), (4, 1024), (1, 4096), (1, 16384)]
+    inputs = []
+    for seqs, prompt in cases:
+        seq_lens, tables = caches.tables(seqs, prompt)
+        cu = torch.arange(0, (seqs + 1) * prompt, prompt, dtype=torch.int32, device="cuda")
+        q = torch.randn(seqs * prompt, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        flops = 4 * seqs * (prompt * (prompt + 1) / 2) * Q_HEADS * HEAD_DIM
+        run = (lambda q=q, cu=cu, seq_lens=seq_lens, tables=tables, prompt=prompt, **cfg:
+               paged_prefill(q, caches.k, caches.v, cu, seq_lens, tables, HEAD_DIM ** -0.5, prompt, **cfg))
+        inputs.append((run, run(), flops))
+    print(f"\nprefill sweep, {Q_HEADS} q heads (TFLOP/s): BLOCK_M / BLOCK_N / warps / stages / last tiles first")
+    print("config             " + "".join(f"  {s}x{p:<9}" for s, p in cases))
+    for block_m in (64, 128):
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    for last_first in (False, True):
+                        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+                                   LAST_TILES_FIRST=last_first)
+                        name = f"{block_m:4d} {block_n:4d} {warps} {stages} {'L' if last_first else '-'}"
+                        try:
+                            cells = []
+                            for run, expected, flops in inputs:
+                                err = (run(config=cfg).float() - expected.float()).abs().max().item()
+                                us = graph_time_us(lambda: run(config=cfg))
+                                cells.append(f"  {flops / us / 1e6:9.1f}{'!' if err > 2e-2 else ' '}")
+                        except Exception as e:   # out of shared memory or registers
+                            print(f"{name}     failed: {type(e).__name__}")
+                            continue
+                        print(f"{name}     " + "".join(cells))
+    print("! = differs from the default config by more than 2e-2")
+
+
 def tile_sweep(caches: Caches) -> None:
     print("\ntile sweep (us): BLOCK_N / num_warps / num_stages")
     cases = [(256, 1024), (256, 8192), (16, 8192)]
@@ -161,12 +198,17 @@ def main() -> None:
                         help="fp8: an e4m3 cache (bytes and bandwidth count one byte per element)")
     parser.add_argument("--fp8-sweep", action="store_true",
                         help="only sweep an e4m3 cache's widening and tiles (no table)")
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="only sweep the prefill kernel's tiles for lone prompts (no table)")
     parser.add_argument("--group", type=int, default=2, help="q heads per kv head (Qwen3-0.6B 2, 8B 4)")
     args = parser.parse_args()
     global Q_HEADS
     Q_HEADS = KV_HEADS * args.group
     if args.fp8_sweep:
         fp8_sweep(Caches(256 * 8192, FP8_DTYPE))
+        return
+    if args.prefill_sweep:
+        prefill_sweep(Caches(4 * 16384 * 2, DTYPE))
         return
     fp8 = args.kv_cache_dtype == "fp8"
     flash = flash_attn_with_kvcache is not None and not fp8   # flash-attn reads no fp8 cache

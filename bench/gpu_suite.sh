@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [kernels] [silu] [prefill-graphs]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +33,8 @@ for part in $parts; do
     fp8-sweep) # the e4m3 cache widened to f16 or bf16, by tile config, at GQA groups 2 and 4 (0.6B, 8B)
          python3 -m pytest -q -m gpu tests/gpu/test_fp8_kv_cache_gpu.py 2>&1 | tail -3
          for g in 2 4; do python3 bench/attention_kernels.py --fp8-sweep --group $g 2>&1 | tee "$out/fp8-sweep-g$g.log" | tail -20; done ;;
+    prefill-sweep) # prefill tiles for lone prompts, GQA groups 2 and 4 (0.6B, 8B)
+         for g in 2 4; do python3 bench/attention_kernels.py --prefill-sweep --group $g 2>&1 | tee "$out/prefill-sweep-g$g.log" | tail -52; done ;;
     gemv) python3 bench/skinny_gemm.py 2>&1 | tee "$out/skinny_gemm.log" ;;
     silu) python3 bench/silu_mul.py 2>&1 | tee "$out/silu_mul.log" ;;
     prefill-graphs) # TTFT with prefill steps eager, then replayed from graphs; throughput with them off (t256: on)

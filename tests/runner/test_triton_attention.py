@@ -10,6 +10,7 @@ import torch
 from nanoserve.runner.attention import TorchBackend, select_backend
 from nanoserve.runner.attention.triton_decode import num_decode_splits, paged_decode
 from nanoserve.runner.attention.triton_kernels import TritonBackend, store_kvcache
+from nanoserve.runner.attention.triton_prefill import paged_prefill
 from nanoserve.runner.batch import AttentionMetadata
 
 if torch.cuda.is_available():
@@ -158,6 +159,21 @@ def test_prefill_matches_reference_with_prefix_history(
     out = TritonBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
     assert_close(out, ref_out, dtype)
     assert torch.equal(k_cache.float(), ref_k) and torch.equal(v_cache.float(), ref_v)
+
+
+@pytest.mark.parametrize("last_tiles_first", [False, True])
+def test_prefill_tile_configs_match_reference(last_tiles_first) -> None:
+    """The overrides a tile sweep times (bench/attention_kernels.py --prefill-sweep) compute the same attention."""
+    specs = [(40, 40), (9, 49), (1, 38)]
+    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
+                                                dtype=torch.float32, seed=21)
+    scale = 64 ** -0.5
+    ref_out, _, _ = reference(q, k, v, k_cache, v_cache, meta, scale)
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    config = dict(BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1, LAST_TILES_FIRST=last_tiles_first)
+    out = paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+                        meta.max_query_len, config=config)
+    assert_close(out, ref_out, torch.float32)
 
 
 def test_backend_decode_path_matches_reference() -> None:

@@ -31,10 +31,12 @@ def _prefill_kernel(
     stride_bt, stride_qsl, stride_sl, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr, LAST_TILES_FIRST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
+    if LAST_TILES_FIRST:   # causal: a late tile reads the most keys; started first, it ends no later
+        q_tile = tl.num_programs(1) - 1 - q_tile
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq * stride_qsl)
     q_len = tl.load(query_start_loc_ptr + (seq + 1) * stride_qsl) - q_start
@@ -79,27 +81,27 @@ def _prefill_kernel(
 
 def _prefill_config(head_dim: int, device: torch.device) -> dict:
     if device.type != "cuda":   # interpreter: small tiles keep masked work (and CPU time) low
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1, LAST_TILES_FIRST=False)
     if head_dim <= 64:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, LAST_TILES_FIRST=False)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, LAST_TILES_FIRST=False)
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                   block_tables: torch.Tensor, scale: float, max_query_len: int,
                   num_query_tokens: int | None = None, k_scale: float = 1.0,
-                  v_scale: float = 1.0) -> torch.Tensor:
+                  v_scale: float = 1.0, config: dict | None = None) -> torch.Tensor:
     """Causal attention of packed queries q [tokens, q_heads, dim] over their paged keys.
 
     Rows past num_query_tokens (query_start_loc[-1], when the caller pads the batch) are zeroed.
-    k_scale / v_scale apply to an fp8 cache only.
+    k_scale / v_scale apply to an fp8 cache only; config overrides the tile choice (benchmarks, tests).
     """
     check_shapes(q, k_cache, v_cache, block_tables)
     num_tokens, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = q_heads // kv_heads
-    cfg = _prefill_config(head_dim, q.device)
+    cfg = dict(config or _prefill_config(head_dim, q.device))
     block_m = max(cfg.pop("BLOCK_M"), triton.next_power_of_2(group))
     block_q = block_m // group
     out = torch.empty_like(q)
