@@ -41,3 +41,8 @@ def test_graphed_prefill_gives_transformers_greedy_tokens(qwen3_06b, max_num_seq
     assert_transformers_greedy(qwen3_06b, prompts, ours)
     llm.close()
 
+
+
+def test_a_card_too_full_for_the_cache_names_the_prefill_graphs_memory(qwen3_06b):
+    with pytest.raises(ValueError, match=r"--no-prefill-cuda-graphs\), which frees \d+\.\d\d GiB"):
+        LLM(qwen3_06b, device="cuda", max_model_len=1024, gpu_memory_utilization=0.01)
