@@ -12,6 +12,7 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 
+import anyio
 import uvicorn
 from fastapi import FastAPI
 from starlette.datastructures import Headers
@@ -62,6 +63,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings,
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # anyio loads its asyncio backend on first use: that was the first streamed response,
+        # 17 ms of imports before its first event (2-core CPU); load it while the model loads
+        await anyio.sleep(0)
         try:
             await engine.start()
         except EngineDeadError:
