@@ -187,8 +187,8 @@ class ChatMessage(Strict):
     reasoning_content: str | None = None      # assistant messages, as this server returns them
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+        if isinstance(self.content, list):  # as vLLM joins them: parts are often a document, then a question
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
 

@@ -1,0 +1,31 @@
+"""Chat messages as vLLM reads them and chat answers as OpenAI shapes them, on the session's server."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+def prompt_ids(http: httpx.Client, messages: list[dict]) -> list[int]:
+    r = http.post("/tokenize", json={"messages": messages})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def test_text_parts_are_joined_by_newlines_as_vllm_joins_them(http):
+    # two parts, e.g. a document and a question: joined with nothing, their words ran together
+    parts = [{"type": "text", "text": "A list holds items."}, {"type": "text", "text": "What is a dict?"}]
+    joined = [{"role": "user", "content": "A list holds items.\nWhat is a dict?"}]
+    assert prompt_ids(http, [{"role": "user", "content": parts}]) == prompt_ids(http, joined)
+    body = {"max_tokens": 1, "temperature": 0}
+    with_parts = http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": parts}]})
+    assert with_parts.json()["usage"]["prompt_tokens"] == len(prompt_ids(http, joined))
+
