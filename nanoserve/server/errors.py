@@ -66,6 +66,10 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
             return APIError(f"'{param}' is not supported by this server", param=param, code="unsupported_parameter")
         return APIError(f"Unrecognized request argument supplied: {param}", param=param,
                         code="unrecognized_argument")
+    if kind == "literal_error" and path[-1:] == ["type"] and path[-3:-2] == ["content"]:
+        part = str(err.get("input"))[:40]
+        return APIError(f"Content part type {part!r} is not supported: this server's model reads text only; "
+                        "send parts of type 'text'", param=param, code="invalid_value")
     if kind == "model_type":
         return APIError("The request body must be a JSON object", param=param, code="invalid_type")
     if kind.endswith("_type") or kind.endswith("_parsing") or kind == "union_tag_invalid":

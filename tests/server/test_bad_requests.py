@@ -117,7 +117,11 @@ CASES = [
      "messages.0.content", "Invalid type for 'messages.0.content'"),
     ("image content", "/v1/chat/completions",
      chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), {}, 400,
-     "messages.0.content.0.type", "Input should be 'text'"),
+     "messages.0.content.0.type", "'image_url' is not supported: this server's model reads text only"),
+    ("audio content", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "input_audio",
+                                                   "input_audio": {"data": "UklG", "format": "wav"}}]}]), {}, 400,
+     "messages.0.content.1.type", "'input_audio' is not supported"),
     # of a union's members, the one that got furthest names the problem
     ("a text part with an unknown key", "/v1/chat/completions",
      chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}]), {}, 400,
