@@ -57,8 +57,9 @@ class ChoiceReader:
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         if not calls:
-            if self.plan.active:  # no whole call: whatever was written is the answer
-                message["content"] = content or None
+            # no whole call: whatever was written is the answer; an empty one is "" as streamed (and
+            # as vLLM returns it), null only beside reasoning, as vLLM's reasoning parsers leave it
+            message["content"] = content or (None if reasoning is not None else "")
             return message, finish_reason
         message["tool_calls"] = [{"id": tool_call_id(self.plan.parser), "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in calls]

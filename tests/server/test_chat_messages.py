@@ -29,3 +29,13 @@ def test_text_parts_are_joined_by_newlines_as_vllm_joins_them(http):
     with_parts = http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": parts}]})
     assert with_parts.json()["usage"]["prompt_tokens"] == len(prompt_ids(http, joined))
 
+
+def test_an_empty_answer_is_empty_content_whole_and_streamed(http):
+    # the stream opens with content "" and adds nothing: the whole message said null
+    (eos,) = http.post("/tokenize", json={"prompt": "<|im_end|>", "add_special_tokens": False}).json()["tokens"]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logit_bias": {str(eos): 100}}
+    whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert whole["finish_reason"] == "stop" and whole["message"]["content"] == ""
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == ""
