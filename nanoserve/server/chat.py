@@ -103,8 +103,10 @@ class ChatCompletion(OpenAIResponse):
         return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
 
     def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
-        def render(u: RequestUpdate, ids: list[int], lps: list) -> dict:
+        def render(u: RequestUpdate, ids: list[int], lps: list) -> dict | None:
             delta, finish_reason = self.readers[u.index].delta(u.text, u.finish_reason)
+            if not delta and finish_reason is None:
+                return None  # text a parser holds back (a tag, the start of a call) shows nothing yet
             return {"index": u.index, "delta": delta, "logprobs": self.logprobs(ids, lps),
                     "finish_reason": finish_reason, "stop_reason": u.stop_reason}
 

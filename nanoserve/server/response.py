@@ -13,8 +13,9 @@ from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.state import ServerState, engine_error, new_id, timed, usage
 from nanoserve.server.wire import DONE, sse_event
 
-# (update, its token ids and logprobs since the choice's last chunk) -> the chunk's choice
-RenderChoice = Callable[[RequestUpdate, list[int], list], dict]
+# (update, its token ids and logprobs since the choice's last chunk) -> the chunk's choice, or None
+# when the update shows nothing yet (its tokens and logprobs then wait for the choice's next chunk)
+RenderChoice = Callable[[RequestUpdate, list[int], list], dict | None]
 
 
 class OpenAIResponse:
@@ -78,9 +79,11 @@ class OpenAIResponse:
                 lps.extend(u.logprobs or [])
                 if not u.text and u.finish_reason is None:
                     continue
+                choice = render(u, ids, lps)
+                if choice is None:
+                    continue
                 del pending[u.index]
-                yield sse_event(self.chunk([render(u, ids, lps)],
-                                           self.usage(stream) if self.req.continuous_usage else None))
+                yield sse_event(self.chunk([choice], self.usage(stream) if self.req.continuous_usage else None))
             if self.req.include_usage:
                 yield sse_event(self.chunk([], self.usage(stream)))
         except (EngineDeadError, RequestFailedError) as exc:

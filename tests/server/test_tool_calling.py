@@ -156,6 +156,19 @@ def test_reasoning_is_split_from_content(client, stream):
     assert content and "think" not in content
 
 
+def test_streamed_chunks_each_show_something_and_carry_every_token_logprob(tool_server):
+    # text the reasoning parser holds back (a tag being written) went out as chunks with an empty
+    # delta; vLLM sends none, and the held tokens' logprobs belong with the text they make
+    body = {"messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True, "stream": True,
+            "stream_options": {"include_usage": True}, "guided_regex": r"<think>[a-z ]{5,30}</think>[a-z ]{3,20}"}
+    with httpx.stream("POST", f"{tool_server.url}/v1/chat/completions", json=body, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    *text_chunks, last = chunks
+    assert [c for c in text_chunks if not c["choices"][0]["delta"] and not c["choices"][0]["finish_reason"]] == []
+    logprobs = [t for c in text_chunks for t in (c["choices"][0]["logprobs"] or {"content": []})["content"]]
+    assert len(logprobs) == last["usage"]["completion_tokens"]
+
+
 def test_chat_template_kwargs_and_tool_history_reach_the_template(tool_server):
     def tokenize(body: dict) -> str:
         r = httpx.post(f"{tool_server.url}/tokenize", json={"model": "tiny", **body}, timeout=30)
