@@ -42,7 +42,8 @@ def rendering_work(messages: list[ChatMessage], tools: list[Tool] | None, text_l
 
 
 def render_chat(state: ServerState, messages: list[ChatMessage], text_length: int, add_generation_prompt: bool = True,
-                tools: list[Tool] | None = None, template_kwargs: dict | None = None) -> list[int]:
+                tools: list[Tool] | None = None, template_kwargs: dict | None = None,
+                continue_final_message: bool = False) -> list[int]:
     """Token ids of the conversation as the model's chat template writes it (`text_length`: messages_length)."""
     tok = state.tokenizer
     # the template only adds text: contents past the bound cannot fit once rendered either
@@ -61,7 +62,7 @@ def render_chat(state: ServerState, messages: list[ChatMessage], text_length: in
         conversation = [{**m, "role": "system"} if m["role"] == "developer" else m for m in conversation]
     try:
         text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                       **extra)
+                                       continue_final_message=continue_final_message, **extra)
     except (jinja2.TemplateError, TypeError, ValueError) as exc:  # e.g. "roles must alternate user/assistant"
         raise APIError(f"The chat template refused these messages: {exc}", param="messages") from None
     # tools and reasoning_content are written by the template but not counted above: 25 MB of a
@@ -80,8 +81,8 @@ class ChatCompletion(OpenAIResponse):
     def __init__(self, state: ServerState, req: ChatCompletionRequest, model: str, tools: ToolPlan,
                  text_length: int) -> None:
         super().__init__(state, req, model)
-        self.prompt = req.truncate(render_chat(state, req.messages, text_length, True, req.tools,
-                                               req.chat_template_kwargs))
+        self.prompt = req.truncate(render_chat(state, req.messages, text_length, req.add_generation_prompt, req.tools,
+                                               req.chat_template_kwargs, req.continue_final_message))
         self.prompt_lens = [len(self.prompt)]
         self.top_n = req.top_logprobs or 0
         parser = REASONING_PARSERS.get(state.settings.reasoning_parser)
@@ -133,6 +134,9 @@ async def create_chat_completion(request: Request) -> Response:
     state.settings.limits.check_request(1, req.n, req.stop, req.stop_token_ids)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError("continue_final_message continues the last message, so add_generation_prompt must be "
+                       "false: a new assistant header would close it", param="continue_final_message")
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     try:

@@ -219,6 +219,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool | None = None  # False: at most one call (enforced when tool_choice is required)
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template (enable_thinking)
+    add_generation_prompt: bool = True     # vLLM's: False leaves the assistant's header out
+    continue_final_message: bool = False   # vLLM's: the reply continues the last message, left open
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # the OpenAI API's newer name for max_tokens
     logprobs: bool = False

@@ -39,3 +39,21 @@ def test_an_empty_answer_is_empty_content_whole_and_streamed(http):
     with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == ""
+
+
+def test_continue_final_message_extends_the_assistant_message_as_vllm_does(http):
+    # vLLM's prefill of the reply: the last message is left open and the model writes on from it
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "A list"}]
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    chat = http.post("/v1/chat/completions", json={**body, "messages": messages, "add_generation_prompt": False,
+                                                   "continue_final_message": True}).json()
+    text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nA list"
+    completion = http.post("/v1/completions", json={**body, "prompt": text}).json()
+    assert chat["usage"]["prompt_tokens"] == completion["usage"]["prompt_tokens"]
+    assert chat["choices"][0]["message"]["content"] == completion["choices"][0]["text"]
+    # without the generation prompt the template's text ends after the last message
+    closed = http.post("/v1/chat/completions", json={**body, "messages": messages, "add_generation_prompt": False})
+    assert closed.json()["usage"]["prompt_tokens"] == len(http.post("/tokenize", json={
+        "messages": messages, "add_generation_prompt": False}).json()["tokens"])
+    both = http.post("/v1/chat/completions", json={**body, "messages": messages, "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
