@@ -93,16 +93,24 @@ class LLM:
                 states[request_id] = (result, state)
             self.engine.add_request(request_ids[0], ids, params, fork_ids=request_ids[1:])
         bar = tqdm(total=len(states), desc="Generating", disable=not use_tqdm)
-        while self._raise_failures(states) or self.engine.has_unfinished_requests():
-            for step in self.engine.step():
-                result, state = states[step.request_id]
-                result.num_cached_tokens = max(result.num_cached_tokens, step.num_cached_tokens)
-                out = state.update(step)
-                if state.stopped and not step.finished:
-                    self.engine.abort_request(step.request_id)
-                if out.finished:
-                    bar.update(1)
-        bar.close()
+        try:
+            while self._raise_failures(states) or self.engine.has_unfinished_requests():
+                for step in self.engine.step():
+                    result, state = states[step.request_id]
+                    result.num_cached_tokens = max(result.num_cached_tokens, step.num_cached_tokens)
+                    out = state.update(step)
+                    if state.stopped and not step.finished:
+                        self.engine.abort_request(step.request_id)
+                    if out.finished:
+                        bar.update(1)
+        except BaseException:
+            # an error or Ctrl-C: left in the engine, this call's requests would hold their KV
+            # blocks, and the next call would get outputs of requests it does not know
+            for request_id in states:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
         return results
 
     def _raise_failures(self, request_ids) -> bool:

@@ -178,6 +178,32 @@ def test_a_rejected_batch_leaves_nothing_queued(qwen3_model):
     assert len(tokens(llm, [[8, 9]], greedy(3))[0]) == 3
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_generate_call_that_raises_frees_its_requests_and_the_next_call_works(qwen3_model, async_scheduling):
+    """An error or Ctrl-C inside a step leaves nothing of that call in the engine: its blocks were
+    held, and the next call failed on the first output of a request it did not know."""
+    llm = LLM(qwen3_model, dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_kvcache_blocks=NUM_BLOCKS,
+              max_model_len=128, async_scheduling=async_scheduling)
+    prompts = random_prompts(3, 384, 10, 30, seed=11)
+    expected = tokens(llm, prompts, greedy(6))
+    forward, calls = llm.engine.runner.forward, []
+
+    def interrupted_on_the_third_step(work):
+        calls.append(work)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return forward(work)
+
+    llm.engine.runner.forward = interrupted_on_the_third_step
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, greedy(6), use_tqdm=False)
+    assert not llm.engine.sequences
+    assert llm.engine.block_manager.num_free_blocks == NUM_BLOCKS
+    assert tokens(llm, prompts, greedy(6)) == expected
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == NUM_BLOCKS
+
+
 def test_device_defaults_resolve_in_the_config():
     from nanoserve import EngineConfig
 
