@@ -165,6 +165,12 @@ class TextPart(Strict):
     text: str
 
 
+class RefusalPart(Strict):
+    """An assistant's earlier refusal, as OpenAI's API replays it in history; read as its text."""
+    type: Literal["refusal"]
+    refusal: str
+
+
 class FunctionCall(Strict):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -180,7 +186,7 @@ class ToolCall(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | RefusalPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None           # tool messages: the call this answers
@@ -188,7 +194,7 @@ class ChatMessage(Strict):
 
     def text(self) -> str:
         if isinstance(self.content, list):  # as vLLM joins them: parts are often a document, then a question
-            return "\n".join(part.text for part in self.content)
+            return "\n".join(part.text if isinstance(part, TextPart) else part.refusal for part in self.content)
         return self.content or ""
 
 

@@ -30,6 +30,17 @@ def test_text_parts_are_joined_by_newlines_as_vllm_joins_them(http):
     assert with_parts.json()["usage"]["prompt_tokens"] == len(prompt_ids(http, joined))
 
 
+def test_an_assistant_refusal_part_in_history_is_read_as_its_text(http):
+    # OpenAI's API replays a refusal as a content part of type "refusal"; vLLM reads it as text
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot help."}]},
+               {"role": "user", "content": "why?"}]
+    as_text = [history[0], {"role": "assistant", "content": "I cannot help."}, history[2]]
+    assert prompt_ids(http, history) == prompt_ids(http, as_text)
+    reply = http.post("/v1/chat/completions", json={"messages": history, "max_tokens": 1})
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(prompt_ids(http, as_text))
+
+
 def test_an_empty_answer_is_empty_content_whole_and_streamed(http):
     # the stream opens with content "" and adds nothing: the whole message said null
     (eos,) = http.post("/tokenize", json={"prompt": "<|im_end|>", "add_special_tokens": False}).json()["tokens"]
