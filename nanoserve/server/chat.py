@@ -153,7 +153,12 @@ async def create_chat_completion(request: Request) -> Response:
     length = messages_length(req.messages)
     chat = await off_the_loop_if_long(rendering_work(req.messages, req.tools, length), ChatCompletion, state, req,
                                       model, tools, length)
-    stream = state.start(chat.id, [chat.prompt], params)
+    try:
+        stream = state.start(chat.id, [chat.prompt], params)
+    except APIError as exc:
+        if exc.param == "max_tokens" and req.max_completion_tokens is not None:
+            exc.param = "max_completion_tokens"   # the field this request set
+        raise
     timer.request_id = chat.id
     timer.prompt(sum(chat.prompt_lens))
     if req.stream:

@@ -135,6 +135,8 @@ CASES = [
      "top_logprobs", "20"),
     ("max_tokens disagrees with max_completion_tokens", "/v1/chat/completions", chat(max_completion_tokens=5), {},
      400, "max_completion_tokens", "disagree"),
+    ("max_completion_tokens past the context", "/v1/chat/completions",
+     chat(max_tokens=..., max_completion_tokens=100000), {}, 400, "max_completion_tokens", "maximum context length"),
     ("tool without a function", "/v1/chat/completions", chat(tools=[{"type": "function"}]), {}, 400,
      "tools.0.function", "Missing"),
     ("functions (the old API)", "/v1/chat/completions", chat(functions=[{"name": "f"}]), {}, 400, "functions",
