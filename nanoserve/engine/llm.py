@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.validation import check_prompt
+from nanoserve.engine.validation import check_prompt, check_token_ids
 from nanoserve.engine.outputs import CompletionOutput, RequestState, TokenLogprob
 from nanoserve.sampling_params import SamplingParams
 
@@ -79,8 +79,11 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        for ids in token_ids:  # all checked before any is queued: a bad prompt leaves nothing behind
+        # all checked before any is queued: a bad prompt leaves nothing behind
+        for ids, params in zip(token_ids, params_list):
             check_prompt(ids, None, self.engine.config.max_model_len, self.engine.vocab_size)
+            # the sampler bans these by index before min_tokens, as the server checks them too
+            check_token_ids(params.stop_token_ids, self.engine.vocab_size, "'stop_token_ids'", "stop_token_ids")
         results: list[RequestOutput] = []
         states: dict[str, tuple[RequestOutput, RequestState]] = {}
         for prompt, ids, params in zip(prompts, token_ids, params_list):

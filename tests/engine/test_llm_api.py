@@ -170,6 +170,15 @@ def test_prompt_longer_than_max_model_len_is_rejected(llm):
         llm.generate(["word " * 300], greedy(4), use_tqdm=False)
 
 
+def test_a_stop_token_id_outside_the_vocabulary_is_refused_before_queueing(llm):
+    """As the server refuses it (400): with min_tokens such an id is banned by index in the
+    sampler, and the step failed with an IndexError after the batch was queued."""
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([[5, 6, 7], [8, 9]], [greedy(4), greedy(4, stop_token_ids=[384], min_tokens=2)],
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_a_rejected_batch_leaves_nothing_queued(qwen3_model):
     llm = LLM(qwen3_model, dtype="float32", device="cpu", max_model_len=64)
     with pytest.raises(ValueError):
