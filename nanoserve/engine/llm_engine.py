@@ -178,6 +178,10 @@ class LLMEngine:
         """Forget a request and free its blocks at once; False if it is unknown or done."""
         seq = self.sequences.pop(request_id, None)
         if seq is None:
+            for forks in self.pending_forks.values():
+                if request_id in forks:  # a sibling still waiting for its first: it never starts
+                    forks.remove(request_id)
+                    return True
             return False
         self._start_forks(seq)  # siblings are requests of their own and live on
         if any(s is seq for s, _ in self.awaiting_grammar):

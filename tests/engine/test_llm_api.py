@@ -144,6 +144,19 @@ def test_n_2_gives_two_outputs_and_the_second_shares_the_prompt_blocks(llm):
     assert len(sampled.outputs) == 3 and all(len(o.token_ids) == 8 for o in sampled.outputs)
 
 
+def test_aborting_a_choice_that_waits_for_its_first_means_it_never_starts(llm):
+    """A sibling (n > 1) waits until its first choice's prompt is cached; aborting it then was
+    ignored, and it later ran and sent outputs for a request that had been aborted."""
+    engine = llm.engine
+    engine.add_request("parent", random_prompts(1, 384, 30, 30, seed=12)[0], greedy(3), fork_ids=["fork-1", "fork-2"])
+    assert engine.abort_request("fork-1")
+    assert engine.num_waiting == 2  # the first and the other sibling
+    seen = set()
+    while engine.has_unfinished_requests():
+        seen |= {out.request_id for out in engine.step()}
+    assert seen == {"parent", "fork-2"}
+
+
 def test_seeded_n_draws_different_choices_and_repeats_them(llm):
     params = SamplingParams(temperature=1.0, max_tokens=12, n=3, seed=7, ignore_eos=True)
     first = [c.token_ids for c in llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs]
