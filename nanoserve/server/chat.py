@@ -91,7 +91,7 @@ class ChatCompletion(OpenAIResponse):
         self.readers = [ChoiceReader(tools, parser(opened) if parser else None) for _ in range(req.n)]
 
     def logprobs(self, token_ids: list[int], logprobs: list | None) -> dict | None:
-        return chat_logprobs(self.state.texts, token_ids, logprobs or [], self.top_n) if self.req.logprobs else None
+        return chat_logprobs(self.token_names, token_ids, logprobs or [], self.top_n) if self.req.logprobs else None
 
     async def collect(self, stream: RequestStream, timer: RequestTimer) -> dict:
         await self.drain(stream, timer)

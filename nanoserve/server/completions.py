@@ -85,7 +85,7 @@ class Completion(OpenAIResponse):
             logprobs = None
             if self.req.logprobs is not None:
                 ids, lps = self.echoed_tokens(c, stream)
-                logprobs = completion_logprobs(self.state.texts, ids + out.token_ids, lps + (out.logprobs or []),
+                logprobs = completion_logprobs(self.token_names, ids + out.token_ids, lps + (out.logprobs or []),
                                                self.text_offsets(c), num_prompt_tokens=len(ids))
             choices.append(await self.serialized({"index": c, "text": prefix + out.text, "logprobs": logprobs,
                                                   "finish_reason": out.finish_reason,
@@ -106,7 +106,7 @@ class Completion(OpenAIResponse):
                 num_prompt_tokens = len(prompt_ids)
             logprobs = None
             if self.req.logprobs is not None:
-                logprobs = completion_logprobs(self.state.texts, ids, lps, offsets[u.index], num_prompt_tokens)
+                logprobs = completion_logprobs(self.token_names, ids, lps, offsets[u.index], num_prompt_tokens)
             return {"index": u.index, "text": text, "logprobs": logprobs, "finish_reason": u.finish_reason,
                     "stop_reason": u.stop_reason}
 

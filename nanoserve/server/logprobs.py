@@ -73,6 +73,21 @@ class TokenTexts:
         return piece.replace("\u2581", " ").encode()  # sentencepiece writes spaces as U+2581
 
 
+class TokenIdNames:
+    """Tokens named "token_id:N" in logprobs (vLLM's return_tokens_as_token_ids), in place of
+    TokenTexts: no two tokens share a name, whatever their text; `bytes` are the name's, as vLLM's."""
+
+    def get(self, token_id: int) -> tuple[bytes, str]:
+        name = self.text(token_id)
+        return name.encode(), name
+
+    def text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
+TOKEN_ID_NAMES = TokenIdNames()
+
+
 class TextOffsets:
     """Where the tokens of one choice start in its text, counted in the text's characters.
 
@@ -93,7 +108,7 @@ class TextOffsets:
         return start
 
 
-def completion_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprob | None],
+def completion_logprobs(texts: TokenTexts | TokenIdNames, token_ids: list[int], logprobs: list[TokenLogprob | None],
                         offsets: TextOffsets, num_prompt_tokens: int = 0) -> dict:
     """The /v1/completions `logprobs` object for these tokens, the first `num_prompt_tokens` of
     them an echoed prompt's; `offsets` moves past them.
@@ -118,7 +133,7 @@ def completion_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
 
 
-def chat_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprob], top_n: int) -> dict:
+def chat_logprobs(texts: TokenTexts | TokenIdNames, token_ids: list[int], logprobs: list[TokenLogprob], top_n: int) -> dict:
     """The /v1/chat/completions `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     content = []
     for token_id, (chosen, alternatives) in zip(token_ids, logprobs):

@@ -87,6 +87,8 @@ class SamplingFields(Strict):
     min_tokens: int = Field(0, ge=0, le=MAX_INT)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: logprobs name tokens "token_id:N", so tokens of equal or partial text stay apart
+    return_tokens_as_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # vLLM's: keep only the last k prompt tokens

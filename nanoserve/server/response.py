@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import orjson
 
 from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream, RequestUpdate
+from nanoserve.server.logprobs import TOKEN_ID_NAMES, TokenIdNames, TokenTexts
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.state import ServerState, engine_error, new_id, timed, usage
 from nanoserve.server.wire import DONE, sse_event
@@ -30,6 +31,11 @@ class OpenAIResponse:
         self.id, self.created = new_id(self.id_prefix), int(time.time())
         self.cached: dict[int, int] = {}  # choice index -> its prompt tokens found in the prefix cache
         self.prompt_lens: list[int] = []  # token counts of the request's prompts, set by the endpoint
+
+    @property
+    def token_names(self) -> TokenTexts | TokenIdNames:
+        """What logprobs call each token: its text, or "token_id:N" when the request asks."""
+        return TOKEN_ID_NAMES if self.req.return_tokens_as_token_ids else self.state.texts
 
     def envelope(self, object_: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model, "choices": choices}

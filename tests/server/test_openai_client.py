@@ -221,6 +221,30 @@ def test_echo_with_logprobs_scores_the_prompt_streamed_and_whole(client, offline
         assert sum((c.logprobs.text_offset for c in mine if c.logprobs), []) == lp.text_offset
 
 
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, offline, chat_prompt):
+    """vLLM's flag: tokens of equal or partial text are told apart; offsets still count the text."""
+    prompt = PROMPTS[0]
+    ref = reference(offline, prompt, temperature=0.0, max_tokens=6, logprobs=2)
+    names = [f"token_id:{t}" for t in ref.token_ids]
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    plain = client.completions.create(**kwargs).choices[0].logprobs
+    whole = client.completions.create(**kwargs, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    chunks = list(client.completions.create(**kwargs, stream=True, extra_body={"return_tokens_as_token_ids": True}))
+    assert whole.text == ref.text and whole.logprobs.tokens == names
+    assert sum((c.choices[0].logprobs.tokens for c in chunks if c.choices[0].logprobs), []) == names
+    assert whole.logprobs.text_offset == plain.text_offset
+    for top, name, (_, alternatives) in zip(whole.logprobs.top_logprobs, names, ref.outputs[0].logprobs):
+        assert set(top) == {f"token_id:{t}" for t, _ in alternatives} | {name}
+    chat_ref = reference(offline, chat_prompt, temperature=0.0, max_tokens=4, logprobs=2)
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in chat_ref.token_ids]
+    assert all(bytes(c.bytes) == c.token.encode() for c in content)
+    assert [[t.token for t in c.top_logprobs] for c in content] == \
+        [[f"token_id:{t}" for t, _ in alternatives[:2]] for _, alternatives in chat_ref.outputs[0].logprobs]
+
+
 def test_truncate_prompt_tokens_keeps_the_prompt_end(client, offline):
     ids = offline.tokenizer.encode(PROMPTS[2])
     ref = reference(offline, ids[-3:], temperature=0.0, max_tokens=8)
