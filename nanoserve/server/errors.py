@@ -21,6 +21,13 @@ logger = logging.getLogger(__name__)
 # request fields of the OpenAI API that this server knows of but does not implement
 UNSUPPORTED_FIELDS = {"functions", "function_call",
                       "audio", "prediction", "web_search_options", "reasoning_effort"}
+# vLLM's request fields that this server refuses on purpose, and what to do instead
+REFUSED_FIELDS = {
+    # as vLLM does unless told to trust request templates
+    "chat_template": "a chat template is code the server runs, so a request may not bring one; start the "
+                     "server with --chat-template, or pass variables through chat_template_kwargs",
+    "prompt_logprobs": "on /v1/completions, echo with logprobs returns the prompt's token logprobs",
+}
 
 
 class APIError(Exception):
@@ -62,6 +69,9 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     if kind == "missing":
         return APIError(f"Missing required parameter: '{param}'", param=param, code="missing_required_parameter")
     if kind == "extra_forbidden":
+        if param in REFUSED_FIELDS:
+            return APIError(f"'{param}' is not supported by this server: {REFUSED_FIELDS[param]}", param=param,
+                            code="unsupported_parameter")
         if param in UNSUPPORTED_FIELDS:
             return APIError(f"'{param}' is not supported by this server", param=param, code="unsupported_parameter")
         return APIError(f"Unrecognized request argument supplied: {param}", param=param,
