@@ -58,6 +58,18 @@ class Completion(OpenAIResponse):
         return self._echoed[p]
 
     @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 with echo (how scoring harnesses ask for a prompt's logprobs): the engine
+        still computes one token, and the response leaves it out."""
+        return self.req.echo and self.req.max_tokens == 0
+
+    def usage(self, stream: RequestStream) -> dict:
+        counted = super().usage(stream)
+        if self.echo_only:
+            counted.update(completion_tokens=0, total_tokens=counted["prompt_tokens"])
+        return counted
+
+    @property
     def scores_prompt(self) -> bool:
         """echo with logprobs: the echoed prompt carries its own tokens' logprobs."""
         return self.req.echo and self.req.logprobs is not None
@@ -82,14 +94,15 @@ class Completion(OpenAIResponse):
         choices = []
         for c, out in enumerate(stream.outputs):
             prefix = self.echo(c)
+            text, own_ids, own_lps = ("", [], []) if self.echo_only else (out.text, out.token_ids, out.logprobs or [])
             logprobs = None
             if self.req.logprobs is not None:
                 ids, lps = self.echoed_tokens(c, stream)
-                logprobs = completion_logprobs(self.token_names, ids + out.token_ids, lps + (out.logprobs or []),
+                logprobs = completion_logprobs(self.token_names, ids + own_ids, lps + own_lps,
                                                self.text_offsets(c), num_prompt_tokens=len(ids))
-            choices.append(await self.serialized({"index": c, "text": prefix + out.text, "logprobs": logprobs,
-                                                  "finish_reason": out.finish_reason,
-                                                  "stop_reason": out.stop_reason}))
+            finish_reason, stop_reason = ("length", None) if self.echo_only else (out.finish_reason, out.stop_reason)
+            choices.append(await self.serialized({"index": c, "text": prefix + text, "logprobs": logprobs,
+                                                  "finish_reason": finish_reason, "stop_reason": stop_reason}))
         return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
 
     def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
@@ -98,6 +111,10 @@ class Completion(OpenAIResponse):
 
         def render(u: RequestUpdate, ids: list[int], lps: list) -> dict:
             text, num_prompt_tokens = u.text, 0
+            finish_reason, stop_reason = u.finish_reason, u.stop_reason
+            if self.echo_only:   # the one token computed is not part of the answer
+                text, ids, lps = "", [], []
+                finish_reason, stop_reason = ("length", None) if u.finish_reason else (None, None)
             if self.scores_prompt and u.index not in echoed:
                 # a prompt's logprobs exist once it is computed, so it is echoed with the first tokens
                 echoed.add(u.index)
@@ -107,8 +124,8 @@ class Completion(OpenAIResponse):
             logprobs = None
             if self.req.logprobs is not None:
                 logprobs = completion_logprobs(self.token_names, ids, lps, offsets[u.index], num_prompt_tokens)
-            return {"index": u.index, "text": text, "logprobs": logprobs, "finish_reason": u.finish_reason,
-                    "stop_reason": u.stop_reason}
+            return {"index": u.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                    "stop_reason": stop_reason}
 
         opening = [{"index": c, "text": self.echo(c), "logprobs": None, "finish_reason": None, "stop_reason": None}
                    for c in range(len(stream.outputs))] if self.req.echo and not self.scores_prompt else []
@@ -127,6 +144,9 @@ def refuse_unsupported(req: CompletionRequest) -> None:
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(f"best_of ({req.best_of}) must equal n ({req.n}): this server returns every completion it "
                        "generates and does not rank extra ones", param="best_of", code="unsupported_parameter")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError("max_tokens must be at least 1; 0 is allowed with echo, which returns the prompt alone "
+                       "(with its logprobs when logprobs is set)", param="max_tokens")
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -156,7 +176,8 @@ async def create_completion(request: Request) -> Response:
     state.settings.limits.check_request(len(prompt_list(req.prompt)), req.n, req.stop, req.stop_token_ids)
     completion = await off_the_loop_if_long(texts_length(req.prompt), Completion, state, req, model)
     try:
-        params = req.sampling_params(default_max_tokens(state, req, completion.prompt_lens), req.logprobs,
+        # echo with max_tokens 0 computes one token, which the response leaves out
+        params = req.sampling_params(max(1, default_max_tokens(state, req, completion.prompt_lens)), req.logprobs,
                                      state.sampling_defaults)
         if completion.scores_prompt:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)

@@ -155,7 +155,8 @@ class CompletionRequest(SamplingFields):
     # token ids first: pydantic takes the first member that matches, and a list of ids is the
     # common case of load generators and harnesses (5x faster to validate than trying str first)
     prompt: list[int] | str | list[str] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # None: 16, as in the OpenAI API (the endpoint fills it in)
+    # None: 16, as in the OpenAI API (the endpoint fills it in); 0, with echo: the prompt alone, as vLLM's
+    max_tokens: int | None = Field(None, ge=0, le=MAX_INT)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)

@@ -221,6 +221,28 @@ def test_echo_with_logprobs_scores_the_prompt_streamed_and_whole(client, offline
         assert sum((c.logprobs.text_offset for c in mine if c.logprobs), []) == lp.text_offset
 
 
+def test_echo_with_max_tokens_0_returns_the_prompt_alone_with_its_logprobs(client, offline):
+    """How scoring harnesses ask for a prompt's logprobs (vLLM accepts it): nothing generated comes back."""
+    prompt = PROMPTS[2]
+    ids = offline.tokenizer.encode(prompt)
+    ref = reference(offline, prompt, temperature=0.0, max_tokens=1, logprobs=2, prompt_logprobs=2)
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    whole = client.completions.create(**kwargs)
+    choice = whole.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == len(ids) and choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([c for c, _ in ref.prompt_logprobs[1:]], abs=1e-5)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), 0)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    mine = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in mine) == prompt and mine[-1].finish_reason == "length"
+    assert sum((c.logprobs.token_logprobs for c in mine if c.logprobs), []) == choice.logprobs.token_logprobs
+    assert chunks[-1].usage.completion_tokens == 0
+    assert client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True).choices[0].text == prompt
+    with pytest.raises(openai.BadRequestError, match="0 is allowed with echo"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
+
+
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, offline, chat_prompt):
     """vLLM's flag: tokens of equal or partial text are told apart; offsets still count the text."""
     prompt = PROMPTS[0]
