@@ -86,10 +86,13 @@ class PrefillBuffers:
             seq_lens_host=[bucket],
         )
 
+    def _pad_rows(self, start: int, end: int) -> None:
+        self.i64[:2, start:end].zero_()      # id 0 at position 0
+        self.i64[2, start:end].fill_(-1)     # stored nowhere
+
     def clear(self, bucket: int) -> None:
         """Every row padding, every sequence empty: what capture runs over (it stores nothing)."""
-        self.i64[:2, :bucket].zero_()
-        self.i64[2, :bucket].fill_(-1)
+        self._pad_rows(0, bucket)
         self.query_start.zero_()
         self.seq_lens.zero_()
 
@@ -100,8 +103,7 @@ class PrefillBuffers:
         self.i64[1, :n].copy_(inputs.positions)
         self.i64[2, :n].copy_(inputs.meta.slot_mapping)
         if n < bucket:
-            self.i64[:2, n:bucket].zero_()
-            self.i64[2, n:bucket].fill_(-1)
+            self._pad_rows(n, bucket)
         self.query_start[:seqs + 1].copy_(inputs.meta.query_start_loc)
         self.query_start[seqs + 1:].fill_(n)
         self.seq_lens[:seqs].copy_(inputs.meta.seq_lens)
