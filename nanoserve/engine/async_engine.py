@@ -31,7 +31,7 @@ from nanoserve.engine.messages import (AbortRequests, AddRequest, EngineDied, En
                                        Shutdown, input_encoder, output_decoder)
 from nanoserve.engine.outputs import RequestState
 from nanoserve.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream, RequestUpdate
-from nanoserve.engine.validation import RequestRefused, check_prompt, check_token_ids
+from nanoserve.engine.validation import RequestRefused, check_params_token_ids, check_prompt, check_token_ids
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -175,6 +175,7 @@ class AsyncEngine:
             raise self.error or EngineDeadError("The engine is not running yet")
         if not prompts:
             raise RequestRefused("The request has no prompt", "prompt")
+        check_params_token_ids(params, self.vocab_size)
         for prompt in prompts:
             check_prompt(prompt, params.max_tokens, self.config.max_model_len, self.vocab_size)
         n = params.n

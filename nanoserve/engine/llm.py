@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.validation import check_prompt, check_token_ids
+from nanoserve.engine.validation import check_params_token_ids, check_prompt
 from nanoserve.engine.outputs import CompletionOutput, RequestState, TokenLogprob
 from nanoserve.sampling_params import SamplingParams
 
@@ -82,8 +82,7 @@ class LLM:
         # all checked before any is queued: a bad prompt leaves nothing behind
         for ids, params in zip(token_ids, params_list):
             check_prompt(ids, None, self.engine.config.max_model_len, self.engine.vocab_size)
-            # the sampler bans these by index before min_tokens, as the server checks them too
-            check_token_ids(params.stop_token_ids, self.engine.vocab_size, "'stop_token_ids'", "stop_token_ids")
+            check_params_token_ids(params, self.engine.vocab_size)
         results: list[RequestOutput] = []
         states: dict[str, tuple[RequestOutput, RequestState]] = {}
         for prompt, ids, params in zip(prompts, token_ids, params_list):

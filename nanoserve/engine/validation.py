@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from nanoserve.sampling_params import SamplingParams
+
 
 class RequestRefused(ValueError):
     """A request that cannot be served as asked, with what an OpenAI error says beside the message:
@@ -36,3 +38,11 @@ def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, max_mo
                              f"{n + max_tokens} were requested ({n} in the prompt and {max_tokens} for the "
                              "completion)", "max_tokens", "context_length_exceeded")
     check_token_ids(prompt_token_ids, vocab_size, "the prompt", "prompt")
+
+
+def check_params_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Raise RequestRefused for a logit_bias or stop_token_ids id outside the vocabulary: the
+    sampler indexes the logits by them."""
+    if params.logit_bias:
+        check_token_ids(list(params.logit_bias), vocab_size, "'logit_bias'", "logit_bias")
+    check_token_ids(params.stop_token_ids, vocab_size, "'stop_token_ids'", "stop_token_ids")

@@ -74,9 +74,6 @@ class ServerState:
 
     def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
         """Queue the request, turning engine refusals into OpenAI errors."""
-        if params.logit_bias:
-            self.check_token_ids(list(params.logit_bias), "logit_bias")
-        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         try:
             return self.engine.add_request(request_id, prompts, params)
         except RequestRefused as exc:

@@ -183,12 +183,13 @@ def test_prompt_longer_than_max_model_len_is_rejected(llm):
         llm.generate(["word " * 300], greedy(4), use_tqdm=False)
 
 
-def test_a_stop_token_id_outside_the_vocabulary_is_refused_before_queueing(llm):
-    """As the server refuses it (400): with min_tokens such an id is banned by index in the
-    sampler, and the step failed with an IndexError after the batch was queued."""
-    with pytest.raises(ValueError, match="stop_token_ids"):
-        llm.generate([[5, 6, 7], [8, 9]], [greedy(4), greedy(4, stop_token_ids=[384], min_tokens=2)],
-                     use_tqdm=False)
+@pytest.mark.parametrize("field, bad", [("stop_token_ids", dict(stop_token_ids=[384], min_tokens=2)),
+                                        ("logit_bias", dict(logit_bias={384: 5.0}))])
+def test_a_token_id_outside_the_vocabulary_is_refused_before_queueing(llm, field, bad):
+    """As the server refuses it (400): the sampler indexes the logits by these ids (with min_tokens
+    a stop id is banned by index, and the step failed with an IndexError after the batch was queued)."""
+    with pytest.raises(ValueError, match=field):
+        llm.generate([[5, 6, 7], [8, 9]], [greedy(4), greedy(4, **bad)], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
 
 
