@@ -63,6 +63,14 @@ class Completion(OpenAIResponse):
         still computes one token, and the response leaves it out."""
         return self.req.echo and self.req.max_tokens == 0
 
+    def answer(self, text: str, ids: list[int], lps: list, finish_reason: str | None,
+               stop_reason: str | int | None) -> tuple[str, list[int], list, str | None, str | int | None]:
+        """A choice's own text, tokens, logprobs and finish; with echo_only, nothing of the one
+        token computed, and "length" once it is done."""
+        if self.echo_only:
+            return "", [], [], "length" if finish_reason else None, None
+        return text, ids, lps, finish_reason, stop_reason
+
     def usage(self, stream: RequestStream) -> dict:
         counted = super().usage(stream)
         if self.echo_only:
@@ -94,13 +102,13 @@ class Completion(OpenAIResponse):
         choices = []
         for c, out in enumerate(stream.outputs):
             prefix = self.echo(c)
-            text, own_ids, own_lps = ("", [], []) if self.echo_only else (out.text, out.token_ids, out.logprobs or [])
+            text, own_ids, own_lps, finish_reason, stop_reason = self.answer(
+                out.text, out.token_ids, out.logprobs or [], out.finish_reason, out.stop_reason)
             logprobs = None
             if self.req.logprobs is not None:
                 ids, lps = self.echoed_tokens(c, stream)
                 logprobs = completion_logprobs(self.token_names, ids + own_ids, lps + own_lps,
                                                self.text_offsets(c), num_prompt_tokens=len(ids))
-            finish_reason, stop_reason = ("length", None) if self.echo_only else (out.finish_reason, out.stop_reason)
             choices.append(await self.serialized({"index": c, "text": prefix + text, "logprobs": logprobs,
                                                   "finish_reason": finish_reason, "stop_reason": stop_reason}))
         return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
@@ -110,11 +118,8 @@ class Completion(OpenAIResponse):
         echoed: set[int] = set()
 
         def render(u: RequestUpdate, ids: list[int], lps: list) -> dict:
-            text, num_prompt_tokens = u.text, 0
-            finish_reason, stop_reason = u.finish_reason, u.stop_reason
-            if self.echo_only:   # the one token computed is not part of the answer
-                text, ids, lps = "", [], []
-                finish_reason, stop_reason = ("length", None) if u.finish_reason else (None, None)
+            text, ids, lps, finish_reason, stop_reason = self.answer(u.text, ids, lps, u.finish_reason, u.stop_reason)
+            num_prompt_tokens = 0
             if self.scores_prompt and u.index not in echoed:
                 # a prompt's logprobs exist once it is computed, so it is echoed with the first tokens
                 echoed.add(u.index)
