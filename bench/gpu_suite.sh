@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +35,15 @@ for part in $parts; do
          for g in 2 4; do python3 bench/attention_kernels.py --fp8-sweep --group $g 2>&1 | tee "$out/fp8-sweep-g$g.log" | tail -20; done ;;
     prefill-sweep) # prefill tiles for lone prompts, GQA groups 2 and 4 (0.6B, 8B)
          for g in 2 4; do python3 bench/attention_kernels.py --prefill-sweep --group $g 2>&1 | tee "$out/prefill-sweep-g$g.log" | tail -52; done ;;
+    decode-report) # registers, shared memory and Nsight Compute's view of the decode kernel, bf16 and fp8 caches
+         ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+         for d in bf16 fp8; do
+           python3 scripts/decode_kernel_report.py --dtype $d --ir "$out/ir" 2>&1 | tee -a "$out/decode-report.txt"
+           $ncu --clock-control none --kernel-name regex:_decode_kernel --launch-skip 2 --launch-count 1 \
+             --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+             --section WarpStateStats --section SchedulerStats \
+             python3 scripts/decode_kernel_report.py --dtype $d 2>&1 | tee -a "$out/decode-report.txt" | grep -E "Duration|Throughput|Occupancy|Stall|Registers|Shared Memory Config|Block Limit" | head -40
+         done ;;
     gemv) python3 bench/skinny_gemm.py 2>&1 | tee "$out/skinny_gemm.log" ;;
     silu) python3 bench/silu_mul.py 2>&1 | tee "$out/silu_mul.log" ;;
     prefill-graphs) # TTFT with prefill steps eager, then replayed from graphs; throughput with them off (t256: on)
