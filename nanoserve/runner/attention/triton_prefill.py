@@ -79,12 +79,13 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
 
 
-def _prefill_config(head_dim: int, device: torch.device, fp8: bool) -> dict:
+def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, fp8: bool) -> dict:
     if device.type != "cuda":   # interpreter: small tiles keep masked work (and CPU time) low
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1, LAST_TILES_FIRST=False)
     if head_dim <= 64:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, LAST_TILES_FIRST=False)
-    if fp8:   # not swept for an fp8 cache
+    if fp8 or dtype.itemsize > 2:
+        # not swept for an fp8 cache; float32 tiles of 128 x 128 keys overflow shared memory
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, LAST_TILES_FIRST=False)
     # bench/attention_kernels.py --prefill-sweep on an H200 (bf16, dim 128, group 2), TFLOP/s for
     # prompts of 1x1k / 4x1k / 1x4k / 1x16k: 106 / 178 / 234 / 328, against 103 / 173 / 215 / 282
@@ -107,7 +108,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, block_size, kv_heads, _ = k_cache.shape
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
-    cfg = dict(config or _prefill_config(head_dim, q.device, fp8))
+    cfg = dict(config or _prefill_config(head_dim, q.dtype, q.device, fp8))
     block_m = max(cfg.pop("BLOCK_M"), triton.next_power_of_2(group))
     block_q = block_m // group
     out = torch.empty_like(q)
