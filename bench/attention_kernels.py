@@ -146,8 +146,8 @@ def tile_sweep(caches: Caches) -> None:
     cases = [(256, 1024), (256, 8192), (16, 8192)]
     print("config        " + "".join(f"  b{b:<4}c{c:<6}" for b, c in cases))
     for block_n in (32, 64, 128):
-        for warps in (4, 8):
-            for stages in (2, 3, 4):
+        for warps in (1, 2, 4, 8):
+            for stages in (1, 2, 3):
                 cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
                 try:
                     times = [decode_case(caches, b, c, config=cfg) for b, c in cases]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +43,13 @@ for part in $parts; do
              --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
              --section WarpStateStats --section SchedulerStats \
              python3 scripts/decode_kernel_report.py --dtype $d 2>&1 | tee -a "$out/decode-report.txt" | grep -E "Duration|Throughput|Occupancy|Stall|Registers|Shared Memory Config|Block Limit" | head -40
+         done ;;
+    fp8-steps) # fp8 against bf16 cache, step by step: decode steps by batch, and the workload's steps by running count
+         for kv in auto fp8; do
+           python3 bench/decode_step.py --batch-sizes 1,16,64,128,256 --contexts 1024 --kv-cache-dtype $kv 2>&1 \
+             | tee -a "$out/fp8-steps.log" | grep -vE "it/s|Capturing"
+           python3 bench/throughput.py --num-seqs 256 --runs 1 --kv-cache-dtype $kv --trace "$out/trace-$kv" 2>&1 \
+             | tee -a "$out/fp8-steps.log" | grep -vE "it/s|Capturing"
          done ;;
     gemv) python3 bench/skinny_gemm.py 2>&1 | tee "$out/skinny_gemm.log" ;;
     silu) python3 bench/silu_mul.py 2>&1 | tee "$out/silu_mul.log" ;;
