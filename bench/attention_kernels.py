@@ -197,10 +197,23 @@ def split_sweep(caches: Caches) -> None:
         print(f"batch {batch:3d} ctx {context:5d}  " + "  ".join(row))
 
 
+def merge_sweep(caches: Caches) -> None:
+    """Splits merged by a second kernel against the fused merge (the last split merges), at the
+    split counts a decode graph captured at max_model_len 4096 would use."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("\nmerge (us): second kernel / fused in the last split")
+    for batch, context in ((1, 1024), (1, 4096), (4, 1024), (16, 1024), (16, 4096), (64, 1024)):
+        splits = num_decode_splits(batch, KV_HEADS, 4096, sms)
+        times = [decode_case(caches, batch, context, num_splits=splits, config=dict(FUSED_MERGE=fused))
+                 for fused in (False, True)]
+        print(f"batch {batch:3d} ctx {context:5d} splits {splits:2d}  {times[0]:8.1f}  {times[1]:8.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiles", action="store_true", help="also sweep the decode tile config")
     parser.add_argument("--splits", action="store_true", help="also sweep split counts")
+    parser.add_argument("--merge", action="store_true", help="also time the fused split merge")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="fp8: an e4m3 cache (bytes and bandwidth count one byte per element)")
     parser.add_argument("--fp8-sweep", action="store_true",
@@ -247,6 +260,8 @@ def main() -> None:
         tile_sweep(caches)
     if args.splits:
         split_sweep(caches)
+    if args.merge:
+        merge_sweep(caches)
     print(f"summary: triton decode ({args.kv_cache_dtype} cache) at batch 256, context 1k-8k: "
           f"{min(summary):.0%}-{max(summary):.0%} of the copy bandwidth ({copy / 1e12:.2f} TB/s)")
 

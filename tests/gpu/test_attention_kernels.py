@@ -144,6 +144,33 @@ def test_triton_decode_forced_splits(dtype, block_size, head_dim, group, seed, n
     assert (out[padding] == 0).all()
 
 
+@pytest.mark.parametrize("batch,num_splits,group", [(1, 64, 2), (4, 16, 4), (16, 8, 2), (3, 5, 8)])
+def test_fused_merge_equals_the_merge_kernel_launch_after_launch(batch, num_splits, group):
+    """The last split to finish merges (an atomic counts the splits): on the GPU, launch after
+    launch and in a replayed graph, it gives the merge kernel's output bit for bit."""
+    rng = random.Random(batch * 100 + num_splits)
+    specs = decode_specs(rng, batch=batch, max_len=8192)
+    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=64, kv_heads=8, group=group, head_dim=128,
+                                                dtype=torch.bfloat16, seed=batch + num_splits)
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def run(fused: bool) -> torch.Tensor:
+        return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.1, meta.max_seq_len,
+                            num_splits=num_splits, config=dict(BLOCK_N=64, num_warps=4, num_stages=3,
+                                                               FUSED_MERGE=fused))
+
+    merged = run(False)
+    for _ in range(200):
+        assert torch.equal(run(True), merged)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(True)
+    for _ in range(50):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, merged)
+
+
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_triton_decode_32k_context_at_batch_1(block_size):
     # Qwen3-0.6B attention: 16 q heads over 8 kv heads, the split-K path fills the GPU

@@ -216,3 +216,26 @@ def test_select_backend_keeps_flash_attn_to_half_precision(monkeypatch) -> None:
     assert select_backend("auto", "cuda", 256, dtype=torch.float32).name == "triton"
     with pytest.raises(ValueError, match="float16 or bfloat16, not float32"):
         select_backend("flash_attn", "cuda", 256, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("group,num_splits", [(2, 3), (4, 8), (1, 2)])
+def test_fused_merge_matches_the_merge_kernel_and_leaves_counters_zeroed(group, num_splits) -> None:
+    from nanoserve.runner.attention.triton_decode import merge_counters
+
+    # a padding row, a row shorter than one split's share, and rows over every split
+    specs = [(1, 70), (1, 0), (1, 3), (1, 41)]
+    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=group, head_dim=64,
+                                                dtype=torch.float32, seed=40 + num_splits)
+    scale = 64 ** -0.5
+    ref_out, _, _ = reference(q, k, v, k_cache, v_cache, meta, scale)
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    config = dict(BLOCK_N=16, num_warps=1, num_stages=1)
+    merged = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
+                          num_splits=num_splits, config=config)
+    for _ in range(2):   # the second launch finds the counters the first left behind
+        fused = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
+                             num_splits=num_splits, config=dict(config, FUSED_MERGE=True))
+        torch.testing.assert_close(fused, merged, rtol=0, atol=0)
+        assert (merge_counters(q.device, 1) == 0).all()
+    assert (fused[1] == 0).all(), "a padding row must come back as zeros"
+    assert_close(fused, ref_out, torch.float32)
