@@ -110,7 +110,7 @@ class ModelRunner:
             # timed under graph replay, where decode runs; eager launches would add Triton's
             # Python launch cost to every step, so enforce_eager keeps cuBLAS throughout
             from nanoserve.runner.layers.skinny_choice import use_skinny_gemm_where_faster
-            use_skinny_gemm_where_faster(self.model, config.max_num_seqs, self.device, ops.silu_mul)
+            use_skinny_gemm_where_faster(self.model, config.max_num_seqs, self.device, ops.silu_mul, ops.add_rms_norm)
         draws_in_graphs = uses_graphs and self.tp.size == 1   # the LM head's gather stays out of graphs
         graphs_prefill = uses_graphs and config.prefill_cuda_graphs and self._prefill_graphs_supported()
         if self.device.type == "cuda":

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoserve.runner.layers.skinny_choice import choose_gated, choose_skinny, row_buckets
-from nanoserve.runner.layers.small_gemm import skinny_config, skinny_linear
+from nanoserve.runner.layers.ops import add_rms_norm
+from nanoserve.runner.layers.skinny_choice import choose_gated, choose_normed, choose_skinny, row_buckets
+from nanoserve.runner.layers.small_gemm import skinny_config, skinny_linear, skinny_linear_normed
 
 pytestmark = pytest.mark.gpu
 
@@ -107,3 +108,29 @@ def test_the_gated_choice_stays_within_the_plain_wins():
     wins = choose_skinny([shape], 8, torch.device("cuda"), torch.bfloat16)
     gated = choose_gated(wins, [shape], torch.device("cuda"), torch.bfloat16)
     assert gated <= wins
+
+
+@pytest.mark.parametrize("name", ["0.6b-qkv", "0.6b-gate_up", "8b-qkv", "8b-gate_up"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_normed_input_matches_add_rms_norm_then_the_product(name, rows):
+    """The residual add and RMSNorm done as the kernel loads: the new residual bit for bit, the
+    product against the unfused path's normed input in float32."""
+    n, k = SHAPES[name]
+    x, w = inputs(rows, n, k, seed=300 + rows)
+    residual = torch.randn(rows, k, device="cuda").bfloat16()
+    gamma = (torch.rand(k, device="cuda") + 0.5).bfloat16()
+    normed, summed = add_rms_norm(x, residual, gamma, 1e-6)
+    got, new_residual = skinny_linear_normed(x, residual, gamma, 1e-6, w)
+    assert torch.equal(new_residual, summed)
+    torch.testing.assert_close(got.float(), F.linear(normed.float(), w.float()), rtol=RTOL, atol=ATOL)
+    got, same = skinny_linear_normed(x, None, gamma, 1e-6, w)   # a first layer: no residual yet
+    assert same is x
+    torch.testing.assert_close(got.float(), F.linear(add_rms_norm(x, torch.zeros_like(x), gamma, 1e-6)[0].float(),
+                                                     w.float()), rtol=RTOL, atol=ATOL)
+
+
+def test_the_normed_choice_names_only_the_shapes_and_buckets_it_timed():
+    shapes = [SHAPES["0.6b-qkv"], SHAPES["0.6b-gate_up"]]
+    wins = choose_skinny(shapes, 2, torch.device("cuda"), torch.bfloat16)
+    normed = choose_normed(wins, shapes, torch.device("cuda"), torch.bfloat16)
+    assert all((n, k) in shapes and rows in (1, 2) for n, k, rows in normed)

@@ -259,3 +259,77 @@ def test_a_gated_mlps_down_takes_gate_and_up_itself_only_in_its_gated_buckets(mo
                                        F.linear(silu_mul(gate_up), down.weight), rtol=1e-5, atol=1e-5)
     # bucket 2 is a plain skinny win only: SiLU-mul apart, then the plain kernel
     assert calls == [(1, True), (2, False), (3, True)]
+
+
+def check_normed(rows: int, n: int, k: int, dtype: torch.dtype, residual: bool, bias: bool = False,
+                 config: SkinnyConfig | None = None, seed: int = 0) -> None:
+    """The product of the norm's output, and the new residual, against add + RMSNorm apart. float32
+    and float16 only: the interpreter casts to bf16 by truncation, where a GPU rounds."""
+    from nanoserve.runner.layers.ops import add_rms_norm, rms_norm
+    from nanoserve.runner.layers.small_gemm import skinny_linear_normed
+
+    gen = torch.Generator().manual_seed(seed * 1000 + rows * 7 + n + k)
+    x, res = (torch.randn(rows, k, generator=gen).to(dtype) for _ in range(2))
+    gamma = (torch.rand(k, generator=gen) + 0.5).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    normed, summed = add_rms_norm(x, res, gamma, 1e-6) if residual else (rms_norm(x, gamma, 1e-6), x)
+    got, new_residual = skinny_linear_normed(x, res if residual else None, gamma, 1e-6, w, b, config)
+    assert torch.equal(new_residual, summed)
+    rtol, atol = TOL[dtype]
+    want = normed.float() @ w.float().T + (b.float() if bias else 0)
+    torch.testing.assert_close(got.float(), want, rtol=rtol, atol=atol * k ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("residual", [True, False])
+def test_normed_input_matches_add_rms_norm_then_the_product(dtype, rows, residual) -> None:
+    """Ragged K and N, default tiles and a K split with several K steps, bias or none."""
+    check_normed(rows, 36, 300, dtype, residual, seed=11)
+    check_normed(rows, 40, 96, dtype, residual, bias=True, config=SkinnyConfig(rows, 8, 32, 2), seed=12)
+
+
+def test_a_normed_input_takes_one_or_two_rows_only() -> None:
+    from nanoserve.runner.layers.small_gemm import skinny_linear_normed
+
+    with pytest.raises(ValueError, match="1-2 contiguous rows"):
+        skinny_linear_normed(torch.randn(3, 32), torch.randn(3, 32), torch.ones(32), 1e-6, torch.randn(8, 32))
+    with pytest.raises(ValueError, match="1-2 row tiles"):
+        skinny_linear_normed(torch.randn(1, 32), None, torch.ones(32), 1e-6, torch.randn(8, 32),
+                             config=SkinnyConfig(16, 16, 32, 1))
+
+
+def test_a_projection_after_a_norm_folds_it_in_only_in_its_normed_buckets(monkeypatch) -> None:
+    from nanoserve.runner.layers.norm import RMSNorm
+
+    torch.manual_seed(2)
+    qkv, other = PackedLinear(32, {"q": (48, 0, 48)}), PackedLinear(32, {"q": (48, 0, 48)})
+    qkv.takes_normed_input = True
+    norm = RMSNorm(32)
+    norm.weight.data.uniform_(0.5, 1.5)
+    assert enable_skinny_gemm(torch.nn.Sequential(qkv, other), {(48, 32, 2)}, normed={(48, 32, 1)}) == 2
+    assert qkv.normed_rows == {1} and other.normed_rows == frozenset()
+    calls = []
+    real = small_gemm.skinny_linear_normed
+    monkeypatch.setattr(small_gemm, "skinny_linear_normed",
+                        lambda x, *args, **kw: calls.append(x.shape[0]) or real(x, *args, **kw))
+
+    def apart(x, residual):
+        if residual is None:
+            return F.linear(norm(x), qkv.weight), x
+        h, summed = norm(x, residual)
+        return F.linear(h, qkv.weight), summed
+
+    for rows, residual in ((1, True), (1, False), (2, True)):
+        x, res = torch.randn(rows, 32), (torch.randn(rows, 32) if residual else None)
+        want = apart(x, res)
+        before = len(calls)
+        got = qkv.forward_normed(x, res, norm)
+        assert len(calls) == before   # eager: the norm, then cuBLAS
+        with building_graphs():
+            got = qkv.forward_normed(x, res, norm)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    # bucket 2 has no normed win: the norm apart there
+    assert calls == [1, 1]

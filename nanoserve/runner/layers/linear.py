@@ -70,6 +70,9 @@ class PackedLinear(nn.Linear):
         for param in self.parameters():
             param.weight_loader = self.load_part
         self.skinny_rows: frozenset[int] = frozenset()
+        # row buckets where the skinny kernel does the RMSNorm before it itself (forward_normed)
+        self.normed_rows: frozenset[int] = frozenset()
+        self.takes_normed_input = False   # set by a layer that norms right before: the startup choice tries normed_rows
 
     def load_part(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
         total, first, size = self.sources[shard]
@@ -80,6 +83,18 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(x, self.weight, self.bias, self.skinny_rows)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(x + residual)), x + residual), or without a residual (forward(norm(x)), x):
+        in one kernel in the normed row buckets."""
+        if _skinny_takes(x, self.normed_rows):
+            from nanoserve.runner.layers.small_gemm import skinny_linear_normed
+            return skinny_linear_normed(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        if residual is None:
+            return self.forward(norm(x)), x
+        x, residual = norm(x, residual)
+        return self.forward(x), residual
 
 
 class RowParallelLinear(nn.Linear):

@@ -149,21 +149,67 @@ def choose_gated(wins: set[tuple[int, int, int]], gated_shapes: Iterable[tuple[i
     return chosen
 
 
+NORMED_ROWS = (1, 2)   # the row buckets whose tiles can fold a norm in (small_gemm.py)
+
+
+@torch.inference_mode()
+def choose_normed(wins: set[tuple[int, int, int]], normed_shapes: Iterable[tuple[int, int]], device: torch.device,
+                  dtype: torch.dtype, add_rms_norm: Callable = ops.add_rms_norm, eps: float = 1e-6
+                  ) -> set[tuple[int, int, int]]:
+    """The (N, K, row bucket) of projections that follow an RMSNorm where the skinny kernel that
+    adds the residual and norms as it loads gives the unfused result (the same new residual, bit
+    for bit) and takes less time than the norm kernel and the GEMM that runs without it (skinny
+    where it won, else cuBLAS), timed together in one graph (`add_rms_norm`: the model's own)."""
+    from nanoserve.runner.layers.small_gemm import skinny_linear, skinny_linear_normed
+
+    chosen = set()
+    for n, k in sorted(set(normed_shapes)):
+        weights = rotated_weights(n, k, dtype, device)
+        gamma = torch.rand(k, dtype=dtype, device=device) + 0.5
+        for rows in NORMED_ROWS:
+            x, residual = (torch.randn(rows, k, dtype=dtype, device=device) for _ in range(2))
+            normed, summed = ops.add_rms_norm(x, residual, gamma, eps)
+
+            def gemm(h: torch.Tensor, w: torch.Tensor, rows: int = rows) -> torch.Tensor:
+                return skinny_linear(h, w) if (n, k, rows) in wins else F.linear(h, w)
+
+            try:
+                out, new_residual = skinny_linear_normed(x, residual, gamma, eps, weights[0])
+                agrees = torch.equal(new_residual, summed) and same_product(out, F.linear(normed, weights[0]))
+                fused = (graph_us_per_call(lambda w: skinny_linear_normed(x, residual, gamma, eps, w)[0], weights)
+                         if agrees else 0.0)
+                apart = graph_us_per_call(lambda w: gemm(add_rms_norm(x, residual, gamma, eps)[0], w), weights)
+            except Exception as exc:  # a Triton build or launch failure on this device
+                logger.warning("normed skinny GEMM failed at %dx%d, %d rows (%s): the norm kept apart there",
+                               n, k, rows, exc)
+                torch.cuda.synchronize()
+                continue
+            logger.debug("%dx%d rows %d normed: %.1f us, norm then GEMM %.1f us", n, k, rows, fused, apart)
+            if agrees and fused < apart:
+                chosen.add((n, k, rows))
+        del weights
+    torch.cuda.empty_cache()
+    return chosen
+
+
 def skinny_layers(model: nn.Module) -> list[PackedLinear | RowParallelLinear]:
     return [m for m in model.modules() if isinstance(m, (PackedLinear, RowParallelLinear))]
 
 
 def enable_skinny_gemm(model: nn.Module, wins: set[tuple[int, int, int]],
-                       gated: set[tuple[int, int, int]] = frozenset()) -> int:
-    """Point each linear layer at its weight shape's winning row buckets (and a gated MLP's `down`
-    at its gated ones); how many got any."""
+                       gated: set[tuple[int, int, int]] = frozenset(),
+                       normed: set[tuple[int, int, int]] = frozenset()) -> int:
+    """Point each linear layer at its weight shape's winning row buckets (a gated MLP's `down` at
+    its gated ones, a projection after a norm at its normed ones); how many got any."""
     enabled = 0
     for layer in skinny_layers(model):
         n, k = layer.weight.shape
         layer.skinny_rows = frozenset(rows for wn, wk, rows in wins if (wn, wk) == (n, k))
         if getattr(layer, "takes_gated_input", False):
             layer.gated_rows = frozenset(rows for wn, wk, rows in gated if (wn, wk) == (n, k)) & layer.skinny_rows
-        enabled += bool(layer.skinny_rows)
+        if getattr(layer, "takes_normed_input", False):
+            layer.normed_rows = frozenset(rows for wn, wk, rows in normed if (wn, wk) == (n, k))
+        enabled += bool(layer.skinny_rows or getattr(layer, "normed_rows", None))
     return enabled
 
 
@@ -176,9 +222,11 @@ def describe(wins: set[tuple[int, int, int]]) -> str:
 
 
 def use_skinny_gemm_where_faster(model: nn.Module, max_rows: int, device: torch.device,
-                                 silu_mul: Callable[[torch.Tensor], torch.Tensor] = ops.silu_mul) -> None:
-    """Time, choose and enable skinny GEMM for `model`'s linear layers; one log line. `silu_mul`:
-    the one the model runs, which the gated GEMM must beat together with the plain one."""
+                                 silu_mul: Callable[[torch.Tensor], torch.Tensor] = ops.silu_mul,
+                                 add_rms_norm: Callable = ops.add_rms_norm) -> None:
+    """Time, choose and enable skinny GEMM for `model`'s linear layers; one log line. `silu_mul`
+    and `add_rms_norm`: the ones the model runs, which the fused GEMMs must beat together with
+    the plain one."""
     layers = skinny_layers(model)
     if not layers:
         return
@@ -188,7 +236,9 @@ def use_skinny_gemm_where_faster(model: nn.Module, max_rows: int, device: torch.
     wins = choose_skinny(shapes, max_rows, device, dtype)
     gated_shapes = {tuple(layer.weight.shape) for layer in layers if getattr(layer, "takes_gated_input", False)}
     gated = choose_gated(wins, gated_shapes, device, dtype, silu_mul)
-    enabled = enable_skinny_gemm(model, wins, gated)
+    normed_shapes = {tuple(layer.weight.shape) for layer in layers if getattr(layer, "takes_normed_input", False)}
+    normed = choose_normed(wins, normed_shapes, device, dtype, add_rms_norm)
+    enabled = enable_skinny_gemm(model, wins, gated, normed)
     logger.info("skinny GEMM: Triton for %s (%d of %d linear layers), cuBLAS elsewhere; SiLU-mul "
-                "inside it for %s; chosen in %.1f s", describe(wins), enabled, len(layers),
-                describe(gated), time.perf_counter() - start)
+                "inside it for %s; RMSNorm inside it for %s; chosen in %.1f s", describe(wins), enabled,
+                len(layers), describe(gated), describe(normed), time.perf_counter() - start)

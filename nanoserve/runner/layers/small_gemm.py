@@ -17,6 +17,11 @@ Gated input (the `down` projection of a gated MLP): x holds [gate | up] and the 
 silu(gate) * up as it loads, rounded to x's dtype as the separate SiLU-mul kernel stores it, so
 that kernel and its launch drop out of the step.
 
+Normed input (1-2 rows: the projections that follow a layer's RMSNorm): the kernel takes the
+norm's input and residual, adds them, and normalizes as it loads, rounding where the separate
+add + RMSNorm rounds; each program first reads the whole rows for their mean square (a few KB,
+from L2), and the first program also writes the new residual. The norm's launch drops out.
+
 CUDA-graph safe: no host syncs; the config depends on (rows, N, K) and the device only, and the
 partials come from torch's allocator (the graph pool during capture).
 """
@@ -62,28 +67,68 @@ def _load_x(ptrs, mask, K, GATED: tl.constexpr):
 
 
 @triton.jit
+def _load_sum(x_ptrs, res_ptrs, mask, HAS_RES: tl.constexpr):
+    """x (+ residual) in float32, rounded to x's dtype as a separate add stores it."""
+    h = tl.load(x_ptrs, mask=mask, other=0.0)
+    if HAS_RES:
+        h = (h.to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
+    return h.to(tl.float32)
+
+
+@triton.jit
+def _inv_rms(x_row, res_row, new_res_row, K, eps, store, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(h^2) + eps) of one row h = x (+ residual); `store`: also write h there."""
+    offs_k = tl.arange(0, BLOCK_K)
+    squares = tl.zeros([BLOCK_K], tl.float32)
+    stored = tl.where(store, K, 0)   # the columns this program writes: all of them, or none
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        h = _load_sum(x_row + ks, res_row + ks, ks < K, HAS_RES)
+        squares += h * h
+        if HAS_RES:
+            tl.store(new_res_row + ks, h.to(new_res_row.dtype.element_ty), mask=ks < stored)
+    return 1.0 / tl.sqrt(tl.sum(squares, 0) / K + eps)
+
+
+@triton.jit
+def _load_normed(x_ptrs, res_ptrs, gamma_ptrs, mask, inv_rms, HAS_RES: tl.constexpr):
+    """gamma * (h * inv_rms), rounded to x's dtype after each step as the RMSNorm kernel rounds."""
+    dtype = x_ptrs.dtype.element_ty
+    h = (_load_sum(x_ptrs, res_ptrs, mask, HAS_RES) * inv_rms).to(dtype).to(tl.float32)
+    return (h * tl.load(gamma_ptrs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _fma_steps(x_ptr, x_stride, w_rows, M, K, k_start, k_end, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               GATED: tl.constexpr):
+               GATED: tl.constexpr, res_ptr, gamma_ptr, inv_rms0, inv_rms1,
+               NORMED: tl.constexpr, HAS_RES: tl.constexpr):
     """One or two rows on CUDA cores: products add up elementwise in [BLOCK_N, BLOCK_K] and are
     summed over K once at the end, so the loop is loads and FMAs only. Plain 2D tiles with x
     broadcast along N keep the weight load coalesced (a 3D rows x N x K product would not)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)   # the second row; dead code for one row
+    row1 = tl.minimum(M - 1, 1)   # a lone row reads itself again as row 1; those sums are never stored
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + offs_k
-        if EVEN_K and not GATED:
+        if NORMED:
+            w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < k_end, other=0.0).to(tl.float32)
+            x0 = _load_normed(x_ptr + ks, res_ptr + ks, gamma_ptr + ks, ks < k_end, inv_rms0, HAS_RES)
+        elif EVEN_K and not GATED:
             w = tl.load(w_rows + ks[None, :]).to(tl.float32)
-            x0 = tl.load(x_ptr + ks).to(tl.float32)
+            x0 = tl.load(x_ptr + ks)
         else:
             w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < k_end, other=0.0).to(tl.float32)
-            x0 = _load_x(x_ptr + ks, ks < k_end, K, GATED).to(tl.float32)
-        acc0 += w * x0[None, :]
+            x0 = _load_x(x_ptr + ks, ks < k_end, K, GATED)
+        acc0 += w * x0.to(tl.float32)[None, :]
         if BLOCK_M == 2:
-            # a lone row reads itself again here; the duplicate sums are never stored
-            x1 = _load_x(x_ptr + tl.minimum(M - 1, 1) * x_stride + ks, ks < k_end, K, GATED).to(tl.float32)
-            acc1 += w * x1[None, :]
+            if NORMED:
+                x1 = _load_normed(x_ptr + row1 * x_stride + ks, res_ptr + row1 * K + ks, gamma_ptr + ks,
+                                  ks < k_end, inv_rms1, HAS_RES)
+            else:
+                x1 = _load_x(x_ptr + row1 * x_stride + ks, ks < k_end, K, GATED)
+            acc1 += w * x1.to(tl.float32)[None, :]
     rows = tl.arange(0, BLOCK_M)[:, None]
     return tl.where(rows == 0, tl.sum(acc0, 1)[None, :], tl.sum(acc1, 1)[None, :])
 
@@ -114,8 +159,10 @@ def _dot_steps(x_ptr, x_stride, w_rows, M, K, k_start, k_end, BLOCK_M: tl.conste
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, x_stride, k_per_split,
+    res_ptr, gamma_ptr, new_res_ptr, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
+    NORMED: tl.constexpr, HAS_RES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -136,8 +183,17 @@ def _skinny_kernel(
         acc = _dot_steps(x_ptr, x_stride, w_rows, M, K, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
                          EVEN_K, PRECISION, GATED)
     else:
+        inv_rms0 = 1.0
+        inv_rms1 = 1.0
+        if NORMED:   # 1-2 rows, row0 0; the first program writes the new residual
+            store = (pid_n == 0) & (split == 0)
+            inv_rms0 = _inv_rms(x_ptr, res_ptr, new_res_ptr, K, eps, store, HAS_RES, BLOCK_K)
+            if BLOCK_M == 2:
+                row1 = tl.minimum(M - 1, 1)
+                inv_rms1 = _inv_rms(x_ptr + row1 * x_stride, res_ptr + row1 * K, new_res_ptr + row1 * K, K, eps,
+                                    store & (M > 1), HAS_RES, BLOCK_K)
         acc = _fma_steps(x_ptr, x_stride, w_rows, M, K, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
-                         EVEN_K, GATED)
+                         EVEN_K, GATED, res_ptr, gamma_ptr, inv_rms0, inv_rms1, NORMED, HAS_RES)
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT:
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
@@ -206,11 +262,26 @@ def skinny_config(rows: int, n: int, k: int, sms: int, elem_bytes: int = 2) -> S
     return SkinnyConfig(block_m, block_n, block_k, split, warps, stages)
 
 
+def skinny_linear_normed(x: torch.Tensor, residual: torch.Tensor | None, gamma: torch.Tensor, eps: float,
+                         weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         config: SkinnyConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) @ weight^T (+ bias), x + residual) for 1-2 rows, as the add +
+    RMSNorm kernel and skinny_linear give them apart; without a residual, rms_norm(x) and x."""
+    if x.shape[0] > 2 or not x.is_contiguous() or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"skinny_linear_normed takes 1-2 contiguous rows and a residual of their shape, "
+                         f"got x {tuple(x.shape)}, residual {None if residual is None else tuple(residual.shape)}")
+    new_residual = torch.empty_like(x) if residual is not None else x
+    norm = (residual.contiguous() if residual is not None else None, gamma, new_residual, eps)
+    return skinny_linear(x, weight, bias, config, norm=norm), new_residual
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig | None = None, gated: bool = False) -> torch.Tensor:
+                  config: SkinnyConfig | None = None, gated: bool = False,
+                  norm: tuple | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) in x's dtype, float32 sums; M <= MAX_ROWS.
 
     gated: x is [M, 2K], gate then up, and the product is silu(gate) * up @ weight^T.
+    norm: (residual or None, gamma, new residual, eps) from skinny_linear_normed.
     `config` overrides the tile heuristic (tests, benchmarks)."""
     m, width = x.shape
     k = width // 2 if gated else width
@@ -229,15 +300,20 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     cfg = config or skinny_config(m, n, k, num_sms(x.device), x.element_size())
     if cfg.block_m < 16 and (cfg.block_m > 2 or cfg.block_m < m):
         raise ValueError(f"{cfg} cannot take {m} rows: block_m is 1 or 2 (and >= rows), or >= 16")
+    if norm is not None and (cfg.block_m > 2 or gated):
+        raise ValueError(f"a normed input needs the 1-2 row tiles and no gate, got {cfg}")
     # every split but the last starts on a block boundary
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = cfg.split_k > 1
     part = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device) if split else out
     has_bias = bias is not None
+    res, gamma, new_res, eps = norm or (None, weight, x, 0.0)
     _skinny_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))](
         x, weight, bias if has_bias else weight, part, m, n, k, width, k_per_split,
+        x if res is None else res, gamma, new_res, eps,   # x stands in for pointers that go unread
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, SPLIT=split, HAS_BIAS=has_bias, GATED=gated,
+        NORMED=norm is not None, HAS_RES=res is not None,
         # float32 inputs keep full precision (tf32 would cost ~1e-3 relative error)
         PRECISION="ieee" if x.dtype == torch.float32 else None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

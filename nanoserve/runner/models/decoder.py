@@ -53,9 +53,9 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of the packed q/k/v projection (qkv_proj's output), through o_proj."""
         norms = (self.q_norm.weight, self.k_norm.weight, self.eps) if self.q_norm is not None else ()
-        qkv = self.qkv_proj(x)
         if self.backend.fuses_kv_store:
             # one kernel for q/k norm, rotary and the K/V store; attention then reads the cache
             q = self.backend.qkv_rope_store(positions, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
@@ -81,8 +81,9 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
         self.down_proj.takes_gated_input = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_gated(self.gate_up_proj(x), self.ops.silu_mul)
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP of the packed gate/up projection (gate_up_proj's output)."""
+        return self.down_proj.forward_gated(gate_up, self.ops.silu_mul)
 
 
 class DecoderLayer(nn.Module):
@@ -93,16 +94,16 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        # each norm feeds one packed projection, which may fold the norm (and the residual add) in
+        self.self_attn.qkv_proj.takes_normed_input = True
+        self.mlp.gate_up_proj.takes_normed_input = True
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        qkv, residual = self.self_attn.qkv_proj.forward_normed(x, residual, self.input_layernorm)
+        x = self.self_attn(positions, qkv, meta)
+        gate_up, residual = self.mlp.gate_up_proj.forward_normed(x, residual, self.post_attention_layernorm)
+        return self.mlp(gate_up), residual
 
 
 class DecoderModel(nn.Module):
