@@ -114,6 +114,25 @@ def choose_skinny(weight_shapes: Iterable[tuple[int, int]], max_rows: int, devic
     return wins
 
 
+def fused_beats_apart(what: str, n: int, k: int, rows: int, weights: list[torch.Tensor], agrees: Callable[[], bool],
+                      fused: Callable[[torch.Tensor], torch.Tensor], apart: Callable[[torch.Tensor], torch.Tensor]
+                      ) -> bool:
+    """Whether a fused skinny kernel gives the unfused result and takes less time than the kernels
+    it replaces, timed together in one graph. A failure on the device counts as a loss."""
+    try:
+        if not agrees():
+            logger.warning("%s skinny GEMM disagrees with the unfused path at %dx%d, %d rows: kept apart there",
+                           what, n, k, rows)
+            return False
+        fused_us, apart_us = graph_us_per_call(fused, weights), graph_us_per_call(apart, weights)
+    except Exception as exc:  # a Triton build or launch failure on this device
+        logger.warning("%s skinny GEMM failed at %dx%d, %d rows (%s): kept apart there", what, n, k, rows, exc)
+        torch.cuda.synchronize()
+        return False
+    logger.debug("%dx%d rows %d %s: %.1f us, apart %.1f us", n, k, rows, what, fused_us, apart_us)
+    return fused_us < apart_us
+
+
 @torch.inference_mode()
 def choose_gated(wins: set[tuple[int, int, int]], gated_shapes: Iterable[tuple[int, int]], device: torch.device,
                  dtype: torch.dtype, silu_mul: Callable[[torch.Tensor], torch.Tensor] = ops.silu_mul
@@ -132,19 +151,13 @@ def choose_gated(wins: set[tuple[int, int, int]], gated_shapes: Iterable[tuple[i
             gate_up = torch.randn(rows, 2 * k, dtype=dtype, device=device)
             gate, up = gate_up.float().chunk(2, dim=-1)
             x = (F.silu(gate) * up).to(dtype)   # what the separate SiLU-mul kernel hands the GEMM
-            try:
-                agrees = same_product(skinny_linear(gate_up, weights[0], gated=True), F.linear(x, weights[0]))
-                fused = graph_us_per_call(lambda w: skinny_linear(gate_up, w, gated=True), weights) if agrees else 0.0
-                apart = graph_us_per_call(lambda w: skinny_linear(silu_mul(gate_up), w), weights)
-            except Exception as exc:  # a Triton build or launch failure on this device
-                logger.warning("gated skinny GEMM failed at %dx%d, %d rows (%s): SiLU-mul kept apart there",
-                               n, k, rows, exc)
-                torch.cuda.synchronize()
-                continue
-            logger.debug("%dx%d rows %d gated: %.1f us, SiLU-mul then GEMM %.1f us", n, k, rows, fused, apart)
-            if agrees and fused < apart:
+            if fused_beats_apart("gated", n, k, rows, weights,
+                                 lambda: same_product(skinny_linear(gate_up, weights[0], gated=True),
+                                                      F.linear(x, weights[0])),
+                                 lambda w: skinny_linear(gate_up, w, gated=True),
+                                 lambda w: skinny_linear(silu_mul(gate_up), w)):
                 chosen.add((n, k, rows))
-        del weights
+        weights = []   # freed before the next shape's copies (and before empty_cache below)
     torch.cuda.empty_cache()
     return chosen
 
@@ -173,21 +186,15 @@ def choose_normed(wins: set[tuple[int, int, int]], normed_shapes: Iterable[tuple
             def gemm(h: torch.Tensor, w: torch.Tensor, rows: int = rows) -> torch.Tensor:
                 return skinny_linear(h, w) if (n, k, rows) in wins else F.linear(h, w)
 
-            try:
+            def agrees() -> bool:
                 out, new_residual = skinny_linear_normed(x, residual, gamma, eps, weights[0])
-                agrees = torch.equal(new_residual, summed) and same_product(out, F.linear(normed, weights[0]))
-                fused = (graph_us_per_call(lambda w: skinny_linear_normed(x, residual, gamma, eps, w)[0], weights)
-                         if agrees else 0.0)
-                apart = graph_us_per_call(lambda w: gemm(add_rms_norm(x, residual, gamma, eps)[0], w), weights)
-            except Exception as exc:  # a Triton build or launch failure on this device
-                logger.warning("normed skinny GEMM failed at %dx%d, %d rows (%s): the norm kept apart there",
-                               n, k, rows, exc)
-                torch.cuda.synchronize()
-                continue
-            logger.debug("%dx%d rows %d normed: %.1f us, norm then GEMM %.1f us", n, k, rows, fused, apart)
-            if agrees and fused < apart:
+                return torch.equal(new_residual, summed) and same_product(out, F.linear(normed, weights[0]))
+
+            if fused_beats_apart("normed", n, k, rows, weights, agrees,
+                                 lambda w: skinny_linear_normed(x, residual, gamma, eps, w)[0],
+                                 lambda w: gemm(add_rms_norm(x, residual, gamma, eps)[0], w)):
                 chosen.add((n, k, rows))
-        del weights
+        weights = []   # freed before the next shape's copies (and before empty_cache below)
     torch.cuda.empty_cache()
     return chosen
 
