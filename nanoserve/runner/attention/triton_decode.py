@@ -166,9 +166,13 @@ def num_decode_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int)
     return max(1, min(want, by_len, MAX_SPLITS))
 
 
-def _decode_config(device: torch.device, fp8: bool = False) -> dict:
+def _decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = torch.bfloat16) -> dict:
     if device.type != "cuda":   # interpreter: small tiles keep masked work (and CPU time) low
         return dict(BLOCK_N=16, num_warps=1, num_stages=1)
+    if fp8 and dtype.itemsize > 2:
+        # float32 queries widen the cache to float32: one warp would hold a 64-key tile of K in
+        # 256 registers a thread (not swept; the 4-warp tiles the 16-bit sweep replaced)
+        return dict(BLOCK_N=128, num_warps=4, num_stages=2)
     if fp8:
         # bench/attention_kernels.py --fp8-sweep on an H200: batch 256 at 1k / 8k, batch 16 at 8k.
         # Widening to f16 makes the kernel issue-bound, not memory-bound; one warp a program needs
@@ -199,7 +203,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          f"{block_tables.shape[0]} block tables")
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
-    cfg = {**_decode_config(q.device, fp8), **(config or {})}
+    cfg = {**_decode_config(q.device, fp8, q.dtype), **(config or {})}
     # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
     cfg.setdefault("FP8_VIA_F16", fp8 and q.dtype == torch.bfloat16)
     fused_merge = cfg.setdefault("FUSED_MERGE", False)
