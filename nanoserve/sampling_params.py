@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 
 MAX_SPEC_CHARS = 128 * 1024   # a schema, regex or grammar text, or all choices together
 MAX_CHOICES = 2048
+# as deep as a JSON request body may nest (pydantic's parser stops at 200): a schema sent as text
+# would otherwise reach xgrammar's own guard, in the thousands, and its compile time grows with
+# the cube of the depth (800 levels of arrays: a minute and 1 GB; 5000: hours and 6 GB)
+MAX_SPEC_DEPTH = 200
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 @dataclass
@@ -45,11 +52,20 @@ class StructuredOutputsParams:
         if size > MAX_SPEC_CHARS:
             # compile time grows faster than the spec (a 200,000-choice list took minutes)
             raise ValueError(f"the structured outputs spec is {size} characters long; at most {MAX_SPEC_CHARS}")
+        depth = json_depth(self.json) if self.json is not None else 0
+        if depth > MAX_SPEC_DEPTH:
+            raise ValueError(f"the JSON schema nests {depth} levels deep; at most {MAX_SPEC_DEPTH}")
 
     @property
     def key(self) -> tuple:
         """Equal for specs that compile to the same grammar: the compile cache's key."""
         return (self.json, self.json_object, self.regex, tuple(self.choice or ()), self.grammar, self.any_whitespace)
+
+
+def json_depth(text: str) -> int:
+    """How deep a JSON text nests objects and arrays; brackets inside strings do not count."""
+    brackets = re.findall(r"[\[\]{}]", _JSON_STRING.sub("", text))
+    return max(itertools.accumulate(1 if b in "[{" else -1 for b in brackets), default=0)
 
 
 # Every integer the sampler puts in a tensor must fit int32 (kernels index with it) and int64
