@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [merge]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [merge] [pdl]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +53,12 @@ for part in $parts; do
          done ;;
     merge) # the split merge as a second kernel against the fused one, small batches (plus the kernel table)
          python3 bench/attention_kernels.py --merge 2>&1 | tee "$out/merge.log" | tail -20 ;;
+    pdl) # programmatic dependent launch (NANOSERVE_PDL=1) against none: the same bits, then decode steps
+         python3 -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py 2>&1 | tail -3
+         for on in 0 1; do
+           NANOSERVE_PDL=$on python3 bench/decode_step.py --batch-sizes 1,16,64,256 --contexts 1024 2>&1 \
+             | tee -a "$out/pdl.log" | grep -vE "it/s|Capturing"
+         done ;;
     gemv) python3 bench/skinny_gemm.py 2>&1 | tee "$out/skinny_gemm.log" ;;
     silu) python3 bench/silu_mul.py 2>&1 | tee "$out/silu_mul.log" ;;
     prefill-graphs) # TTFT with prefill steps eager, then replayed from graphs; throughput with them off (t256: on)

@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 from triton.language.random import uint_to_uniform_float
 
+from nanoserve.runner.pdl import pdl_launch, pdl_prologue
+
 BLOCK = 1024
 CHUNK = 4096  # vocabulary columns per program: rows x chunks programs keep every SM busy
 MIN_TEMPERATURE = 1e-6  # 1 / temperature stays finite
@@ -38,8 +40,10 @@ def _consider(row_ptr, cols, vocab, bits, inv_temp, greedy, best, best_idx, word
 
 @triton.jit
 def _chunk_kernel(logits_ptr, stride, inv_temp_ptr, seeds_ptr, best_ptr, best_idx_ptr, vocab, num_chunks,
-                  bitmask_ptr, mask_row_ptr, mask_stride, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                  bitmask_ptr, mask_row_ptr, mask_stride, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                  USE_PDL: tl.constexpr):
     """The best score and its first index within one chunk of one row."""
+    pdl_prologue(USE_PDL)
     QUARTER: tl.constexpr = BLOCK // 4
     row, chunk = tl.program_id(0), tl.program_id(1)
     row_ptr = logits_ptr + row * stride
@@ -100,7 +104,7 @@ def gumbel_argmax_scaled(logits: torch.Tensor, inv_temp: torch.Tensor, seeds: to
     best_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
     _chunk_kernel[(rows, num_chunks)](logits, logits.stride(0), inv_temp, seeds, best, best_idx, vocab,
                                       num_chunks, bitmask, mask_rows, bitmask.shape[1] if bitmask is not None else 0,
-                                      CHUNK=CHUNK, BLOCK=BLOCK)
+                                      CHUNK=CHUNK, BLOCK=BLOCK, **pdl_launch(logits.device))
     # across chunks: torch.argmax takes the first maximum, so ties go to the lowest column
     return best_idx.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()
 

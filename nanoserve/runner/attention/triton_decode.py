@@ -28,6 +28,7 @@ import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step
+from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 MIN_TOKENS_PER_SPLIT = 256   # below this a split costs more in merging than it saves
 MAX_SPLITS = 64
@@ -49,8 +50,9 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, SPLITS_POW2: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, SPLITS_POW2: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -140,8 +142,9 @@ def _merge_head(part_acc_ptr, part_lse_ptr, first_row, num_splits, out_ptr,
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_acc_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     _merge_head(part_acc_ptr, part_lse_ptr, (seq * tl.num_programs(1) + head) * num_splits, num_splits,
@@ -227,12 +230,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
-        SPLITS_POW2=triton.next_power_of_2(num_splits), **cfg,
+        SPLITS_POW2=triton.next_power_of_2(num_splits), **cfg, **pdl_launch(q.device),
     )
     if split and not fused_merge:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_lse, out, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=4,
+            **pdl_launch(q.device),
         )
     return out
 

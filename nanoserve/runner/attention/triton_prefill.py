@@ -18,6 +18,7 @@ import triton.language as tl
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.triton_decode import check_shapes, dot_precision, softmax_scale_log2
 from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step
+from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 
 # the block-table width changes with the batch: see _decode_kernel on specialization
@@ -32,7 +33,9 @@ def _prefill_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, LAST_TILES_FIRST: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
     if LAST_TILES_FIRST:   # causal: a late tile reads the most keys; started first, it ends no later
@@ -125,6 +128,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_tables.stride(0), query_start_loc.stride(0), seq_lens.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), KV_FP8=fp8, **cfg,
+        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), KV_FP8=fp8, **cfg, **pdl_launch(q.device),
     )
     return out

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.triton_fp8 import to_fp8
+from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 
 @triton.jit
@@ -39,8 +40,9 @@ def _qkv_rope_store_kernel(
     stride_vs, stride_vh,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr,
     KV_HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0)
     pos = tl.load(positions_ptr + token * stride_pos).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -106,6 +108,6 @@ def qkv_rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, n
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         HEADS=num_heads, KV_HEADS=num_kv_heads, HEADS_POW2=triton.next_power_of_2(num_heads),
         KV_HEADS_POW2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, NORM=norm,
-        KV_FP8=is_fp8(k_cache), num_warps=4 if num_heads * head_dim >= 1024 else 1,
+        KV_FP8=is_fp8(k_cache), num_warps=4 if num_heads * head_dim >= 1024 else 1, **pdl_launch(qkv.device),
     )
     return q

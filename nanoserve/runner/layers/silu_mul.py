@@ -14,11 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.runner.pdl import pdl_launch, pdl_prologue
+
 BLOCK = 1024   # columns a program covers: 8 bf16 values per thread and load at 4 warps
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_out, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -39,5 +42,5 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows.shape[0], width, dtype=x.dtype, device=x.device)
     if rows.shape[0] and width:
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(width, BLOCK))](
-            rows, out, width, rows.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+            rows, out, width, rows.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4, **pdl_launch(x.device))
     return out.view(*x.shape[:-1], width)

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.runner.layers.linear import row_bucket
+from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 MAX_ROWS = 512
 ROW_TILE = 64        # rows per program past 64 rows
@@ -162,8 +163,9 @@ def _skinny_kernel(
     res_ptr, gamma_ptr, new_res_ptr, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
-    NORMED: tl.constexpr, HAS_RES: tl.constexpr,
+    NORMED: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     row0 = tl.program_id(2) * BLOCK_M   # this program's first row
@@ -206,7 +208,8 @@ def _skinny_kernel(
 
 @triton.jit(do_not_specialize=["MN"])
 def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros([BLOCK], tl.float32)
@@ -316,12 +319,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         NORMED=norm is not None, HAS_RES=res is not None,
         # float32 inputs keep full precision (tf32 would cost ~1e-3 relative error)
         PRECISION="ieee" if x.dtype == torch.float32 else None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
     )
     if split:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
             part, bias if has_bias else part, out, m * n, n, SPLIT_K=cfg.split_k,
-            HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
+            HAS_BIAS=has_bias, BLOCK=block, num_warps=4, **pdl_launch(x.device),
         )
     return out
