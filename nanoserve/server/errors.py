@@ -80,8 +80,10 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
         part = str(err.get("input"))[:40]
         return APIError(f"Content part type {part!r} is not supported: this server's model reads text only; "
                         "send parts of type 'text'", param=param, code="invalid_value")
-    if kind == "model_type":
+    if kind == "model_type" and param is None:
         return APIError("The request body must be a JSON object", param=param, code="invalid_type")
+    if kind == "model_type":   # pydantic's words name the class ("instance of ChatMessage")
+        return APIError(f"Invalid type for '{param}': expected a JSON object", param=param, code="invalid_type")
     if kind.endswith("_type") or kind.endswith("_parsing") or kind == "union_tag_invalid":
         return APIError(f"Invalid type for '{param}': {err['msg']}", param=param, code="invalid_type")
     return APIError(f"Invalid value for '{param}': {err['msg']}", param=param, code="invalid_value")

@@ -158,6 +158,11 @@ CASES = [
      "'f'"),
     ("a compressed body", "/v1/completions", {"prompt": "x"}, {"Content-Encoding": "gzip"}, 400, None,
      "Content-Encoding"),
+    # a member that must be an object names itself, not the body (which is one)
+    ("a message that is null", "/v1/chat/completions", chat(messages=[None]), {}, 400, "messages.0",
+     "Invalid type for 'messages.0': expected a JSON object"),
+    ("a content part that is a string", "/v1/chat/completions", chat(messages=[{"role": "user", "content": ["hi"]}]),
+     {}, 400, "messages.0.content.0", "Invalid type for 'messages.0.content.0': expected a JSON object"),
 ]
 
 
