@@ -66,6 +66,8 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
     d = ServerLimits()
     p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
                    help="413 for a larger request body, before it is read")
+    p.add_argument("--max-request-json-values", type=int, default=d.max_request_json_values,
+                   help="413 for a request body whose JSON holds more values than this, before it is parsed")
     p.add_argument("--max-seqs-per-request", type=int, default=d.max_seqs_per_request,
                    help="400 for a request of more prompts x n than this")
     p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="most strings in 'stop'")

@@ -27,6 +27,10 @@ class ServerLimits:
     # 256 prompts of 128 KB of text each, or a 128k-token context as JSON ids (~1 MB) many times
     # over; the bytes are held once as the body and about 4x as the parsed strings
     max_request_body_bytes: int = 32 * MiB
+    # values a body's JSON may hold (counted as its commas and colons, before parsing): parsing holds
+    # the interpreter lock throughout, ~0.1-0.35 us a value, so 32 MB of tiny values stalled every
+    # stream for over a second; a million still takes a batch of 256 prompts of 4k token ids
+    max_request_json_values: int = 1 << 20
     # prompts x n of one request: the default --max-num-seqs, one full batch
     max_seqs_per_request: int = 256
     max_stop_strings: int = 64          # each is matched against every new piece of text
@@ -38,8 +42,8 @@ class ServerLimits:
     timeout_body: float = 60.0          # seconds from complete headers to the body's last byte
 
     def __post_init__(self) -> None:
-        for name in ("max_request_body_bytes", "max_seqs_per_request", "max_stop_strings", "max_stop_string_chars",
-                     "max_stop_token_ids", "max_connections"):
+        for name in ("max_request_body_bytes", "max_request_json_values", "max_seqs_per_request", "max_stop_strings",
+                     "max_stop_string_chars", "max_stop_token_ids", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("timeout_keep_alive", "timeout_headers", "timeout_body"):

@@ -21,6 +21,8 @@ from nanoserve.server.errors import APIError
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+# more entries than most vocabularies have tokens; each is parsed on the event loop (~0.5 us)
+MAX_LOGIT_BIAS = 1 << 17
 
 
 class Strict(BaseModel):
@@ -80,7 +82,7 @@ class SamplingFields(Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

@@ -47,6 +47,22 @@ def sse_response(events: AsyncIterator[bytes], on_close: Callable[[], None]) -> 
 INLINE_BODY_BYTES = 256 * 1024   # larger bodies are validated on a worker thread, off the event loop
 
 
+def check_json_values(body: bytes, limit: int) -> None:
+    """413 for a body of more JSON values than `limit`, counted from its bytes without parsing it.
+
+    Validation holds the interpreter lock from start to end, even on a worker thread, so its time
+    is everyone's: a body of millions of tiny values stalled every other stream for seconds. Every
+    value but the first of an array or object follows a comma, every member's value a colon;
+    commas and colons inside strings count too, which can only overestimate."""
+    if len(body) <= limit:
+        return   # fewer bytes than the limit: fewer values
+    values = body.count(b",") + body.count(b":")
+    if values > limit:
+        raise APIError(f"The request body holds about {values} JSON values; this server parses at most {limit} "
+                       "(--max-request-json-values): split it into smaller requests", param=None,
+                       code="request_too_complex", status=413)
+
+
 async def parse_body(request: Request, model: type[M]) -> M:
     """The request's JSON body validated against `model`; any problem is a 400 naming the field."""
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
@@ -62,6 +78,7 @@ async def parse_body(request: Request, model: type[M]) -> M:
     except ClientDisconnect:   # gone, or cut off by --timeout-body: nobody reads the answer
         raise APIError("The connection closed before the request body was complete", param=None,
                        code="incomplete_body") from None
+    check_json_values(body, request.app.state.server.settings.limits.max_request_json_values)
     try:
         if len(body) <= INLINE_BODY_BYTES:
             return model.model_validate_json(body)

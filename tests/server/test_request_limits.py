@@ -141,3 +141,32 @@ def test_stop_lists_are_bounded(server, path, field, value, words):
     assert r.json()["error"]["param"] == field and words in r.json()["error"]["message"]
     within = value[:16] if isinstance(value, str) else [v[:16] if isinstance(v, str) else v for v in value[:4]]
     assert httpx.post(server.url + path, json={**body, field: within}, timeout=30).status_code == 200
+
+
+def test_a_body_of_millions_of_json_values_is_refused_before_it_is_parsed(server):
+    # 1.5 million values in 3 MB: parsed, they would hold the interpreter lock, and every stream, for long
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 4, "metadata": {"a": [' + b"0," * 1_500_000 + b"0]}}"
+    start = time.monotonic()
+    r = httpx.post(f"{server.url}/v1/completions", content=body, headers={"Content-Type": "application/json"},
+                   timeout=30)
+    assert time.monotonic() - start < 5
+    assert r.status_code == 413, r.text
+    error = r.json()["error"]
+    assert error["code"] == "request_too_complex" and "--max-request-json-values" in error["message"]
+    assert "holds about 15000" in error["message"] and "at most 1048576" in error["message"]
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=body.replace(b'"prompt": "hi"', b'"messages": []'),
+                   headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 413, r.text
+    # the same field with fewer values is served
+    r = httpx.post(f"{server.url}/v1/completions", json={**OK, "metadata": {"a": [0] * 1000}}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_logit_bias_past_its_entry_limit_is_a_400_naming_it(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={**OK, "logit_bias": {str(i): 0 for i in range(131073)}},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "logit_bias" and "131072" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json={**OK, "logit_bias": {str(i): 0 for i in range(1000)}},
+                   timeout=30)
+    assert r.status_code == 200, r.text
