@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -47,16 +48,24 @@ def sse_response(events: AsyncIterator[bytes], on_close: Callable[[], None]) -> 
 INLINE_BODY_BYTES = 256 * 1024   # larger bodies are validated on a worker thread, off the event loop
 
 
+# a JSON string, escapes included (the unrolled form: ~4x faster than an alternation on long text)
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
 def check_json_values(body: bytes, limit: int) -> None:
     """413 for a body of more JSON values than `limit`, counted from its bytes without parsing it.
 
     Validation holds the interpreter lock from start to end, even on a worker thread, so its time
     is everyone's: a body of millions of tiny values stalled every other stream for seconds. Every
-    value but the first of an array or object follows a comma, every member's value a colon;
-    commas and colons inside strings count too, which can only overestimate."""
+    value but the first of an array or object follows a comma, every member's value a colon. The
+    quick count includes those inside strings; only a body over the limit by it is counted again
+    with its strings emptied (~0.1 s for 30 MB), so that comma-rich prompt text is not refused."""
     if len(body) <= limit:
         return   # fewer bytes than the limit: fewer values
     values = body.count(b",") + body.count(b":")
+    if values > limit:
+        structure = _JSON_STRING.sub(b'""', body)
+        values = structure.count(b",") + structure.count(b":")
     if values > limit:
         raise APIError(f"The request body holds about {values} JSON values; this server parses at most {limit} "
                        "(--max-request-json-values): split it into smaller requests", param=None,

@@ -170,3 +170,9 @@ def test_logit_bias_past_its_entry_limit_is_a_400_naming_it(server):
     r = httpx.post(f"{server.url}/v1/completions", json={**OK, "logit_bias": {str(i): 0 for i in range(1000)}},
                    timeout=30)
     assert r.status_code == 200, r.text
+
+
+def test_comma_rich_prompt_text_does_not_count_as_json_values(server):
+    # 1.2 million commas and colons, all inside one string: one value, and the prompt check answers
+    r = httpx.post(f"{server.url}/v1/completions", json={**OK, "prompt": "a,b:" * 600_000}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
