@@ -118,10 +118,8 @@ class ChatCompletion(OpenAIResponse):
 
 
 def max_tokens(req: ChatCompletionRequest) -> int | None:
-    if req.max_tokens is not None and req.max_completion_tokens is not None \
-            and req.max_tokens != req.max_completion_tokens:
-        raise APIError(f"max_tokens ({req.max_tokens}) and max_completion_tokens ({req.max_completion_tokens}) "
-                       "disagree; give only max_completion_tokens", param="max_completion_tokens")
+    """max_completion_tokens where given (the API's newer name), else max_tokens: a client that
+    sends both gets the newer one, as vLLM gives it."""
     return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
 
 

@@ -134,8 +134,6 @@ CASES = [
      "logprobs"),
     ("top_logprobs too large", "/v1/chat/completions", chat(logprobs=True, top_logprobs=21), {}, 400,
      "top_logprobs", "20"),
-    ("max_tokens disagrees with max_completion_tokens", "/v1/chat/completions", chat(max_completion_tokens=5), {},
-     400, "max_completion_tokens", "disagree"),
     ("a request's own chat template", "/v1/chat/completions", chat(chat_template="{{ messages }}"), {}, 400,
      "chat_template", "--chat-template"),
     ("prompt_logprobs", "/v1/completions", completion(prompt_logprobs=1), {}, 400, "prompt_logprobs", "echo"),

@@ -109,3 +109,9 @@ def test_bundled_generation_config_sets_no_max_new_tokens():
 def test_logit_bias_keys_with_leading_zeros_name_their_token():
     req = CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"00000000005": 2.0, "0": -1.0}})
     assert req.sampling_params(4, None, {}).logit_bias == {5: 2.0, 0: -1.0}
+
+
+def test_max_completion_tokens_wins_over_max_tokens_as_in_vllm(client):
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=9, max_completion_tokens=3,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 3 and chat.choices[0].finish_reason == "length"
