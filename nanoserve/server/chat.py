@@ -41,6 +41,12 @@ def rendering_work(messages: list[ChatMessage], tools: list[Tool] | None, text_l
     return text_length + extra + sum(len(t.model_dump_json()) for t in tools or ())
 
 
+def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    if continue_final_message and add_generation_prompt:
+        raise APIError("continue_final_message continues the last message, so add_generation_prompt must be "
+                       "false: a new assistant header would close it", param="continue_final_message")
+
+
 def render_chat(state: ServerState, messages: list[ChatMessage], text_length: int, add_generation_prompt: bool = True,
                 tools: list[Tool] | None = None, template_kwargs: dict | None = None,
                 continue_final_message: bool = False) -> list[int]:
@@ -132,9 +138,7 @@ async def create_chat_completion(request: Request) -> Response:
     state.settings.limits.check_request(1, req.n, req.stop, req.stop_token_ids)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
-    if req.continue_final_message and req.add_generation_prompt:
-        raise APIError("continue_final_message continues the last message, so add_generation_prompt must be "
-                       "false: a new assistant header would close it", param="continue_final_message")
+    check_continuation(req.continue_final_message, req.add_generation_prompt)
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     try:

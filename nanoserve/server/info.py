@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from nanoserve import __version__
-from nanoserve.server.chat import messages_length, render_chat
+from nanoserve.server.chat import check_continuation, messages_length, render_chat
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import CONTENT_TYPE
 from nanoserve.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -83,10 +83,13 @@ async def tokenize(request: Request) -> Response:
         state.prompt_size.check(len(req.prompt), "prompt")
         tokens = await run_in_threadpool(state.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
     else:
+        check_continuation(req.continue_final_message, req.add_generation_prompt)
         tokens = await run_in_threadpool(render_chat, state, req.messages, messages_length(req.messages),
-                                         req.add_generation_prompt, req.tools, req.chat_template_kwargs)
+                                         req.add_generation_prompt, req.tools, req.chat_template_kwargs,
+                                         req.continue_final_message)
+    token_strs = state.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
     return json_response({"count": len(tokens), "max_model_len": state.engine.config.max_model_len,
-                          "tokens": tokens})
+                          "tokens": tokens, "token_strs": token_strs})
 
 
 @router.post("/detokenize")

@@ -247,6 +247,8 @@ class TokenizeRequest(Strict):
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False   # vLLM's, as in chat completions
+    return_token_strs: bool = False        # vLLM's: each token's vocabulary string beside its id
 
 
 class DetokenizeRequest(Strict):

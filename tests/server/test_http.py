@@ -217,6 +217,20 @@ def test_tokenize_and_detokenize_round_trip(http, offline):
     chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
     rendered = offline.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     assert chat["tokens"] == offline.tokenizer.encode(rendered, add_special_tokens=False)
+    assert tok["token_strs"] is None and chat["token_strs"] is None
+
+
+def test_tokenize_takes_vllms_token_strings_and_continued_final_message(http, offline):
+    tok = http.post("/tokenize", json={"prompt": "A dict maps", "return_token_strs": True}).json()
+    assert tok["token_strs"] == offline.tokenizer.convert_ids_to_tokens(tok["tokens"])
+    messages = [*MESSAGES, {"role": "assistant", "content": "A dict is"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    cont = http.post("/tokenize", json=body).json()
+    rendered = offline.tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    assert cont["tokens"] == offline.tokenizer.encode(rendered, add_special_tokens=False)
+    assert offline.tokenizer.decode(cont["tokens"]).endswith("A dict is")
+    r = http.post("/tokenize", json={**body, "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
 
 
 def test_cors_is_off_by_default(http):
