@@ -78,8 +78,8 @@ async def parse_body(request: Request, model: type[M]) -> M:
     if content_type != "application/json":
         raise APIError(f"Content-Type must be application/json, got {content_type!r}; send a JSON body "
                        "with the header 'Content-Type: application/json'", param=None, code="invalid_content_type")
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding != "identity":
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):   # an empty header names no coding: the body is as sent
         raise APIError(f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed",
                        param=None, code="unsupported_content_encoding")
     try:

@@ -115,3 +115,10 @@ def test_max_completion_tokens_wins_over_max_tokens_as_in_vllm(client):
     chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=9, max_completion_tokens=3,
                                           temperature=0, extra_body={"ignore_eos": True})
     assert chat.usage.completion_tokens == 3 and chat.choices[0].finish_reason == "length"
+
+
+def test_an_empty_or_identity_content_encoding_is_no_encoding(server):
+    for encoding in ("", "identity", "Identity"):
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                       headers={"Content-Encoding": encoding}, timeout=60)
+        assert r.status_code == 200, (encoding, r.text)
