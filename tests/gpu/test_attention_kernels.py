@@ -144,7 +144,7 @@ def test_triton_decode_forced_splits(dtype, block_size, head_dim, group, seed, n
     assert (out[padding] == 0).all()
 
 
-@pytest.mark.parametrize("batch,num_splits,group", [(1, 64, 2), (4, 16, 4), (16, 8, 2), (3, 5, 8)])
+@pytest.mark.parametrize("batch,num_splits,group", [(1, 64, 2), (4, 16, 4), (16, 8, 2), (3, 5, 8), (2, 13, 2)])
 def test_fused_merge_equals_the_merge_kernel_launch_after_launch(batch, num_splits, group):
     """The last split to finish merges (an atomic counts the splits): on the GPU, launch after
     launch and in a replayed graph, it gives the merge kernel's output bit for bit."""

@@ -218,12 +218,14 @@ def test_select_backend_keeps_flash_attn_to_half_precision(monkeypatch) -> None:
         select_backend("flash_attn", "cuda", 256, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("group,num_splits", [(2, 3), (4, 8), (1, 2)])
+@pytest.mark.parametrize("group,num_splits", [(2, 3), (4, 8), (1, 2), (2, 11)])
 def test_fused_merge_matches_the_merge_kernel_and_leaves_counters_zeroed(group, num_splits) -> None:
-    from nanoserve.runner.attention.triton_decode import merge_counters
+    from nanoserve.runner.attention.triton_decode import MERGE_CHUNK, merge_counters
 
-    # a padding row, a row shorter than one split's share, and rows over every split
-    specs = [(1, 70), (1, 0), (1, 3), (1, 41)]
+    # a padding row, a row shorter than one split's share, rows over every split; 11 splits are
+    # merged in two chunks, the second with keys in some rows and none in others
+    assert MERGE_CHUNK < 11
+    specs = [(1, 70), (1, 0), (1, 3), (1, 41), (1, 300)]
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=group, head_dim=64,
                                                 dtype=torch.float32, seed=40 + num_splits)
     scale = 64 ** -0.5

@@ -31,6 +31,7 @@ from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 MIN_TOKENS_PER_SPLIT = 256   # below this a split costs more in merging than it saves
+MERGE_CHUNK = tl.constexpr(8)   # splits a merge reads at a time
 MAX_SPLITS = 64
 WAVES = 4                    # programs per SM to aim for before splitting stops paying
 
@@ -50,7 +51,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, SPLITS_POW2: tl.constexpr, USE_PDL: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
@@ -111,44 +112,49 @@ def _decode_kernel(
                 first = (seq * tl.num_programs(1) * GROUP + kv_head * GROUP) * num_splits
                 for h in tl.static_range(GROUP):
                     _merge_head(part_acc_ptr, part_lse_ptr, first + h * num_splits, num_splits,
-                                out_ptr + seq * stride_ot + (kv_head * GROUP + h) * stride_oh,
-                                HEAD_DIM, SPLITS_POW2)
+                                out_ptr + seq * stride_ot + (kv_head * GROUP + h) * stride_oh, HEAD_DIM)
     else:
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
 
 
 @triton.jit
-def _merge_head(part_acc_ptr, part_lse_ptr, first_row, num_splits, out_ptr,
-                HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr):
-    """One head's output from its splits' partials (rows first_row ...); read past L1, since
-    other programs wrote them."""
-    offs_s = tl.arange(0, SPLITS_POW2)
+def _merge_head(part_acc_ptr, part_lse_ptr, first_row, num_splits, out_ptr, HEAD_DIM: tl.constexpr):
+    """One head's output from its splits' partials (rows first_row ...), MERGE_CHUNK splits at a
+    time with a running max: a tile of every split would take a register per split and dim, which
+    a one-warp decode program (the fused merge) would spill. Read past L1: other programs wrote them."""
+    offs_s = tl.arange(0, MERGE_CHUNK)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask_s = offs_s < num_splits
-    row = first_row + offs_s
-    lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-    lse_max = tl.max(lse, 0)
-    # padding rows have no keys in any split: every lse is -inf and the output is 0
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)
-    denom = tl.sum(w, 0)
-    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=mask_s[:, None], other=0.0, cache_modifier=".cg")
-    o = tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + offs_d, o.to(out_ptr.dtype.element_ty))
+    m = tl.full([], float("-inf"), tl.float32)   # loop-carried: tensors of a fixed type from the start
+    denom = tl.zeros([], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s0 in range(0, num_splits, MERGE_CHUNK):
+        row = first_row + s0 + offs_s
+        mask_s = s0 + offs_s < num_splits
+        lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        # padding rows have no keys in any split: every lse is -inf, and so the output is 0
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(lse - base)
+        part = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=mask_s[:, None], other=0.0, cache_modifier=".cg")
+        rescale = tl.exp2(m - base)   # 0 on the first chunk (m is -inf)
+        acc = acc * rescale + tl.sum(w[:, None] * part, 0)
+        denom = denom * rescale + tl.sum(w, 0)
+        m = m_new
+    tl.store(out_ptr + offs_d, (acc / tl.where(denom > 0, denom, 1.0)).to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_acc_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     _merge_head(part_acc_ptr, part_lse_ptr, (seq * tl.num_programs(1) + head) * num_splits, num_splits,
-                out_ptr + seq * stride_ot + head * stride_oh, HEAD_DIM, SPLITS_POW2)
+                out_ptr + seq * stride_ot + head * stride_oh, HEAD_DIM)
 
 
 @functools.lru_cache(maxsize=None)
@@ -169,13 +175,16 @@ def num_decode_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int)
     return max(1, min(want, by_len, MAX_SPLITS))
 
 
-def _decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = torch.bfloat16) -> dict:
+def _decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = torch.bfloat16,
+                   head_dim: int = 128) -> dict:
     if device.type != "cuda":   # interpreter: small tiles keep masked work (and CPU time) low
         return dict(BLOCK_N=16, num_warps=1, num_stages=1)
-    if fp8 and dtype.itemsize > 2:
-        # float32 queries widen the cache to float32: one warp would hold a 64-key tile of K in
-        # 256 registers a thread (not swept; the 4-warp tiles the 16-bit sweep replaced)
-        return dict(BLOCK_N=128, num_warps=4, num_stages=2)
+    if fp8 and (dtype.itemsize > 2 or head_dim > 128):
+        # not swept. One warp would spill: float32 queries widen the cache to float32 (a 64-key
+        # tile of K alone in 256 registers a thread), and at dim 256 the accumulator and the
+        # tiles pass 255. At dim 256 two stages of 128 float32 keys overflow shared memory.
+        return dict(BLOCK_N=128, num_warps=4, num_stages=2) if head_dim <= 128 else \
+            dict(BLOCK_N=64, num_warps=4, num_stages=1)
     if fp8:
         # bench/attention_kernels.py --fp8-sweep on an H200: batch 256 at 1k / 8k, batch 16 at 8k.
         # Widening to f16 makes the kernel issue-bound, not memory-bound; one warp a program needs
@@ -206,7 +215,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          f"{block_tables.shape[0]} block tables")
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
-    cfg = {**_decode_config(q.device, fp8, q.dtype), **(config or {})}
+    cfg = {**_decode_config(q.device, fp8, q.dtype, head_dim), **(config or {})}
     # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
     cfg.setdefault("FP8_VIA_F16", fp8 and q.dtype == torch.bfloat16)
     fused_merge = cfg.setdefault("FUSED_MERGE", False)
@@ -230,18 +239,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
-        SPLITS_POW2=triton.next_power_of_2(num_splits), **cfg, **pdl_launch(q.device),
+        **cfg, **pdl_launch(q.device),
     )
     if split and not fused_merge:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=4,
-            **pdl_launch(q.device),
+            HEAD_DIM=head_dim, num_warps=4, **pdl_launch(q.device),
         )
     return out
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []   # graphs captured earlier still count in them
 
 
 def merge_counters(device: torch.device, count: int) -> torch.Tensor:
@@ -252,6 +261,8 @@ def merge_counters(device: torch.device, count: int) -> torch.Tensor:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the fused merge's counters must exist before graph capture: "
                                "run the largest batch eagerly first")
+        if counters is not None:
+            _outgrown.append(counters)
         counters = _counters[device] = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
     return counters
 

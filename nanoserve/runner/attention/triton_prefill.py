@@ -87,8 +87,9 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, fp8
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1, LAST_TILES_FIRST=False)
     if head_dim <= 64:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, LAST_TILES_FIRST=False)
-    if fp8 or dtype.itemsize > 2:
-        # not swept for an fp8 cache; float32 tiles of 128 x 128 keys overflow shared memory
+    if fp8 or dtype.itemsize > 2 or head_dim > 128:
+        # not swept for an fp8 cache or past dim 128; 128 x 128 tiles of float32 (or of dim 256)
+        # overflow shared memory or spill
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, LAST_TILES_FIRST=False)
     # bench/attention_kernels.py --prefill-sweep on an H200 (bf16, dim 128, group 2), TFLOP/s for
     # prompts of 1x1k / 4x1k / 1x4k / 1x16k: 106 / 178 / 234 / 328, against 103 / 173 / 215 / 282

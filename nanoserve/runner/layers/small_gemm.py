@@ -18,9 +18,11 @@ silu(gate) * up as it loads, rounded to x's dtype as the separate SiLU-mul kerne
 that kernel and its launch drop out of the step.
 
 Normed input (1-2 rows: the projections that follow a layer's RMSNorm): the kernel takes the
-norm's input and residual, adds them, and normalizes as it loads, rounding where the separate
-add + RMSNorm rounds; each program first reads the whole rows for their mean square (a few KB,
-from L2), and the first program also writes the new residual. The norm's launch drops out.
+norm's input and residual, adds them, and normalizes as it loads, rounding where the eager add +
+RMSNorm (ops.py) rounds; each program first reads the whole rows for their mean square (a few KB,
+from L2), and the first program also writes the new residual. The norm's launch drops out. The
+compiled norm keeps float32 between its steps, so the product can differ from its path by about
+a bf16 step; the new residual is the same bits.
 
 CUDA-graph safe: no host syncs; the config depends on (rows, N, K) and the device only, and the
 partials come from torch's allocator (the graph pool during capture).
@@ -93,7 +95,7 @@ def _inv_rms(x_row, res_row, new_res_row, K, eps, store, HAS_RES: tl.constexpr, 
 
 @triton.jit
 def _load_normed(x_ptrs, res_ptrs, gamma_ptrs, mask, inv_rms, HAS_RES: tl.constexpr):
-    """gamma * (h * inv_rms), rounded to x's dtype after each step as the RMSNorm kernel rounds."""
+    """gamma * (h * inv_rms), rounded to x's dtype after each step as the eager RMSNorm rounds."""
     dtype = x_ptrs.dtype.element_ty
     h = (_load_sum(x_ptrs, res_ptrs, mask, HAS_RES) * inv_rms).to(dtype).to(tl.float32)
     return (h * tl.load(gamma_ptrs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
