@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanoserve.runner.attention import TorchBackend, select_backend
-from nanoserve.runner.attention.triton_decode import paged_decode
+from nanoserve.runner.attention.triton_decode import MERGE_CHUNK, paged_decode
 from nanoserve.runner.attention.triton_kernels import TritonBackend, store_kvcache
 from nanoserve.runner.batch import AttentionMetadata
 
@@ -147,7 +147,8 @@ def test_triton_decode_forced_splits(dtype, block_size, head_dim, group, seed, n
 @pytest.mark.parametrize("batch,num_splits,group", [(1, 64, 2), (4, 16, 4), (16, 8, 2), (3, 5, 8), (2, 13, 2)])
 def test_fused_merge_equals_the_merge_kernel_launch_after_launch(batch, num_splits, group):
     """The last split to finish merges (an atomic counts the splits): on the GPU, launch after
-    launch and in a replayed graph, it gives the merge kernel's output bit for bit."""
+    launch and in a replayed graph, it gives the same bits every time, the merge kernel's bits up
+    to MERGE_CHUNK splits, and past it the same values merged in another order."""
     rng = random.Random(batch * 100 + num_splits)
     specs = decode_specs(rng, batch=batch, max_len=8192)
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=64, kv_heads=8, group=group, head_dim=128,
@@ -159,16 +160,20 @@ def test_fused_merge_equals_the_merge_kernel_launch_after_launch(batch, num_spli
                             num_splits=num_splits, config=dict(BLOCK_N=64, num_warps=4, num_stages=3,
                                                                FUSED_MERGE=fused))
 
-    merged = run(False)
+    merged, first = run(False), run(True)
+    if num_splits <= MERGE_CHUNK:
+        assert torch.equal(first, merged)
+    else:
+        torch.testing.assert_close(first.float(), merged.float(), rtol=1e-2, atol=1e-2)
     for _ in range(200):
-        assert torch.equal(run(True), merged)
+        assert torch.equal(run(True), first)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run(True)
     for _ in range(50):
         out.zero_()
         graph.replay()
-        assert torch.equal(out, merged)
+        assert torch.equal(out, first)
 
 
 @pytest.mark.parametrize("block_size", [16, 256])

@@ -237,7 +237,9 @@ def test_fused_merge_matches_the_merge_kernel_and_leaves_counters_zeroed(group, 
     for _ in range(2):   # the second launch finds the counters the first left behind
         fused = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
                              num_splits=num_splits, config=dict(config, FUSED_MERGE=True))
-        torch.testing.assert_close(fused, merged, rtol=0, atol=0)
+        # up to MERGE_CHUNK splits the two merge alike, bit for bit; past it in another order
+        torch.testing.assert_close(fused, merged, rtol=0 if num_splits <= MERGE_CHUNK else 1e-6,
+                                   atol=0 if num_splits <= MERGE_CHUNK else 1e-6)
         assert (merge_counters(q.device, 1) == 0).all()
     assert (fused[1] == 0).all(), "a padding row must come back as zeros"
     assert_close(fused, ref_out, torch.float32)

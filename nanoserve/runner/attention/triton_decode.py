@@ -31,7 +31,7 @@ from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 MIN_TOKENS_PER_SPLIT = 256   # below this a split costs more in merging than it saves
-MERGE_CHUNK = tl.constexpr(8)   # splits a merge reads at a time
+MERGE_CHUNK = tl.constexpr(8)   # splits the fused merge reads at a time
 MAX_SPLITS = 64
 WAVES = 4                    # programs per SM to aim for before splitting stops paying
 
@@ -112,23 +112,26 @@ def _decode_kernel(
                 first = (seq * tl.num_programs(1) * GROUP + kv_head * GROUP) * num_splits
                 for h in tl.static_range(GROUP):
                     _merge_head(part_acc_ptr, part_lse_ptr, first + h * num_splits, num_splits,
-                                out_ptr + seq * stride_ot + (kv_head * GROUP + h) * stride_oh, HEAD_DIM)
+                                out_ptr + seq * stride_ot + (kv_head * GROUP + h) * stride_oh, HEAD_DIM,
+                                MERGE_CHUNK)
     else:
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
 
 
 @triton.jit
-def _merge_head(part_acc_ptr, part_lse_ptr, first_row, num_splits, out_ptr, HEAD_DIM: tl.constexpr):
-    """One head's output from its splits' partials (rows first_row ...), MERGE_CHUNK splits at a
-    time with a running max: a tile of every split would take a register per split and dim, which
-    a one-warp decode program (the fused merge) would spill. Read past L1: other programs wrote them."""
-    offs_s = tl.arange(0, MERGE_CHUNK)
+def _merge_head(part_acc_ptr, part_lse_ptr, first_row, num_splits, out_ptr, HEAD_DIM: tl.constexpr,
+                CHUNK: tl.constexpr):
+    """One head's output from its splits' partials (rows first_row ...), CHUNK splits at a time with
+    a running max. The merge kernel reads every split at once (one round trip to memory); the fused
+    merge reads MERGE_CHUNK at a time, since a one-warp decode program holding a tile of every split
+    would spill. Read past L1: other programs wrote the partials."""
+    offs_s = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, HEAD_DIM)
     m = tl.full([], float("-inf"), tl.float32)   # loop-carried: tensors of a fixed type from the start
     denom = tl.zeros([], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
-    for s0 in range(0, num_splits, MERGE_CHUNK):
+    for s0 in range(0, num_splits, CHUNK):
         row = first_row + s0 + offs_s
         mask_s = s0 + offs_s < num_splits
         lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
@@ -148,13 +151,13 @@ def _merge_head(part_acc_ptr, part_lse_ptr, first_row, num_splits, out_ptr, HEAD
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_acc_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     _merge_head(part_acc_ptr, part_lse_ptr, (seq * tl.num_programs(1) + head) * num_splits, num_splits,
-                out_ptr + seq * stride_ot + head * stride_oh, HEAD_DIM)
+                out_ptr + seq * stride_ot + head * stride_oh, HEAD_DIM, SPLITS_POW2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,7 +247,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if split and not fused_merge:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, num_warps=4, **pdl_launch(q.device),
+            HEAD_DIM=head_dim, SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=4,
+            **pdl_launch(q.device),
         )
     return out
 
