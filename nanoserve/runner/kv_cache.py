@@ -42,18 +42,22 @@ def blocks_for_cpu(config: EngineConfig) -> int:
     return max(min_blocks(config), CPU_KV_CACHE_BYTES // block_bytes(config))
 
 
-def blocks_for_gpu(config: EngineConfig, activation_peak: int) -> int:
-    """What fits in gpu_memory_utilization of the card after weights, other users and activations."""
+def blocks_for_gpu(config: EngineConfig, activation_peak: int, prefill_graph_pool: int = 0) -> int:
+    """What fits in gpu_memory_utilization of the card after weights, other users, activations and
+    the prefill graphs' pool (held beside the eager steps' memory)."""
     free, total = torch.cuda.mem_get_info()
-    budget = total * config.gpu_memory_utilization - (total - free) - activation_peak
+    budget = total * config.gpu_memory_utilization - (total - free) - activation_peak - prefill_graph_pool
     num_blocks = int(budget // block_bytes(config))
-    logger.info("KV cache: %d blocks of %d tokens (%.1f GiB); activation peak %.2f GiB", num_blocks,
-                config.block_size, num_blocks * block_bytes(config) / 2**30, activation_peak / 2**30)
+    logger.info("KV cache: %d blocks of %d tokens (%.1f GiB); activation peak %.2f GiB, prefill graphs %.2f GiB",
+                num_blocks, config.block_size, num_blocks * block_bytes(config) / 2**30, activation_peak / 2**30,
+                prefill_graph_pool / 2**30)
     if num_blocks < min_blocks(config):
+        graphs = (f", or run prefill steps eagerly (--no-prefill-cuda-graphs), which frees "
+                  f"{prefill_graph_pool / 2**30:.2f} GiB") if prefill_graph_pool else ""
         raise ValueError(f"Only {max(num_blocks, 0)} KV blocks fit in gpu_memory_utilization="
                          f"{config.gpu_memory_utilization}; one sequence of max_model_len "
                          f"({config.max_model_len}) needs {min_blocks(config)}. Raise "
-                         "gpu_memory_utilization or lower max_model_len / max_num_batched_tokens")
+                         f"gpu_memory_utilization or lower max_model_len / max_num_batched_tokens{graphs}")
     return num_blocks
 
 

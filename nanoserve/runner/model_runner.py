@@ -119,16 +119,10 @@ class ModelRunner:
                 from nanoserve.runner.cuda_graph import logits_buffer_bytes
                 peak += logits_buffer_bytes(config, self.vocab_size)
             graph_pool = 0
-            if graphs_prefill:   # their pool is held beside the eager steps' memory
+            if graphs_prefill:
                 from nanoserve.runner.prefill_graph import prefill_graph_bytes
                 graph_pool = prefill_graph_bytes(config, hf.hidden_size, activations)
-            try:
-                num_blocks = config.num_kvcache_blocks or blocks_for_gpu(config, peak + graph_pool)
-            except ValueError as exc:
-                if not graph_pool:
-                    raise
-                raise ValueError(f"{exc}, or run prefill steps eagerly (--no-prefill-cuda-graphs), which frees "
-                                 f"{graph_pool / 2**30:.2f} GiB") from None
+            num_blocks = config.num_kvcache_blocks or blocks_for_gpu(config, peak, graph_pool)
         else:
             num_blocks = config.num_kvcache_blocks or blocks_for_cpu(config)
         if self.tp.size > 1:
