@@ -16,7 +16,10 @@ MAX_CHOICES = 2048
 # would otherwise reach xgrammar's own guard, in the thousands, and its compile time grows with
 # the cube of the depth (800 levels of arrays: a minute and 1 GB; 5000: hours and 6 GB)
 MAX_SPEC_DEPTH = 200
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+# a JSON string, escapes included (unrolled: ~4x faster than an alternation on long text); the
+# server counts a body's values with it too
+JSON_STRING = r'"[^"\\]*(?:\\.[^"\\]*)*"'
+_JSON_STRING = re.compile(JSON_STRING)
 
 
 @dataclass

@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
+from nanoserve.sampling_params import JSON_STRING
 from nanoserve.server.errors import APIError, from_validation_error
 
 M = TypeVar("M", bound=BaseModel)
@@ -48,8 +49,7 @@ def sse_response(events: AsyncIterator[bytes], on_close: Callable[[], None]) -> 
 INLINE_BODY_BYTES = 256 * 1024   # larger bodies are validated on a worker thread, off the event loop
 
 
-# a JSON string, escapes included (the unrolled form: ~4x faster than an alternation on long text)
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_JSON_STRING = re.compile(JSON_STRING.encode())
 
 
 def check_json_values(body: bytes, limit: int) -> None:
