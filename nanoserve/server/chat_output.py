@@ -43,7 +43,7 @@ class ChoiceReader:
             return Parsed("", [PartialCall(self.plan.function, content, final)])
         if mode == "required":
             body = content.lstrip()
-            calls, _ = scan_call_list(body[1:] if body.startswith("[") else "")
+            calls = scan_call_list(body[1:] if body.startswith("[") else "")
             return Parsed("", calls)
         return Parsed(content)
 

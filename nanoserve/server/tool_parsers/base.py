@@ -119,21 +119,18 @@ def _partial_arguments(tail: str) -> str:
         return tail.rstrip()  # trailing whitespace may come before a closing brace: keep it for later
 
 
-def scan_call_list(text: str, separator: str = ",") -> tuple[list[PartialCall], bool]:
-    """Call objects one after another (`{...}, {...}` or `{...}; {...}`); and whether the text holds
-    nothing else after them so far (False: something that is not a call follows)."""
+def scan_call_list(text: str, separator: str = ",") -> list[PartialCall]:
+    """Call objects one after another (`{...}, {...}` or `{...}; {...}`), up to what is not one."""
     calls: list[PartialCall] = []
     pos = 0
     while True:
         rest = text[pos:].lstrip()
         if rest.startswith(separator) and calls:
             rest = rest[len(separator):].lstrip()
-        if not rest:
-            return calls, True
         if not rest.startswith("{"):
-            return calls, False
+            return calls
         call, end = scan_call(rest)
         calls.append(call)
         if end is None:
-            return calls, True
+            return calls
         pos = len(text) - len(rest) + end

@@ -19,7 +19,7 @@ class Llama3JsonToolParser(ToolParser):
             return Parsed()  # nothing, or the start of the tag: too early to tell
         if not body.lstrip().startswith("{"):
             return Parsed(text if final or body.strip() else "")
-        calls, _ = scan_call_list(body, ";")
+        calls = scan_call_list(body, ";")
         if final and calls[0].name is None:
             return Parsed(text)  # JSON that is not a call is an answer
         # a call is streamed once its name is written: from then on the reply is calls, whatever follows

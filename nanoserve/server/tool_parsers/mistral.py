@@ -27,5 +27,5 @@ class MistralToolParser(ToolParser):
         rest = text[at + len(MARKER):].lstrip()
         if rest.startswith("["):
             rest = rest[1:]
-        calls, _ = scan_call_list(rest)   # stops at the list's closing bracket
+        calls = scan_call_list(rest)   # stops at the list's closing bracket
         return Parsed(text[:at], calls)  # as streamed: the same content whole or in deltas
