@@ -84,17 +84,17 @@ def _prefill_kernel(
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, fp8: bool) -> dict:
     if device.type != "cuda":   # interpreter: small tiles keep masked work (and CPU time) low
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1, LAST_TILES_FIRST=False)
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     if head_dim <= 64:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, LAST_TILES_FIRST=False)
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     if fp8 or dtype.itemsize > 2 or head_dim > 128:
         # not swept for an fp8 cache or past dim 128; 128 x 128 tiles of float32 (or of dim 256)
         # overflow shared memory or spill
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, LAST_TILES_FIRST=False)
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
     # bench/attention_kernels.py --prefill-sweep on an H200 (bf16, dim 128, group 2), TFLOP/s for
     # prompts of 1x1k / 4x1k / 1x4k / 1x16k: 106 / 178 / 234 / 328, against 103 / 173 / 215 / 282
     # for the 64 x 64 tiles on 4 warps used before
-    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, LAST_TILES_FIRST=False)
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -105,14 +105,15 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Causal attention of packed queries q [tokens, q_heads, dim] over their paged keys.
 
     Rows past num_query_tokens (query_start_loc[-1], when the caller pads the batch) are zeroed.
-    k_scale / v_scale apply to an fp8 cache only; config overrides the tile choice (benchmarks, tests).
+    k_scale / v_scale apply to an fp8 cache only; config's keys replace the tile choice's (benchmarks, tests).
     """
     check_shapes(q, k_cache, v_cache, block_tables)
     num_tokens, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
-    cfg = dict(config or _prefill_config(head_dim, q.dtype, q.device, fp8))
+    # launching the last query tiles first helped no default config (the prefill sweep): off unless asked
+    cfg = {"LAST_TILES_FIRST": False, **_prefill_config(head_dim, q.dtype, q.device, fp8), **(config or {})}
     block_m = max(cfg.pop("BLOCK_M"), triton.next_power_of_2(group))
     block_q = block_m // group
     out = torch.empty_like(q)
