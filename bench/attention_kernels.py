@@ -141,34 +141,16 @@ def prefill_sweep(caches: Caches) -> None:
     print("! = differs from the default config by more than 2e-2")
 
 
-def tile_sweep(caches: Caches) -> None:
-    print("\ntile sweep (us): BLOCK_N / num_warps / num_stages")
-    cases = [(256, 1024), (256, 8192), (16, 8192)]
-    print("config        " + "".join(f"  b{b:<4}c{c:<6}" for b, c in cases))
-    for block_n in (32, 64, 128):
-        for warps in (1, 2, 4, 8):
-            for stages in (1, 2, 3):
-                cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-                try:
-                    times = [decode_case(caches, b, c, config=cfg) for b, c in cases]
-                except Exception as e:   # out of shared memory or registers
-                    print(f"{block_n:4d} {warps} {stages}     failed: {type(e).__name__}")
-                    continue
-                cells = "".join(f"  {t:11.1f}" for t in times)
-                print(f"{block_n:4d} {warps} {stages}     {cells}")
-
-
-def fp8_sweep(caches: Caches) -> None:
-    """An e4m3 cache widened to f16 (the default since 29085e5), by tile config: the bf16 cache's
-    tuning need not fit, since widening adds work and registers per tile. Each config's output is
-    checked against the default config's."""
-    print(f"\nfp8 sweep (us), {Q_HEADS} q heads: BLOCK_N / num_warps / num_stages")
+def tile_sweep(caches: Caches, block_ns: tuple[int, ...] = (32, 64, 128)) -> None:
+    """Decode tiles by config, each config's output checked against the default config's. An fp8
+    cache needs its own sweep: widening e4m3 to f16 adds work and registers per tile."""
+    print(f"\ntile sweep (us), {caches.k.dtype} cache, {Q_HEADS} q heads: BLOCK_N / num_warps / num_stages")
     cases = [(256, 1024), (256, 8192), (16, 8192)]
     print("config          " + "".join(f"  b{b:<4}c{c:<6}" for b, c in cases))
     q = torch.randn(16, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     seq_lens, tables = caches.tables(16, 2048)
     expected = paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048)
-    for block_n in (16, 32, 64, 128, 256):
+    for block_n in block_ns:
         for warps in (1, 2, 4, 8):
             for stages in (1, 2, 3):
                 cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
@@ -225,7 +207,7 @@ def main() -> None:
     global Q_HEADS
     Q_HEADS = KV_HEADS * args.group
     if args.fp8_sweep:
-        fp8_sweep(Caches(256 * 8192, FP8_DTYPE))
+        tile_sweep(Caches(256 * 8192, FP8_DTYPE), block_ns=(16, 32, 64, 128, 256))
         return
     if args.prefill_sweep:
         prefill_sweep(Caches(4 * 16384 * 2, DTYPE))

@@ -30,7 +30,7 @@ for part in $parts; do
            --durations=3 2>&1 | tee "$out/tests-tp.log" | tail -40
          python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json --tensor-parallel-size 2 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
     8b) python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
-    fp8-sweep) # the e4m3 cache widened to f16 or bf16, by tile config, at GQA groups 2 and 4 (0.6B, 8B)
+    fp8-sweep) # decode tiles over an e4m3 cache, at GQA groups 2 and 4 (0.6B, 8B)
          python3 -m pytest -q -m gpu tests/gpu/test_fp8_kv_cache_gpu.py 2>&1 | tail -3
          for g in 2 4; do python3 bench/attention_kernels.py --fp8-sweep --group $g 2>&1 | tee "$out/fp8-sweep-g$g.log" | tail -20; done ;;
     prefill-sweep) # prefill tiles for lone prompts, GQA groups 2 and 4 (0.6B, 8B)
