@@ -10,6 +10,7 @@ graph (as the runner replays decode) and timed with triton.testing.do_bench (med
     python bench/attention_kernels.py --tiles --splits   # plus tile and split-count sweeps
     python bench/attention_kernels.py --kv-cache-dtype fp8   # an e4m3 cache (no flash-attn column)
     python bench/attention_kernels.py --prefill-sweep --group 2   # prefill tiles for lone prompts
+    python bench/attention_kernels.py --ragged   # unequal contexts: split counts and launch order
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nanoserve.runner.attention.fp8 import FP8_DTYPE  # noqa: E402
-from nanoserve.runner.attention.triton_decode import num_decode_splits, paged_decode  # noqa: E402
+from nanoserve.runner.attention.triton_decode import longest_first, num_decode_splits, paged_decode  # noqa: E402
 from nanoserve.runner.attention.triton_prefill import paged_prefill  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 256
@@ -179,23 +180,39 @@ def split_sweep(caches: Caches) -> None:
         print(f"batch {batch:3d} ctx {context:5d}  " + "  ".join(row))
 
 
-def merge_sweep(caches: Caches) -> None:
-    """Splits merged by a second kernel against the fused merge (the last split merges), at the
-    split counts a decode graph captured at max_model_len 4096 would use."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print("\nmerge (us): second kernel / fused in the last split")
-    for batch, context in ((1, 1024), (1, 4096), (4, 1024), (16, 1024), (16, 4096), (64, 1024)):
-        splits = num_decode_splits(batch, KV_HEADS, 4096, sms)
-        times = [decode_case(caches, batch, context, num_splits=splits, config=dict(FUSED_MERGE=fused))
-                 for fused in (False, True)]
-        print(f"batch {batch:3d} ctx {context:5d} splits {splits:2d}  {times[0]:8.1f}  {times[1]:8.1f}")
+def ragged_sweep() -> None:
+    """Decode over contexts of unequal length, as in a served batch (nano-vllm's workload: prompts
+    of 100-1,024 tokens, outputs of 100-1,024): KV bandwidth by split count, in row order and
+    longest first, for each cache dtype. Each variant's output is checked against row order's."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print("\nragged decode (TB/s of K+V read), contexts uniform in 100..2,048: splits x (rows / longest first)")
+    for dtype in (DTYPE, FP8_DTYPE):
+        caches = Caches(256 * 2048, dtype)
+        for batch in (64, 128, 256):
+            seq_lens = torch.randint(100, 2049, (batch,), generator=gen, device="cuda", dtype=torch.int32)
+            per_seq = -(-2048 // BLOCK)
+            tables = torch.randperm(caches.num_blocks, device="cuda")[:batch * per_seq].view(batch, per_seq).int()
+            q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+            nbytes = 2 * int(seq_lens.sum()) * KV_HEADS * HEAD_DIM * caches.k.element_size()
+            run = lambda order, **kw: paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048,
+                                                   seq_order=longest_first(seq_lens) if order else None, **kw)
+            expected = run(False)
+            cells = []
+            for splits in (1, 2, 4):
+                for order in (False, True):
+                    err = (run(order, num_splits=splits).float() - expected.float()).abs().max().item()
+                    us = graph_time_us(lambda: run(order, num_splits=splits))
+                    cells.append(f"{splits}{'L' if order else ' '} {nbytes / us / 1e6:5.2f}{'!' if err > 2e-2 else ' '}")
+            print(f"{str(dtype).split('.')[-1]:>13} batch {batch:3d}  " + "  ".join(cells))
+    print("! = differs from row order with the default split count by more than 2e-2")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiles", action="store_true", help="also sweep the decode tile config")
     parser.add_argument("--splits", action="store_true", help="also sweep split counts")
-    parser.add_argument("--merge", action="store_true", help="also time the fused split merge")
+    parser.add_argument("--ragged", action="store_true",
+                        help="only sweep splits and launch order over unequal contexts (no table)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="fp8: an e4m3 cache (bytes and bandwidth count one byte per element)")
     parser.add_argument("--fp8-sweep", action="store_true",
@@ -211,6 +228,9 @@ def main() -> None:
         return
     if args.prefill_sweep:
         prefill_sweep(Caches(4 * 16384 * 2, DTYPE))
+        return
+    if args.ragged:
+        ragged_sweep()
         return
     fp8 = args.kv_cache_dtype == "fp8"
     flash = flash_attn_with_kvcache is not None and not fp8   # flash-attn reads no fp8 cache
@@ -242,8 +262,6 @@ def main() -> None:
         tile_sweep(caches)
     if args.splits:
         split_sweep(caches)
-    if args.merge:
-        merge_sweep(caches)
     print(f"summary: triton decode ({args.kv_cache_dtype} cache) at batch 256, context 1k-8k: "
           f"{min(summary):.0%}-{max(summary):.0%} of the copy bandwidth ({copy / 1e12:.2f} TB/s)")
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [merge] [pdl]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,8 +51,8 @@ for part in $parts; do
            python3 bench/throughput.py --num-seqs 256 --runs 1 --kv-cache-dtype $kv --trace "$out/trace-$kv" 2>&1 \
              | tee -a "$out/fp8-steps.log" | grep -vE "it/s|Capturing"
          done ;;
-    merge) # the split merge as a second kernel against the fused one, small batches (plus the kernel table)
-         python3 bench/attention_kernels.py --merge 2>&1 | tee "$out/merge.log" | tail -20 ;;
+    ragged) # decode over unequal contexts: split counts and longest-first launch order, bf16 and fp8 caches
+         python3 bench/attention_kernels.py --ragged 2>&1 | tee "$out/ragged.log" | tail -12 ;;
     pdl) # programmatic dependent launch (NANOSERVE_PDL=1) against none: the same bits, then decode steps
          python3 -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py 2>&1 | tail -3
          for on in 0 1; do

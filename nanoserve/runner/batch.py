@@ -90,6 +90,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_host: list[int]      # host copies, for backends that loop or size launches
     seq_lens_host: list[int]
+    decode_order: torch.Tensor | None = None  # [num_seqs] int32, the rows longest first (Triton decode)
 
     @property
     def decode_only(self) -> bool:

@@ -12,6 +12,7 @@ from torch import nn
 from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
+from nanoserve.runner.attention.triton_decode import longest_first_enabled
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
 from nanoserve.runner.layers.linear import building_graphs
 from nanoserve.runner.inputs import decode_columns, fill_pending_tokens, write_block_tables
@@ -41,8 +42,8 @@ class HostStaging:
 
     def __init__(self, n: int, max_blocks: int, pin: bool) -> None:
         self.i64 = torch.zeros((4, n), dtype=torch.int64, pin_memory=pin)
-        i32 = torch.zeros(n * (1 + max_blocks), dtype=torch.int32, pin_memory=pin)
-        self.lens, self.tables = i32[:n], i32[n:].view(n, max_blocks)
+        i32 = torch.zeros(n * (2 + max_blocks), dtype=torch.int32, pin_memory=pin)
+        self.lens_order, self.tables = i32[:2 * n].view(2, n), i32[2 * n:].view(n, max_blocks)
         self.inv_temp = torch.zeros(n, dtype=torch.float32, pin_memory=pin)
         self.uploaded = torch.cuda.Event() if pin else None
 
@@ -72,22 +73,25 @@ class DecodeBuffers:
         self.dev_inv_temp = torch.zeros(n, dtype=torch.float32, device=device)
         # numpy takes no negative seed; torch reads -1 as 2**64 - 1, and so does this
         self.rng = np.random.default_rng(seed % 2**64)
-        # int32: n seq lens, then n block-table rows; both contiguous (flash-attn wants that)
-        dev_i32 = torch.zeros(n * (1 + max_blocks), dtype=torch.int32, device=device)
-        self.dev_lens, self.dev_tables = dev_i32[:n], dev_i32[n:].view(n, max_blocks)
+        # int32: n seq lens, the rows longest first, then n block-table rows; lens and tables
+        # contiguous (flash-attn wants that)
+        dev_i32 = torch.zeros(n * (2 + max_blocks), dtype=torch.int32, device=device)
+        self.dev_lens_order, self.dev_tables = dev_i32[:2 * n].view(2, n), dev_i32[2 * n:].view(n, max_blocks)
+        self.longest_first = longest_first_enabled()
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
 
     def meta(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.dev_i64[2, :batch],
             query_start_loc=self.query_start[:batch + 1],
-            seq_lens=self.dev_lens[:batch],
+            seq_lens=self.dev_lens_order[0, :batch],
             block_tables=self.dev_tables[:batch],
             max_query_len=1,
             # sizes the decode kernel's split count for any context the graph may later see
             max_seq_len=self.max_model_len,
             query_lens_host=[1] * batch,
             seq_lens_host=[self.max_model_len] * batch,
+            decode_order=self.dev_lens_order[1, :batch] if self.longest_first else None,
         )
 
     def stage(self, work: list[SequenceWork], batch: int, prev_tokens: torch.Tensor | None) -> None:
@@ -96,7 +100,7 @@ class DecodeBuffers:
         self.turn ^= 1
         host.wait_until_free()
         n = len(work)
-        i64, lens = host.i64.numpy(), host.lens.numpy()
+        i64, lens = host.i64.numpy(), host.lens_order[0].numpy()
         i64[0, :n], i64[1, :n], i64[2, :n] = decode_columns(work, self.block_size)
         # padding rows: token 0 at position 0 (a stale placeholder id would index out of the
         # embedding), slot -1 writes nothing
@@ -104,6 +108,8 @@ class DecodeBuffers:
         i64[2, n:batch] = -1
         lens[:n] = i64[1, :n] + 1
         lens[n:batch] = 0
+        if self.longest_first:
+            host.lens_order[1].numpy()[:batch] = np.argsort(-lens[:batch], kind="stable")
         write_block_tables(host.tables.numpy(), work)
         if self.draws:   # padding rows draw greedily
             i64[3, :batch] = self.rng.integers(0, 2**31 - 1, batch)
@@ -112,7 +118,7 @@ class DecodeBuffers:
             host.inv_temp[n:batch] = 0.0
             self.dev_inv_temp[:batch].copy_(host.inv_temp[:batch], non_blocking=True)
         self.dev_i64[:, :batch].copy_(host.i64[:, :batch], non_blocking=True)
-        self.dev_lens[:batch].copy_(host.lens[:batch], non_blocking=True)
+        self.dev_lens_order[:, :batch].copy_(host.lens_order[:, :batch], non_blocking=True)
         self.dev_tables[:batch].copy_(host.tables[:batch], non_blocking=True)
         if host.uploaded is not None:
             host.uploaded.record()
@@ -122,7 +128,8 @@ class DecodeBuffers:
         # capture runs read real cache memory: make every row a 1-token sequence in block 0
         self.dev_i64.zero_()
         self.dev_tables.zero_()
-        self.dev_lens.fill_(1)
+        self.dev_lens_order[0].fill_(1)
+        self.dev_lens_order[1].copy_(torch.arange(self.dev_lens_order.shape[1]))
 
 
 class DecodeGraphs:

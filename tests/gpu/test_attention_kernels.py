@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanoserve.runner.attention import TorchBackend, select_backend
-from nanoserve.runner.attention.triton_decode import MERGE_CHUNK, paged_decode
+from nanoserve.runner.attention.triton_decode import longest_first, paged_decode
 from nanoserve.runner.attention.triton_kernels import TritonBackend, store_kvcache
 from nanoserve.runner.batch import AttentionMetadata
 
@@ -144,36 +144,30 @@ def test_triton_decode_forced_splits(dtype, block_size, head_dim, group, seed, n
     assert (out[padding] == 0).all()
 
 
-@pytest.mark.parametrize("batch,num_splits,group", [(1, 64, 2), (4, 16, 4), (16, 8, 2), (3, 5, 8), (2, 13, 2)])
-def test_fused_merge_equals_the_merge_kernel_launch_after_launch(batch, num_splits, group):
-    """The last split to finish merges (an atomic counts the splits): on the GPU, launch after
-    launch and in a replayed graph, it gives the same bits every time, the merge kernel's bits up
-    to MERGE_CHUNK splits, and past it the same values merged in another order."""
+@pytest.mark.parametrize("batch,num_splits,kv_cache_dtype", [(256, 1, "auto"), (256, 1, "fp8"), (64, 2, "auto"),
+                                                             (3, 5, "fp8")])
+def test_longest_first_order_gives_the_same_bits_in_a_graph(batch, num_splits, kv_cache_dtype):
+    """The order computed inside a captured graph from the replay's own lengths: the output is the
+    row order's, bit for bit, replay after replay as the lengths change."""
     rng = random.Random(batch * 100 + num_splits)
-    specs = decode_specs(rng, batch=batch, max_len=8192)
-    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=64, kv_heads=8, group=group, head_dim=128,
+    specs = decode_specs(rng, batch=batch, max_len=2048)
+    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=256, kv_heads=8, group=2, head_dim=128,
                                                 dtype=torch.bfloat16, seed=batch + num_splits)
+    if kv_cache_dtype == "fp8":
+        k_cache, v_cache = (torch.empty_like(c, dtype=torch.float8_e4m3fn) for c in (k_cache, v_cache))
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-
-    def run(fused: bool) -> torch.Tensor:
-        return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.1, meta.max_seq_len,
-                            num_splits=num_splits, config=dict(BLOCK_N=64, num_warps=4, num_stages=3,
-                                                               FUSED_MERGE=fused))
-
-    merged, first = run(False), run(True)
-    if num_splits <= MERGE_CHUNK:
-        assert torch.equal(first, merged)
-    else:
-        torch.testing.assert_close(first.float(), merged.float(), rtol=1e-2, atol=1e-2)
-    for _ in range(200):
-        assert torch.equal(run(True), first)
+    seq_lens = meta.seq_lens.clone()
+    run = lambda **kw: paged_decode(q, k_cache, v_cache, seq_lens, meta.block_tables, 0.1, 2048,
+                                    num_splits=num_splits, **kw)
+    run(seq_order=longest_first(seq_lens))   # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = run(True)
-    for _ in range(50):
-        out.zero_()
+        out = run(seq_order=longest_first(seq_lens))
+    for step in range(20):
+        # rows shrink as if finished and refilled: any length up to the ones stored
+        seq_lens.copy_((meta.seq_lens - torch.randint_like(meta.seq_lens, 0, 200)).clamp(min=0) if step else meta.seq_lens)
         graph.replay()
-        assert torch.equal(out, first)
+        assert torch.equal(out, run()), step
 
 
 @pytest.mark.parametrize("block_size", [16, 256])

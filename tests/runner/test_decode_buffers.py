@@ -109,3 +109,19 @@ def test_the_in_graph_draw_reads_each_rows_inverse_temperature_bit_for_bit():
     first = seeds.clone()
     staged(buffers, work, 16)
     assert not torch.equal(buffers.dev_i64[3, :16], first), "each step draws fresh noise"
+
+
+def test_longest_first_stages_the_rows_by_falling_length_padding_last(monkeypatch):
+    monkeypatch.setenv("NANOSERVE_LONGEST_FIRST", "1")
+    rng = random.Random(3)
+    buffers = DecodeBuffers(16, max_blocks=8, max_model_len=32, block_size=BLOCK, device=torch.device("cpu"))
+    for n, batch in ((11, 16), (3, 4)):
+        _, _, meta = staged(buffers, decode_work(rng, n), batch)
+        order = meta.decode_order
+        assert order.dtype == torch.int32 and order.is_contiguous()
+        assert sorted(order.tolist()) == list(range(batch))
+        lens = meta.seq_lens[order.long()].tolist()
+        assert lens == sorted(lens, reverse=True) and lens[n:] == [0] * (batch - n)
+    monkeypatch.delenv("NANOSERVE_LONGEST_FIRST")
+    off = DecodeBuffers(4, max_blocks=8, max_model_len=32, block_size=BLOCK, device=torch.device("cpu"))
+    assert off.meta(4).decode_order is None

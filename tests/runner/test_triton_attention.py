@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanoserve.runner.attention import TorchBackend, select_backend
-from nanoserve.runner.attention.triton_decode import num_decode_splits, paged_decode
+from nanoserve.runner.attention.triton_decode import longest_first, num_decode_splits, paged_decode
 from nanoserve.runner.attention.triton_kernels import TritonBackend, store_kvcache
 from nanoserve.runner.attention.triton_prefill import paged_prefill
 from nanoserve.runner.batch import AttentionMetadata
@@ -218,28 +218,20 @@ def test_select_backend_keeps_flash_attn_to_half_precision(monkeypatch) -> None:
         select_backend("flash_attn", "cuda", 256, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("group,num_splits", [(2, 3), (4, 8), (1, 2), (2, 11)])
-def test_fused_merge_matches_the_merge_kernel_and_leaves_counters_zeroed(group, num_splits) -> None:
-    from nanoserve.runner.attention.triton_decode import MERGE_CHUNK, merge_counters
-
-    # a padding row, a row shorter than one split's share, rows over every split; 11 splits are
-    # merged in two chunks, the second with keys in some rows and none in others
-    assert MERGE_CHUNK < 11
+@pytest.mark.parametrize("group,num_splits", [(2, 1), (4, 3), (1, 2)])
+def test_longest_first_order_gives_the_same_bits(group, num_splits) -> None:
+    """seq_order changes only when each row's programs start: every row's output is the one it
+    gets in row order, bit for bit, the padding row's included."""
     specs = [(1, 70), (1, 0), (1, 3), (1, 41), (1, 300)]
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=group, head_dim=64,
                                                 dtype=torch.float32, seed=40 + num_splits)
-    scale = 64 ** -0.5
-    ref_out, _, _ = reference(q, k, v, k_cache, v_cache, meta, scale)
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-    config = dict(BLOCK_N=16, num_warps=1, num_stages=1)
-    merged = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
-                          num_splits=num_splits, config=config)
-    for _ in range(2):   # the second launch finds the counters the first left behind
-        fused = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
-                             num_splits=num_splits, config=dict(config, FUSED_MERGE=True))
-        # up to MERGE_CHUNK splits the two merge alike, bit for bit; past it in another order
-        torch.testing.assert_close(fused, merged, rtol=0 if num_splits <= MERGE_CHUNK else 1e-6,
-                                   atol=0 if num_splits <= MERGE_CHUNK else 1e-6)
-        assert (merge_counters(q.device, 1) == 0).all()
-    assert (fused[1] == 0).all(), "a padding row must come back as zeros"
-    assert_close(fused, ref_out, torch.float32)
+    order = longest_first(meta.seq_lens)
+    assert order.tolist() == [4, 0, 3, 2, 1]
+    run = lambda **kw: paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 64 ** -0.5,
+                                    meta.max_seq_len, num_splits=num_splits, **kw)
+    in_rows, ordered = run(), run(seq_order=order)
+    assert torch.equal(ordered, in_rows)
+    assert (ordered[1] == 0).all(), "a padding row must come back as zeros"
+    with pytest.raises(ValueError, match="seq_order"):
+        run(seq_order=order.long())

@@ -3,9 +3,8 @@
 Stage 1 runs one program per (sequence, kv head, split). It reads the K/V of its share of the
 context once and attends all the query heads of its group to it. With one split it writes the
 output directly; with several it writes a partial (normalized acc, log-sum-exp) per split to a
-float32 workspace, and stage 2 merges the splits of each (sequence, head). With FUSED_MERGE
-(opt-in, not yet measured) there is no stage 2: the last split program of each (sequence, kv head)
-to finish, counted with an atomic, merges its group's heads itself.
+float32 workspace, and stage 2 merges the splits of each (sequence, head). (Merging in the last
+split program to finish, counted with an atomic, was slower on an H200: BENCHMARKS.md.)
 
 CUDA-graph safe: the number of splits and the workspace size depend only on host values that
 are fixed for a captured graph (batch, heads, the caller's max_seq_len, the device); each
@@ -21,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -31,7 +31,6 @@ from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 MIN_TOKENS_PER_SPLIT = 256   # below this a split costs more in merging than it saves
-MERGE_CHUNK = tl.constexpr(8)   # splits the fused merge reads at a time
 MAX_SPLITS = 64
 WAVES = 4                    # programs per SM to aim for before splitting stops paying
 
@@ -41,8 +40,8 @@ WAVES = 4                    # programs per SM to aim for before splitting stops
 # 16 in a long batch), and that compile would land in the middle of serving.
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_acc_ptr, part_lse_ptr, counters_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, seq_order_ptr,
+    out_ptr, part_acc_ptr, part_lse_ptr,
     scale_log2, v_scale, num_splits,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -51,10 +50,12 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, USE_PDL: tl.constexpr,
+    ORDERED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
+    if ORDERED:   # programs start in launch order: the longest sequences first leave no long tail
+        seq = tl.load(seq_order_ptr + seq)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
@@ -102,50 +103,9 @@ def _decode_kernel(
                  mask=mask_h[:, None])
         tl.store(part_lse_ptr + row, tl.where(has_keys, m + tl.log2(l), float("-inf")),
                  mask=mask_h)
-        if FUSED_MERGE:
-            # the last split of this (sequence, kv head) to finish merges them all, so no second
-            # launch is needed; it also resets the counter for the next launch or graph replay
-            tl.debug_barrier()   # every thread's partial is written before the count says so
-            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-                tl.atomic_xchg(counter, 0)
-                first = (seq * tl.num_programs(1) * GROUP + kv_head * GROUP) * num_splits
-                for h in tl.static_range(GROUP):
-                    _merge_head(part_acc_ptr, part_lse_ptr, first + h * num_splits, num_splits,
-                                out_ptr + seq * stride_ot + (kv_head * GROUP + h) * stride_oh, HEAD_DIM,
-                                MERGE_CHUNK)
     else:
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
-
-
-@triton.jit
-def _merge_head(part_acc_ptr, part_lse_ptr, first_row, num_splits, out_ptr, HEAD_DIM: tl.constexpr,
-                CHUNK: tl.constexpr):
-    """One head's output from its splits' partials (rows first_row ...), CHUNK splits at a time with
-    a running max. The merge kernel reads every split at once (one round trip to memory); the fused
-    merge reads MERGE_CHUNK at a time, since a one-warp decode program holding a tile of every split
-    would spill. Read past L1: other programs wrote the partials."""
-    offs_s = tl.arange(0, CHUNK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    m = tl.full([], float("-inf"), tl.float32)   # loop-carried: tensors of a fixed type from the start
-    denom = tl.zeros([], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for s0 in range(0, num_splits, CHUNK):
-        row = first_row + s0 + offs_s
-        mask_s = s0 + offs_s < num_splits
-        lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        # padding rows have no keys in any split: every lse is -inf, and so the output is 0
-        base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp2(lse - base)
-        part = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=mask_s[:, None], other=0.0, cache_modifier=".cg")
-        rescale = tl.exp2(m - base)   # 0 on the first chunk (m is -inf)
-        acc = acc * rescale + tl.sum(w[:, None] * part, 0)
-        denom = denom * rescale + tl.sum(w, 0)
-        m = m_new
-    tl.store(out_ptr + offs_d, (acc / tl.where(denom > 0, denom, 1.0)).to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -156,8 +116,20 @@ def _merge_splits_kernel(
     pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    _merge_head(part_acc_ptr, part_lse_ptr, (seq * tl.num_programs(1) + head) * num_splits, num_splits,
-                out_ptr + seq * stride_ot + head * stride_oh, HEAD_DIM, SPLITS_POW2)
+    offs_s = tl.arange(0, SPLITS_POW2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_s = offs_s < num_splits
+    row = (seq * tl.num_programs(1) + head) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    # padding rows have no keys in any split: every lse is -inf and the output is 0
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)
+    denom = tl.sum(w, 0)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=mask_s[:, None], other=0.0)
+    o = tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 @functools.lru_cache(maxsize=None)
@@ -202,13 +174,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                  max_seq_len: int, num_splits: int | None = None,
                  config: dict | None = None, k_scale: float = 1.0,
-                 v_scale: float = 1.0) -> torch.Tensor:
+                 v_scale: float = 1.0, seq_order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per sequence, q [batch, q_heads, dim], over its paged keys.
 
     max_seq_len only sizes the split count (pass max_model_len when capturing a graph);
     seq_lens may later hold any value up to the cache's capacity. num_splits and config
     override the heuristics (benchmarks, tests; config's keys replace the default tiles' one
-    by one). k_scale / v_scale apply to an fp8 cache only.
+    by one). k_scale / v_scale apply to an fp8 cache only. seq_order, a permutation of the rows
+    (longest first: `longest_first(seq_lens)`), is the order their programs start in; the
+    output is the same.
     """
     batch, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -216,12 +190,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if block_tables.shape[0] != batch:
         raise ValueError(f"decode expects one query per sequence; got {batch} queries for "
                          f"{block_tables.shape[0]} block tables")
+    if seq_order is not None and (seq_order.shape != (batch,) or seq_order.dtype != torch.int32
+                                  or seq_order.stride(0) != 1):
+        raise ValueError(f"seq_order must be a contiguous int32 permutation of the {batch} rows")
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
     cfg = {**_decode_config(q.device, fp8, q.dtype, head_dim), **(config or {})}
     # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
     cfg.setdefault("FP8_VIA_F16", fp8 and q.dtype == torch.bfloat16)
-    fused_merge = cfg.setdefault("FUSED_MERGE", False)
     if num_splits is None:
         num_splits = num_decode_splits(batch, kv_heads, max_seq_len, _num_sms(q.device))
     out = torch.empty_like(q)
@@ -232,19 +208,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_lse = out   # unused
-    counters = merge_counters(q.device, batch * kv_heads) if split and fused_merge else out
     _decode_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_lse, counters,
-        softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale, num_splits,
+        q, k_cache, v_cache, block_tables, seq_lens, seq_order if seq_order is not None else seq_lens,
+        out, part_acc, part_lse, softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
-        **cfg, **pdl_launch(q.device),
+        ORDERED=seq_order is not None, **cfg, **pdl_launch(q.device),
     )
-    if split and not fused_merge:
+    if split:
         _merge_splits_kernel[(batch, q_heads)](
             part_acc, part_lse, out, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=4,
@@ -253,22 +228,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-_outgrown: list[torch.Tensor] = []   # graphs captured earlier still count in them
+def longest_first_enabled() -> bool:
+    """NANOSERVE_LONGEST_FIRST=1: decode graphs launch each step's rows longest first (see
+    paged_decode's seq_order). Off until measured: `bench/gpu_suite.sh ragged`."""
+    return os.environ.get("NANOSERVE_LONGEST_FIRST") == "1"
 
 
-def merge_counters(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, kv head), for the fused merge: each launch leaves
-    them zeroed again, so one buffer per device serves every layer, step and graph replay."""
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the fused merge's counters must exist before graph capture: "
-                               "run the largest batch eagerly first")
-        if counters is not None:
-            _outgrown.append(counters)
-        counters = _counters[device] = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
-    return counters
+def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
+    """The rows by falling length, for paged_decode's seq_order. On the device and without a sync,
+    so that a captured graph computes it at every replay."""
+    return torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
 
 
 def softmax_scale_log2(scale: float, k_scale: float) -> float:

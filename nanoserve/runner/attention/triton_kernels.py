@@ -94,7 +94,8 @@ class TritonBackend:
         """Attention over keys already in the cache (the new tokens' included)."""
         if meta.decode_only:
             return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
-                                meta.max_seq_len, k_scale=k_scale, v_scale=v_scale)
+                                meta.max_seq_len, k_scale=k_scale, v_scale=v_scale,
+                                seq_order=meta.decode_order)
         return paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                              meta.block_tables, scale, meta.max_query_len,
                              num_query_tokens=sum(meta.query_lens_host),
