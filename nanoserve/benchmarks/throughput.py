@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     graphs += ", async scheduling" if config.async_scheduling else ", sync scheduling"
     graphs += ", json_schema" if schema else ""
     prompt_tokens = sum(map(len, prompts))
+    scheduler = llm.engine.scheduler
     for run in range(1, args.runs + 1):
         with triton_compiles() as compiles:
             start = time.perf_counter()
@@ -109,8 +110,9 @@ def main(argv: list[str] | None = None) -> None:
         computed = prompt_tokens - sum(o.num_cached_tokens for o in outputs)
         print(f"throughput: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:.0f} tok/s "
               f"({args.num_seqs} seqs, {os.path.basename(args.model or args.config)}, {backend}, {graphs}, "
-              f"block {config.block_size}, kv {config.kv_cache_dtype}, tp {config.tensor_parallel_size}, "
-              f"preemptions {llm.engine.scheduler.num_preemptions}, run {run} of {args.runs}: "
+              f"block {config.block_size}, kv {config.kv_cache_dtype} in {scheduler.block_manager.num_blocks} blocks, "
+              f"tp {config.tensor_parallel_size}, "
+              f"preemptions {scheduler.num_preemptions}, run {run} of {args.runs}: "
               f"{computed} of {prompt_tokens} prompt tokens computed)")
         if compiles:
             print(f"triton compiles inside run {run}: {describe(compiles)}")
