@@ -53,11 +53,12 @@ for part in $parts; do
          done ;;
     ragged) # decode over unequal contexts: split counts and longest-first launch order, bf16 and fp8 caches
          python3 bench/attention_kernels.py --ragged 2>&1 | tee "$out/ragged.log" | tail -12 ;;
-    pdl) # programmatic dependent launch (NANOSERVE_PDL=1) against none: the same bits, then decode steps
+    pdl) # programmatic dependent launch off, on (the default), and on with the skinny GEMMs' weight prefetch
          python3 -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py 2>&1 | tail -3
-         for on in 0 1; do
-           NANOSERVE_PDL=$on python3 bench/decode_step.py --batch-sizes 1,16,64,256 --contexts 1024 2>&1 \
-             | tee -a "$out/pdl.log" | grep -vE "it/s|Capturing"
+         for mode in "0 0" "1 0" "1 1"; do set -- $mode
+           echo "NANOSERVE_PDL=$1 NANOSERVE_PDL_PREFETCH=$2" | tee -a "$out/pdl.log"
+           NANOSERVE_PDL=$1 NANOSERVE_PDL_PREFETCH=$2 python3 bench/decode_step.py --batch-sizes 1,2,16,64,256 \
+             --contexts 1024 2>&1 | tee -a "$out/pdl.log" | grep -vE "it/s|Capturing"
          done ;;
     gemv) python3 bench/skinny_gemm.py 2>&1 | tee "$out/skinny_gemm.log" ;;
     silu) python3 bench/silu_mul.py 2>&1 | tee "$out/silu_mul.log" ;;

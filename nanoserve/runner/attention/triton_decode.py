@@ -28,11 +28,12 @@ import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step
-from nanoserve.runner.pdl import pdl_launch, pdl_prologue
+from nanoserve.runner.pdl import pdl_launch, pdl_prefetch_enabled, pdl_prologue, prefetch_l2
 
 MIN_TOKENS_PER_SPLIT = 256   # below this a split costs more in merging than it saves
 MAX_SPLITS = 64
 WAVES = 4                    # programs per SM to aim for before splitting stops paying
+PREFETCH_MAX_BATCH = 4       # batches up to this prefetch each split's first K/V tile (with PDL)
 
 
 # Ints that change from step to step are not specialized: Triton would otherwise compile a new
@@ -50,9 +51,10 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
-    ORDERED: tl.constexpr, USE_PDL: tl.constexpr,
+    ORDERED: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
+    # lengths, order and block tables are staged by the host, never written by a kernel of the
+    # step: they may be read before waiting on the kernel ahead (PDL); q and the cache may not
     seq = tl.program_id(0)
     if ORDERED:   # programs start in launch order: the longest sequences first leave no long tail
         seq = tl.load(seq_order_ptr + seq)
@@ -63,6 +65,12 @@ def _decode_kernel(
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if PREFETCH_LINE > 0:   # the first tile's K/V lines into L2 while the kernel ahead runs
+        _prefetch_first_tile(k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_kb, stride_kt,
+                             stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+                             PREFETCH_LINE)
+    pdl_prologue(USE_PDL)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -78,7 +86,6 @@ def _decode_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # empty when the split lies past seq_len (padding rows included): nothing is read
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -106,6 +113,22 @@ def _decode_kernel(
     else:
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
+
+
+@triton.jit
+def _prefetch_first_tile(k_cache_ptr, v_cache_ptr, table, start, end, kv_head,
+                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         LINE: tl.constexpr):
+    """One L2 prefetch per 128-byte line (LINE elements) of the split's first K and V tile. A key
+    past the split's end asks for a line of block 0 instead: harmless, and no mask is needed."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    block = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+    tok = tl.where(mask_n, offs_n % BLOCK_SIZE, 0)
+    offs_l = tl.arange(0, max(1, HEAD_DIM // LINE)) * LINE
+    prefetch_l2(k_cache_ptr + (block * stride_kb + tok * stride_kt + kv_head * stride_kh)[:, None] + offs_l[None, :])
+    prefetch_l2(v_cache_ptr + (block * stride_vb + tok * stride_vt + kv_head * stride_vh)[:, None] + offs_l[None, :])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -218,6 +241,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
         ORDERED=seq_order is not None, **cfg, **pdl_launch(q.device),
+        # small batches wait on latency, not bandwidth; a large one's first tiles would crowd L2
+        PREFETCH_LINE=128 // k_cache.element_size() if batch <= PREFETCH_MAX_BATCH and pdl_prefetch_enabled(q.device)
+        else 0,
     )
     if split:
         _merge_splits_kernel[(batch, q_heads)](
