@@ -182,11 +182,15 @@ def split_sweep(caches: Caches) -> None:
 
 def ragged_sweep() -> None:
     """Decode over contexts of unequal length, as in a served batch (nano-vllm's workload: prompts
-    of 100-1,024 tokens, outputs of 100-1,024): KV bandwidth by split count, in row order and
-    longest first, for each cache dtype. Each variant's output is checked against row order's."""
+    of 100-1,024 tokens, outputs of 100-1,024): KV bandwidth by how contexts are split (evenly in
+    1/2/4, or in splits of 256/512 keys) and launch order (rows / longest first), for each cache
+    dtype and, for fp8, a few tiles. Each variant's output is checked against the default's."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    print("\nragged decode (TB/s of K+V read), contexts uniform in 100..2,048: splits x (rows / longest first)")
-    for dtype in (DTYPE, FP8_DTYPE):
+    splits = [dict(num_splits=n) for n in (1, 2, 4)] + [dict(split_keys=k) for k in (256, 512)]
+    print("\nragged decode (TB/s of K+V read), contexts uniform in 100..2,048; "
+          "s<n>: n even splits, k<n>: splits of n keys; L: longest first")
+    for dtype, configs in ((DTYPE, [None]),
+                           (FP8_DTYPE, [None, dict(BLOCK_N=32), dict(num_warps=2), dict(BLOCK_N=128, num_warps=4)])):
         caches = Caches(256 * 2048, dtype)
         for batch in (64, 128, 256):
             seq_lens = torch.randint(100, 2049, (batch,), generator=gen, device="cuda", dtype=torch.int32)
@@ -194,17 +198,21 @@ def ragged_sweep() -> None:
             tables = torch.randperm(caches.num_blocks, device="cuda")[:batch * per_seq].view(batch, per_seq).int()
             q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
             nbytes = 2 * int(seq_lens.sum()) * KV_HEADS * HEAD_DIM * caches.k.element_size()
-            run = lambda order, **kw: paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048,
-                                                   seq_order=longest_first(seq_lens) if order else None, **kw)
-            expected = run(False)
-            cells = []
-            for splits in (1, 2, 4):
-                for order in (False, True):
-                    err = (run(order, num_splits=splits).float() - expected.float()).abs().max().item()
-                    us = graph_time_us(lambda: run(order, num_splits=splits))
-                    cells.append(f"{splits}{'L' if order else ' '} {nbytes / us / 1e6:5.2f}{'!' if err > 2e-2 else ' '}")
-            print(f"{str(dtype).split('.')[-1]:>13} batch {batch:3d}  " + "  ".join(cells))
-    print("! = differs from row order with the default split count by more than 2e-2")
+            order = longest_first(seq_lens)
+            expected = paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048)
+            for config in configs:
+                cells = []
+                for split in splits:
+                    for ordered in (False, True):
+                        run = (lambda: paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048,
+                                                    seq_order=order if ordered else None, config=config, **split))
+                        err = (run().float() - expected.float()).abs().max().item()
+                        us = graph_time_us(run)
+                        name = f"s{split['num_splits']}" if "num_splits" in split else f"k{split['split_keys']}"
+                        cells.append(f"{name}{'L' if ordered else ' '} {nbytes / us / 1e6:4.2f}{'!' if err > 2e-2 else ' '}")
+                label = f"{str(dtype).split('.')[-1]} {config or 'default'}"
+                print(f"{label:>45} b{batch:<3} " + " ".join(cells))
+    print("! = differs from the default by more than 2e-2")
 
 
 def main() -> None:

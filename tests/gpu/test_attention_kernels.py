@@ -170,6 +170,31 @@ def test_longest_first_order_gives_the_same_bits_in_a_graph(batch, num_splits, k
         assert torch.equal(out, run()), step
 
 
+@pytest.mark.parametrize("split_keys,kv_cache_dtype", [(256, "auto"), (512, "fp8"), (64, "auto")])
+def test_fixed_size_splits_match_even_splits_in_a_graph(split_keys, kv_cache_dtype):
+    """Splits of split_keys keys, sized for 1,024-key contexts but replayed over contexts up to
+    4,096 (the last split takes the rest), against even splits, replay after replay."""
+    rng = random.Random(split_keys)
+    specs = decode_specs(rng, batch=64, max_len=4096)
+    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=256, kv_heads=8, group=2, head_dim=128,
+                                                dtype=torch.bfloat16, seed=split_keys)
+    if kv_cache_dtype == "fp8":
+        k_cache, v_cache = (torch.empty_like(c, dtype=torch.float8_e4m3fn) for c in (k_cache, v_cache))
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    seq_lens = meta.seq_lens.clone()
+    run = lambda: paged_decode(q, k_cache, v_cache, seq_lens, meta.block_tables, 0.1, 1024, split_keys=split_keys)
+    run()   # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for step in range(10):
+        seq_lens.copy_((meta.seq_lens - torch.randint_like(meta.seq_lens, 0, 500)).clamp(min=0) if step else meta.seq_lens)
+        graph.replay()
+        even = paged_decode(q, k_cache, v_cache, seq_lens, meta.block_tables, 0.1, 4096)
+        torch.testing.assert_close(out.float(), even.float(), rtol=1e-2, atol=1e-2)
+        assert (out[seq_lens == 0] == 0).all()
+
+
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_triton_decode_32k_context_at_batch_1(block_size):
     # Qwen3-0.6B attention: 16 q heads over 8 kv heads, the split-K path fills the GPU

@@ -125,15 +125,49 @@ def test_decode_matches_reference_with_gqa_split_k_and_padding(
     assert torch.equal(k_cache.float(), ref_k) and torch.equal(v_cache.float(), ref_v)
 
 
-def test_decode_splits_longer_than_a_sequence_write_neutral_partials() -> None:
-    # 8 splits of a 20-key context: most splits are empty and must not disturb the merge
-    q, k, v, k_cache, v_cache, meta = make_step([(1, 20), (1, 3)], block_size=16, kv_heads=1,
+class _NanWorkspace:
+    """torch, except that torch.empty hands out NaN: a partial the merge reads but no split wrote shows."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*shape, **kw):
+        return torch.full(shape, float("nan"), **kw)
+
+
+def test_decode_splits_past_a_sequence_end_are_left_out_of_the_merge(monkeypatch) -> None:
+    # 8 splits of a 20-key context: most splits are empty, write nothing, and must not be merged
+    import nanoserve.runner.attention.triton_decode as triton_decode
+    monkeypatch.setattr(triton_decode, "torch", _NanWorkspace())
+    q, k, v, k_cache, v_cache, meta = make_step([(1, 20), (1, 0), (1, 3)], block_size=16, kv_heads=1,
                                                 group=4, head_dim=64, dtype=torch.float32, seed=7)
     ref_out, _, _ = reference(q, k, v, k_cache, v_cache, meta, 0.125)
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     out = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.125,
                        max_seq_len=4096, num_splits=8)
+    assert (out[1] == 0).all(), "a padding row must come back as zeros"
     assert_close(out, ref_out, torch.float32)
+
+
+@pytest.mark.parametrize("split_keys,max_seq_len", [(16, 4096), (32, 4096), (16, 32), (40, 200)])
+def test_decode_with_fixed_size_splits_matches_reference(split_keys, max_seq_len, monkeypatch) -> None:
+    """Splits of split_keys keys, the last taking the rest: also when a context outgrows the split
+    count sized for max_seq_len (70 keys over 2 splits of 16)."""
+    import nanoserve.runner.attention.triton_decode as triton_decode
+    monkeypatch.setattr(triton_decode, "torch", _NanWorkspace())
+    specs = [(1, 70), (1, 0), (1, 3), (1, 41), (1, 16), (1, 17)]
+    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
+                                                dtype=torch.float32, seed=split_keys + max_seq_len)
+    ref_out, _, _ = reference(q, k, v, k_cache, v_cache, meta, 0.125)
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.125, max_seq_len,
+                       split_keys=split_keys)
+    assert (out[1] == 0).all(), "a padding row must come back as zeros"
+    assert_close(out, ref_out, torch.float32)
+    ordered = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.125, max_seq_len,
+                           split_keys=split_keys, seq_order=longest_first(meta.seq_lens))
+    assert torch.equal(ordered, out)
 
 
 PREFILL_CASES = [
@@ -235,3 +269,13 @@ def test_longest_first_order_gives_the_same_bits(group, num_splits) -> None:
     assert (ordered[1] == 0).all(), "a padding row must come back as zeros"
     with pytest.raises(ValueError, match="seq_order"):
         run(seq_order=order.long())
+
+
+def test_fixed_size_splits_apply_to_the_engine_only_where_asked_and_the_batch_fills_the_gpu(monkeypatch) -> None:
+    from nanoserve.runner.attention.triton_decode import engine_split_keys
+    cpu = torch.device("cpu")   # 4 SMs under the interpreter: batch 2 x 8 kv heads fills them
+    monkeypatch.delenv("NANOSERVE_DECODE_SPLIT_KEYS", raising=False)
+    assert engine_split_keys(64, 8, 4096, cpu) is None
+    monkeypatch.setenv("NANOSERVE_DECODE_SPLIT_KEYS", "512")
+    assert engine_split_keys(64, 8, 4096, cpu) == 512
+    assert engine_split_keys(1, 1, 4096, cpu) is None   # even splits already spread a small batch

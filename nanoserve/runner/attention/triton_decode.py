@@ -7,10 +7,12 @@ float32 workspace, and stage 2 merges the splits of each (sequence, head). (Merg
 split program to finish, counted with an atomic, was slower on an H200: BENCHMARKS.md.)
 
 CUDA-graph safe: the number of splits and the workspace size depend only on host values that
-are fixed for a captured graph (batch, heads, the caller's max_seq_len, the device); each
-sequence divides its own context over the splits inside the kernel, so any seq_len up to the
-cache's length is handled by any split count. Splits past a sequence's end, and padding rows
-(seq_len 0), read nothing and write neutral partials (acc 0, lse -inf) or zeros.
+are fixed for a captured graph (batch, heads, the caller's max_seq_len, the device). Each
+sequence divides its own context over the splits inside the kernel, evenly, or (split_keys) in
+splits of a fixed number of keys, the last taking whatever remains; so any seq_len up to the
+cache's length is handled by any split count. Splits past a sequence's end read and write
+nothing: the merge counts a sequence's splits from its length. A padding row (seq_len 0) comes
+out as zeros.
 
 An fp8 cache (attention/fp8.py) is widened to q's dtype tile by tile; its scales cost nothing
 per key: k_scale folds into the softmax scale and v_scale into the output.
@@ -39,11 +41,20 @@ PREFETCH_MAX_BATCH = 4       # batches up to this prefetch each split's first K/
 # Ints that change from step to step are not specialized: Triton would otherwise compile a new
 # variant when one equals 1 or turns a multiple of 16 (a block-table width of 1 in a short warm-up,
 # 16 in a long batch), and that compile would land in the middle of serving.
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit
+def _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N: tl.constexpr):
+    """(the sequence's tiles of BLOCK_N keys, tiles per split): split_tiles where given, else the
+    tiles divided evenly over num_splits; at least 1."""
+    tiles = tl.cdiv(seq_len, BLOCK_N)
+    per = tl.where(split_tiles > 0, split_tiles, tl.cdiv(tiles, num_splits))
+    return tiles, tl.maximum(per, 1)
+
+
+@triton.jit(do_not_specialize=["num_splits", "split_tiles", "stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, seq_order_ptr,
     out_ptr, part_acc_ptr, part_lse_ptr,
-    scale_log2, v_scale, num_splits,
+    scale_log2, v_scale, num_splits, split_tiles,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -61,10 +72,12 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
-    # each sequence divides its own context into whole tiles, so splits start on tile bounds
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    # splits start on tile bounds; the last one ends at seq_len, however long the context
+    _, per_split = _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N)
+    start = split * per_split * BLOCK_N
+    end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + per_split * BLOCK_N, seq_len))
+    if SPLIT and start >= seq_len:   # past the end (padding rows too): the merge leaves it out
+        return
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if PREFETCH_LINE > 0:   # the first tile's K/V lines into L2 while the kernel ahead runs
         _prefetch_first_tile(k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_kb, stride_kt,
@@ -131,21 +144,23 @@ def _prefetch_first_tile(k_cache_ptr, v_cache_ptr, table, start, end, kv_head,
     prefetch_l2(v_cache_ptr + (block * stride_vb + tok * stride_vt + kv_head * stride_vh)[:, None] + offs_l[None, :])
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "split_tiles"])
 def _merge_splits_kernel(
-    part_acc_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr, USE_PDL: tl.constexpr,
+    part_acc_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, num_splits, split_tiles, stride_sl, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_POW2)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask_s = offs_s < num_splits
+    # the splits that hold keys, as the decode kernel divided the context
+    tiles, per_split = _split_tiles(tl.load(seq_lens_ptr + seq * stride_sl), num_splits, split_tiles, BLOCK_N)
+    mask_s = offs_s < tl.minimum(tl.cdiv(tiles, per_split), num_splits)
     row = (seq * tl.num_programs(1) + head) * num_splits + offs_s
     lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"))
     lse_max = tl.max(lse, 0)
-    # padding rows have no keys in any split: every lse is -inf and the output is 0
+    # a padding row has no split with keys: every lse reads as -inf and the output is 0
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     w = tl.exp2(lse - lse_max)
     denom = tl.sum(w, 0)
@@ -197,7 +212,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                  max_seq_len: int, num_splits: int | None = None,
                  config: dict | None = None, k_scale: float = 1.0,
-                 v_scale: float = 1.0, seq_order: torch.Tensor | None = None) -> torch.Tensor:
+                 v_scale: float = 1.0, seq_order: torch.Tensor | None = None,
+                 split_keys: int | None = None) -> torch.Tensor:
     """Attention of one query per sequence, q [batch, q_heads, dim], over its paged keys.
 
     max_seq_len only sizes the split count (pass max_model_len when capturing a graph);
@@ -205,7 +221,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     override the heuristics (benchmarks, tests; config's keys replace the default tiles' one
     by one). k_scale / v_scale apply to an fp8 cache only. seq_order, a permutation of the rows
     (longest first: `longest_first(seq_lens)`), is the order their programs start in; the
-    output is the same.
+    output is the same. split_keys: every split but a sequence's last takes this many keys
+    (rounded up to whole tiles), and the split count covers max_seq_len, instead of each context
+    being divided evenly; a ragged batch's long contexts then spread over more programs.
     """
     batch, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -221,6 +239,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cfg = {**_decode_config(q.device, fp8, q.dtype, head_dim), **(config or {})}
     # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
     cfg.setdefault("FP8_VIA_F16", fp8 and q.dtype == torch.bfloat16)
+    split_tiles = 0   # the kernels' flag for even division
+    if split_keys is not None:
+        split_tiles = max(1, -(-split_keys // cfg["BLOCK_N"]))
+        if num_splits is None:
+            num_splits = min(MAX_SPLITS, max(1, -(-max_seq_len // (split_tiles * cfg["BLOCK_N"]))))
     if num_splits is None:
         num_splits = num_decode_splits(batch, kv_heads, max_seq_len, _num_sms(q.device))
     out = torch.empty_like(q)
@@ -233,7 +256,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_acc = part_lse = out   # unused
     _decode_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, seq_order if seq_order is not None else seq_lens,
-        out, part_acc, part_lse, softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale, num_splits,
+        out, part_acc, part_lse, softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale, num_splits, split_tiles,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -247,11 +270,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     )
     if split:
         _merge_splits_kernel[(batch, q_heads)](
-            part_acc, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=4,
+            part_acc, part_lse, out, seq_lens, num_splits, split_tiles, seq_lens.stride(0), out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS_POW2=triton.next_power_of_2(num_splits), BLOCK_N=cfg["BLOCK_N"], num_warps=4,
             **pdl_launch(q.device),
         )
     return out
+
+
+def engine_split_keys(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int | None:
+    """paged_decode's split_keys for the engine: NANOSERVE_DECODE_SPLIT_KEYS=n at batches that fill
+    the GPU with one split per (sequence, kv head), where a ragged batch's longest contexts still
+    set the kernel's end; None (even splits) elsewhere. Unset until measured: `gpu_suite.sh ragged`."""
+    value = os.environ.get("NANOSERVE_DECODE_SPLIT_KEYS")
+    if not value or num_decode_splits(batch, kv_heads, max_seq_len, _num_sms(device)) > 1:
+        return None
+    return int(value)
 
 
 def longest_first_enabled() -> bool:

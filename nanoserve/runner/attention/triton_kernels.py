@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
-from nanoserve.runner.attention.triton_decode import paged_decode
+from nanoserve.runner.attention.triton_decode import engine_split_keys, paged_decode
 from nanoserve.runner.attention.triton_fp8 import to_fp8
 from nanoserve.runner.attention.triton_prefill import paged_prefill
 from nanoserve.runner.attention.triton_rope_store import qkv_rope_store
@@ -95,7 +95,8 @@ class TritonBackend:
         if meta.decode_only:
             return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
                                 meta.max_seq_len, k_scale=k_scale, v_scale=v_scale,
-                                seq_order=meta.decode_order)
+                                seq_order=meta.decode_order,
+                                split_keys=engine_split_keys(q.shape[0], k_cache.shape[2], meta.max_seq_len, q.device))
         return paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                              meta.block_tables, scale, meta.max_query_len,
                              num_query_tokens=sum(meta.query_lens_host),
