@@ -154,7 +154,7 @@ def test_longest_first_order_gives_the_same_bits_in_a_graph(batch, num_splits, k
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=256, kv_heads=8, group=2, head_dim=128,
                                                 dtype=torch.bfloat16, seed=batch + num_splits)
     if kv_cache_dtype == "fp8":
-        k_cache, v_cache = (torch.empty_like(c, dtype=torch.float8_e4m3fn) for c in (k_cache, v_cache))
+        k_cache, v_cache = (c.to(torch.float8_e4m3fn) for c in (k_cache, v_cache))   # the history too
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     seq_lens = meta.seq_lens.clone()
     run = lambda **kw: paged_decode(q, k_cache, v_cache, seq_lens, meta.block_tables, 0.1, 2048,
@@ -179,7 +179,7 @@ def test_fixed_size_splits_match_even_splits_in_a_graph(split_keys, kv_cache_dty
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=256, kv_heads=8, group=2, head_dim=128,
                                                 dtype=torch.bfloat16, seed=split_keys)
     if kv_cache_dtype == "fp8":
-        k_cache, v_cache = (torch.empty_like(c, dtype=torch.float8_e4m3fn) for c in (k_cache, v_cache))
+        k_cache, v_cache = (c.to(torch.float8_e4m3fn) for c in (k_cache, v_cache))   # the history too
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     seq_lens = meta.seq_lens.clone()
     run = lambda: paged_decode(q, k_cache, v_cache, seq_lens, meta.block_tables, 0.1, 1024, split_keys=split_keys)
