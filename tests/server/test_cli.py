@@ -105,6 +105,23 @@ def test_bench_throughput_runs_the_workload_and_counts_every_token(source, extra
     assert int(cold) == int(prompt_tokens) and int(warm) < int(cold)  # run 2 finds the prompts in the prefix cache
 
 
+def test_bench_throughput_trace_splits_prefill_steps_from_decode_steps(tmp_path):
+    from nanoserve import DEFAULT_MODEL
+
+    out = run_cli("bench", "throughput", "--model", DEFAULT_MODEL, "--device", "cpu", "--num-seqs", "4",
+                  "--min-input-len", "40", "--max-input-len", "80", "--min-output-len", "6", "--max-output-len", "8",
+                  "--max-token-id", "4000", "--max-model-len", "256", "--max-num-batched-tokens", "256",
+                  "--max-num-seqs", "8", "--runs", "1", "--trace", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"kv auto in \d+ blocks", out.stdout), out.stdout
+    text = (tmp_path / "step_times.txt").read_text()
+    steps, prefill = map(int, re.match(r"(\d+) steps, [\d.]+ s: (\d+) launching prompt tokens", text).groups())
+    # 4 prompts of 40-80 tokens fit one 256-token step; then 5-7 decode-only steps at most 4 running
+    assert 1 <= prefill <= 2 and steps - prefill >= 5, text
+    decode_rows = re.findall(r"^\s+(\d+)\s+(\d+)\s", text, re.M)
+    assert [bucket for bucket, _ in decode_rows] == ["64"] and int(decode_rows[0][1]) == steps - prefill, text
+
+
 def test_version_and_python_dash_m_nanoserve():
     from nanoserve import __version__
 
