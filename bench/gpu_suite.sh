@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +59,16 @@ for part in $parts; do
            echo "NANOSERVE_PDL=$1 NANOSERVE_PDL_PREFETCH=$2" | tee -a "$out/pdl.log"
            NANOSERVE_PDL=$1 NANOSERVE_PDL_PREFETCH=$2 python3 bench/decode_step.py --batch-sizes 1,2,16,64,256 \
              --contexts 1024 2>&1 | tee -a "$out/pdl.log" | grep -vE "it/s|Capturing"
+         done ;;
+    knobs) # the workload at 256 under each kernel switch that is off until measured, both caches, one process each
+         for kv in auto fp8; do
+           for env in "NANOSERVE_PDL=1" "NANOSERVE_PDL_PREFETCH=1" "NANOSERVE_LONGEST_FIRST=1" \
+                      "NANOSERVE_DECODE_SPLIT_KEYS=256" "NANOSERVE_DECODE_SPLIT_KEYS=512" \
+                      "NANOSERVE_LONGEST_FIRST=1 NANOSERVE_DECODE_SPLIT_KEYS=512"; do
+             echo "$env kv $kv" | tee -a "$out/knobs.log"
+             env $env python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype $kv 2>&1 | tee -a "$out/knobs.log" \
+               | grep -E "^throughput|Error" | sed 's/(256 seqs.*run/(run/'
+           done
          done ;;
     gemv) python3 bench/skinny_gemm.py 2>&1 | tee "$out/skinny_gemm.log" ;;
     silu) python3 bench/silu_mul.py 2>&1 | tee "$out/silu_mul.log" ;;
