@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +59,13 @@ for part in $parts; do
            echo "NANOSERVE_PDL=$1 NANOSERVE_PDL_PREFETCH=$2" | tee -a "$out/pdl.log"
            NANOSERVE_PDL=$1 NANOSERVE_PDL_PREFETCH=$2 python3 bench/decode_step.py --batch-sizes 1,2,16,64,256 \
              --contexts 1024 2>&1 | tee -a "$out/pdl.log" | grep -vE "it/s|Capturing"
+         done ;;
+    t1024-ab) # 1,024 sequences fell 12% between 7e004e8 and 25ec76c: the default, then prefill graphs off, then PDL off (with --trace splits)
+         for flags in "" "--no-prefill-cuda-graphs" "NANOSERVE_PDL=0"; do
+           echo "1024 ${flags:-default}" | tee -a "$out/t1024-ab.log"
+           case $flags in NANOSERVE_*) envs=$flags; args="" ;; *) envs=""; args=$flags ;; esac
+           env $envs python3 bench/throughput.py --num-seqs 1024 $args --trace "$out/trace-1024${flags:+-${flags//[^a-zA-Z0-9]/}}" 2>&1 \
+             | tee -a "$out/t1024-ab.log" | grep -E "^throughput|^[0-9]+ steps|Error"
          done ;;
     knobs) # the workload at 256 under each kernel switch that is off until measured, both caches, one process each
          for kv in auto fp8; do
