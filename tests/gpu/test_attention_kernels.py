@@ -147,8 +147,8 @@ def test_triton_decode_forced_splits(dtype, block_size, head_dim, group, seed, n
 @pytest.mark.parametrize("batch,num_splits,kv_cache_dtype", [(256, 1, "auto"), (256, 1, "fp8"), (64, 2, "auto"),
                                                              (3, 5, "fp8")])
 def test_longest_first_order_gives_the_same_bits_in_a_graph(batch, num_splits, kv_cache_dtype):
-    """The order computed inside a captured graph from the replay's own lengths: the output is the
-    row order's, bit for bit, replay after replay as the lengths change."""
+    """The order staged beside the lengths before each replay, as the decode graphs stage it: the
+    output is the row order's, bit for bit, replay after replay as the lengths change."""
     rng = random.Random(batch * 100 + num_splits)
     specs = decode_specs(rng, batch=batch, max_len=2048)
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=256, kv_heads=8, group=2, head_dim=128,
@@ -159,13 +159,15 @@ def test_longest_first_order_gives_the_same_bits_in_a_graph(batch, num_splits, k
     seq_lens = meta.seq_lens.clone()
     run = lambda **kw: paged_decode(q, k_cache, v_cache, seq_lens, meta.block_tables, 0.1, 2048,
                                     num_splits=num_splits, **kw)
-    run(seq_order=longest_first(seq_lens))   # compile outside the capture
+    order = longest_first(seq_lens)
+    run(seq_order=order)   # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = run(seq_order=longest_first(seq_lens))
+        out = run(seq_order=order)
     for step in range(20):
         # rows shrink as if finished and refilled: any length up to the ones stored
         seq_lens.copy_((meta.seq_lens - torch.randint_like(meta.seq_lens, 0, 200)).clamp(min=0) if step else meta.seq_lens)
+        order.copy_(longest_first(seq_lens))
         graph.replay()
         assert torch.equal(out, run()), step
 
