@@ -36,13 +36,14 @@ for part in $parts; do
     prefill-sweep) # prefill tiles for lone prompts, GQA groups 2 and 4 (0.6B, 8B)
          for g in 2 4; do python3 bench/attention_kernels.py --prefill-sweep --group $g 2>&1 | tee "$out/prefill-sweep-g$g.log" | tail -52; done ;;
     decode-report) # registers, shared memory and Nsight Compute's view of the decode kernel, bf16 and fp8 caches
+         # (REPORT_ARGS="--batch 16" for another shape)
          ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
          for d in bf16 fp8; do
-           python3 scripts/decode_kernel_report.py --dtype $d --ir "$out/ir" 2>&1 | tee -a "$out/decode-report.txt"
+           python3 scripts/decode_kernel_report.py --dtype $d ${REPORT_ARGS:-} --ir "$out/ir" 2>&1 | tee -a "$out/decode-report.txt"
            $ncu --clock-control none --kernel-name regex:_decode_kernel --launch-skip 2 --launch-count 1 \
              --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
              --section WarpStateStats --section SchedulerStats \
-             python3 scripts/decode_kernel_report.py --dtype $d 2>&1 | tee -a "$out/decode-report.txt" | grep -E "Duration|Throughput|Occupancy|Stall|Registers|Shared Memory Config|Block Limit" | head -40
+             python3 scripts/decode_kernel_report.py --dtype $d ${REPORT_ARGS:-} 2>&1 | tee -a "$out/decode-report.txt" | grep -E "Duration|Throughput|Occupancy|Stall|Registers|Shared Memory Config|Block Limit" | head -40
          done ;;
     fp8-steps) # fp8 against bf16 cache, step by step: decode steps by batch, and the workload's steps by running count
          for kv in auto fp8; do
