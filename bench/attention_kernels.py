@@ -146,7 +146,7 @@ def tile_sweep(caches: Caches, block_ns: tuple[int, ...] = (32, 64, 128)) -> Non
     """Decode tiles by config, each config's output checked against the default config's. An fp8
     cache needs its own sweep: widening e4m3 to f16 adds work and registers per tile."""
     print(f"\ntile sweep (us), {caches.k.dtype} cache, {Q_HEADS} q heads: BLOCK_N / num_warps / num_stages")
-    cases = [(256, 1024), (256, 8192), (16, 8192)]
+    cases = [(256, 1024), (256, 8192), (16, 8192), (16, 1024)]
     print("config          " + "".join(f"  b{b:<4}c{c:<6}" for b, c in cases))
     q = torch.randn(16, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     seq_lens, tables = caches.tables(16, 2048)
