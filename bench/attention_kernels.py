@@ -106,6 +106,40 @@ def prefill_line(caches: Caches, seqs: int = 16, prompt: int = 1024) -> str:
     return line
 
 
+def mixed_lines(caches: Caches) -> list[str]:
+    """A mixed step (decode rows at context 1k beside one fresh prompt), as the engine runs it
+    today, all rows through the prefill kernel, against the decode rows through the decode kernel
+    and the prompt alone through the prefill kernel: what splitting mixed steps would gain."""
+    lines = []
+    for decodes, prompt in ((64, 512), (256, 512), (256, 2048)):
+        context = 1024
+        seq_lens, tables = caches.tables(decodes + 1, max(context, prompt))
+        seq_lens[:decodes] = context
+        seq_lens[decodes] = prompt
+        q_lens = torch.ones(decodes + 1, dtype=torch.int32, device="cuda")
+        q_lens[decodes] = prompt
+        cu = torch.zeros(decodes + 2, dtype=torch.int32, device="cuda")
+        cu[1:] = q_lens.cumsum(0)
+        q = torch.randn(decodes + prompt, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        q_dec, q_pre = q[:decodes], q[decodes:]
+        cu_pre = torch.tensor([0, prompt], dtype=torch.int32, device="cuda")
+
+        def one() -> torch.Tensor:
+            return paged_prefill(q, caches.k, caches.v, cu, seq_lens, tables, HEAD_DIM ** -0.5, prompt)
+
+        def two() -> torch.Tensor:
+            return torch.cat([
+                paged_decode(q_dec, caches.k, caches.v, seq_lens[:decodes], tables[:decodes], HEAD_DIM ** -0.5, context),
+                paged_prefill(q_pre, caches.k, caches.v, cu_pre, seq_lens[decodes:], tables[decodes:],
+                              HEAD_DIM ** -0.5, prompt)])
+
+        err = (one().float() - two().float()).abs().max().item()
+        lines.append(f"mixed {decodes} decodes x {context} + 1 prompt of {prompt}: one prefill launch "
+                     f"{graph_time_us(one):8.1f} us, decode + prefill launches {graph_time_us(two):8.1f} us"
+                     f"{'  ! outputs differ by more than 2e-2' if err > 2e-2 else ''}")
+    return lines
+
+
 def prefill_sweep(caches: Caches) -> None:
     """Prefill tiles for lone prompts (a lightly loaded server's TTFT): TFLOP/s by config, each
     checked against the default config's output."""
@@ -266,6 +300,7 @@ def main() -> None:
             if batch == 256 and context <= 8192:
                 summary.append(bw / copy)
     print(prefill_line(caches))
+    print("\n".join(mixed_lines(caches)))
     if args.tiles:
         tile_sweep(caches)
     if args.splits:
