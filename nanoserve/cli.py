@@ -83,6 +83,8 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a connection has to send complete request headers, from its first byte")
     p.add_argument("--timeout-body", type=float, default=d.timeout_body,
                    help="seconds a request has to send its whole body once its headers are complete")
+    p.add_argument("--timeout-grammar-compile", type=float, default=d.timeout_grammar_compile,
+                   help="seconds a structured-output spec may take to compile before the request gets a 400")
 
 
 def _limits(args: argparse.Namespace):

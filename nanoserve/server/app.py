@@ -80,6 +80,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings,
         finally:
             for task in tasks:
                 task.cancel()
+            app.state.server.specs.close()
             await engine.shutdown()
 
     app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan)

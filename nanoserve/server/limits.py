@@ -40,13 +40,16 @@ class ServerLimits:
     timeout_keep_alive: float = 5.0     # seconds an idle connection stays open after a response
     timeout_headers: float = 10.0       # seconds from a connection's first byte to its complete headers
     timeout_body: float = 60.0          # seconds from complete headers to the body's last byte
+    # seconds a structured-output spec may take to compile (a worker process, killed past it): a
+    # few KB of "a*a*a*..." takes minutes, and nothing else can stop a compile
+    timeout_grammar_compile: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("max_request_body_bytes", "max_request_json_values", "max_seqs_per_request", "max_stop_strings",
                      "max_stop_string_chars", "max_stop_token_ids", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("timeout_keep_alive", "timeout_headers", "timeout_body"):
+        for name in ("timeout_keep_alive", "timeout_headers", "timeout_body", "timeout_grammar_compile"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
 

@@ -51,7 +51,8 @@ class ServerState:
             self.tokenizer.chat_template = settings.chat_template
         self.texts = TokenTexts(engine.tokenizer)
         self.sampling_defaults = sampling_defaults(engine.config.model, settings.generation_config)
-        self.specs = SpecChecker(self.tokenizer, engine.vocab_size)  # structured-output specs, checked here
+        # structured-output specs, checked here before the engine sees them
+        self.specs = SpecChecker(self.tokenizer, engine.vocab_size, settings.limits.timeout_grammar_compile)
         self.prompt_size = PromptSize(list(engine.tokenizer.get_vocab()), engine.config.max_model_len)
         self.metrics = ServerMetrics(lambda: engine.stats, settings.log_requests, lambda: engine.error is None)
         self.created = int(time.time())

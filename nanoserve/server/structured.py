@@ -2,20 +2,20 @@
 
 A request may ask through OpenAI's `response_format`, vLLM's `structured_outputs` object, or vLLM's
 older `guided_*` fields; at most one of them. The spec is compiled here once (cached by xgrammar),
-so that a schema xgrammar cannot compile is a 400 naming the problem, not a failed request later.
+so that a schema xgrammar cannot compile, or not in time, is a 400 naming the problem, not a
+failed or stalled request later.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import xgrammar as xgr
 from starlette.concurrency import run_in_threadpool
 from transformers import PreTrainedTokenizerBase
 
-from nanoserve.engine.grammar import compile_spec, new_compiler
 from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoserve.server.compile_workers import CompileTimeout, CompileWorkers
 from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import SamplingFields
 
@@ -53,31 +53,49 @@ def requested_spec(req: SamplingFields) -> tuple[str, StructuredOutputsParams] |
 
 
 class SpecChecker:
-    """Compiles specs with a compiler of the front end's own (the engine may live in another
-    process), built on first use; xgrammar caches the result, so a spec checked again costs its
-    cache lookup and the one-row check that it admits a first token."""
+    """Compiles specs in worker processes of the front end's own (server/compile_workers.py), which
+    are killed when a spec takes longer than `timeout_s`; each worker's compiler caches its
+    results, so a spec checked again costs a cache lookup and the one-row check that it admits a
+    first token."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self._compiler: xgr.GrammarCompiler | None = None
-        self._lock = threading.Lock()
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, timeout_s: float) -> None:
+        self.tokenizer, self.vocab_size, self.timeout_s = tokenizer, vocab_size, timeout_s
+        self._workers: CompileWorkers | None = None
 
-    def check(self, spec: StructuredOutputsParams) -> None:
-        """Raise ValueError naming the problem when xgrammar cannot compile the spec."""
-        with self._lock:
-            if self._compiler is None:
-                self._compiler = new_compiler(self.tokenizer, self.vocab_size)
-        compile_spec(self._compiler, spec)
+    async def check(self, spec: StructuredOutputsParams) -> None:
+        """Raise ValueError naming the problem when xgrammar cannot compile the spec, CompileTimeout
+        when it does not compile in time."""
+        if self._workers is None:
+            # built on first use: a large vocabulary takes a while, and most servers never need it
+            info = await run_in_threadpool(_tokenizer_info_json, self.tokenizer, self.vocab_size)
+            if self._workers is None:
+                self._workers = CompileWorkers(info)
+        reason = await self._workers.check(spec, self.timeout_s)
+        if reason is not None:
+            raise ValueError(reason)
+
+    def close(self) -> None:
+        if self._workers is not None:
+            self._workers.close()
+
+
+def _tokenizer_info_json(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> str:
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size).serialize_json()
 
 
 async def constrain(checker: SpecChecker, params: SamplingParams,
                     asked: tuple[str, StructuredOutputsParams] | None) -> SamplingParams:
-    """`params` with the request's grammar, once it compiles (off the event loop: a big schema takes a while)."""
+    """`params` with the request's grammar, once it compiles (in a worker process, within the deadline)."""
     if asked is None:
         return params
     param, spec = asked
     try:
-        await run_in_threadpool(checker.check, spec)
+        await checker.check(spec)
     except ValueError as exc:
         raise APIError(str(exc), param=param, code="invalid_grammar") from None
+    except CompileTimeout:
+        raise APIError(f"The structured-output spec in '{param}' did not compile within {checker.timeout_s:g} s "
+                       "(--timeout-grammar-compile): compile time grows steeply with the number of repeated or "
+                       "optional parts (a*, b?, ...); simplify it", param=param,
+                       code="grammar_too_complex") from None
     return dataclasses.replace(params, structured_outputs=spec)

@@ -1,0 +1,143 @@
+"""Structured-output specs compiled in worker processes that are killed past a deadline.
+
+xgrammar's compile time grows much faster than the spec: 1.6 KB of regex ("a*" 800 times) took
+10 s on a 2-core CPU, 6 KB took 45 s, and the 128 KiB the spec limit allows would take days. A
+compile cannot be interrupted, so on a thread it held that thread (and, in the engine, one of the
+two grammar threads every structured request waits for) for as long as it ran. In a process of
+its own, it is killed at the deadline and the request gets a 400; the engine only ever compiles
+specs that compiled here in time. A crash of the compiler ends the worker, not the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+from multiprocessing.connection import Connection
+
+from nanoserve.sampling_params import StructuredOutputsParams
+
+_START_TIMEOUT_S = 300.0  # importing xgrammar (and torch) and building the tokenizer info; not the spec's time
+
+
+class CompileTimeout(Exception):
+    """The spec did not compile within the deadline; its worker was killed."""
+
+
+def _serve(conn: Connection, tokenizer_info_json: str, parent_pid: int) -> None:
+    """The worker: compile each spec it is sent, answer None (it compiles) or the reason it does not."""
+    from nanoserve.lifetime import die_with_parent
+
+    die_with_parent(parent_pid)
+    import xgrammar as xgr
+
+    from nanoserve.engine.grammar import compile_spec
+
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info_json), max_threads=2)
+    conn.send(None)
+    while True:
+        try:
+            spec = conn.recv()
+        except EOFError:  # the front end is gone
+            return
+        try:
+            compile_spec(compiler, spec)
+            conn.send(None)
+        except ValueError as exc:
+            conn.send(str(exc)[:2000])
+
+
+class _Worker:
+    """One worker process, started when first needed and again after it is killed."""
+
+    def __init__(self, tokenizer_info_json: str) -> None:
+        self.info = tokenizer_info_json
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.conn: Connection | None = None
+
+    async def check(self, spec: StructuredOutputsParams, timeout: float) -> str | None:
+        if self.process is None or not self.process.is_alive():
+            await self.start()
+        self.conn.send(spec)
+        try:
+            return await self._reply(timeout)
+        except asyncio.TimeoutError:
+            self.stop()  # still compiling: nothing else can end it
+            raise CompileTimeout() from None
+        except (EOFError, OSError):
+            self.stop()
+            return "the compiler crashed on it"
+        except BaseException:
+            self.stop()  # abandoned mid-compile (cancelled): its late answer would be read as the next one's
+            raise
+
+    async def start(self) -> None:
+        self.stop()
+        parent, child = multiprocessing.Pipe()
+        # started on the event loop's thread: the kernel's parent-death signal follows the thread
+        # that started a child, and a pool thread may exit while the worker lives on
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=_serve, args=(child, self.info, os.getpid()), name="nanoserve-grammar-check", daemon=True)
+        self.process.start()
+        child.close()
+        self.conn = parent
+        try:
+            await self._reply(_START_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
+
+    async def _reply(self, timeout: float) -> str | None:
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+        fd = self.conn.fileno()
+        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+        try:
+            await asyncio.wait_for(readable, timeout)
+        finally:
+            loop.remove_reader(fd)
+        return self.conn.recv()  # a short message, all there once the pipe is readable
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.join()
+            self.process = None
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+class CompileWorkers:
+    """A few workers; a check waits for an idle one on the event loop, not on a thread."""
+
+    def __init__(self, tokenizer_info_json: str, num_workers: int = 2) -> None:
+        self.workers = [_Worker(tokenizer_info_json) for _ in range(num_workers)]
+        self._idle: asyncio.Queue[_Worker] | None = None
+
+    async def check(self, spec: StructuredOutputsParams, timeout: float) -> str | None:
+        """None when the spec compiles within `timeout` seconds, else why it does not; raises
+        CompileTimeout past the deadline."""
+        if self._idle is None:
+            self._idle = asyncio.Queue()
+            for worker in self.workers:
+                self._idle.put_nowait(worker)
+        worker = await self._idle.get()
+        try:
+            return await worker.check(spec, timeout)
+        finally:
+            if worker.process is None:   # killed: the next check should not wait for its start
+                asyncio.get_running_loop().create_task(self._restart(worker))
+            else:
+                self._idle.put_nowait(worker)
+
+    async def _restart(self, worker: _Worker) -> None:
+        with contextlib.suppress(Exception):  # a worker that cannot start is tried again when next used
+            await worker.start()
+        self._idle.put_nowait(worker)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            with contextlib.suppress(Exception):
+                worker.stop()
