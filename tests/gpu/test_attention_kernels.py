@@ -93,8 +93,9 @@ def decode_specs(rng: random.Random, batch: int, max_len: int, padding: int = 2)
     return specs
 
 
-def prefill_specs(rng: random.Random, max_len: int):
-    """Fresh prompts, prefix hits, chunks after history, and decode rows in one batch."""
+def prefill_specs(rng: random.Random, max_len: int, decodes: int = 3):
+    """Fresh prompts, prefix hits, chunks after history, and decode rows in one batch (from
+    MIXED_MIN_DECODE_ROWS decode rows on, the backend sends them to the decode kernel)."""
     specs = []
     for _ in range(3):
         n = rng.randint(1, max_len)
@@ -102,7 +103,7 @@ def prefill_specs(rng: random.Random, max_len: int):
     for _ in range(3):
         n, history = rng.randint(1, max_len), rng.randint(1, max_len)
         specs.append((n, n + history))
-    specs += [(1, rng.randint(1, max_len)) for _ in range(3)]
+    specs += [(1, rng.randint(1, max_len)) for _ in range(decodes)]
     rng.shuffle(specs)
     return specs
 
@@ -209,6 +210,13 @@ def test_triton_prefill_batch_mix_with_prefix_history(dtype, block_size, head_di
     rng = random.Random(seed + 200)
     check_backend(TritonBackend(), prefill_specs(rng, max_len=700), dtype=dtype,
                   block_size=block_size, group=group, head_dim=head_dim, seed=seed + 200)
+
+
+@pytest.mark.parametrize("dtype,block_size,head_dim,group,seed", KERNEL_CASES)
+def test_triton_mixed_step_of_many_decode_rows_beside_prompts(dtype, block_size, head_dim, group, seed):
+    rng = random.Random(seed + 300)
+    check_backend(TritonBackend(), prefill_specs(rng, max_len=700, decodes=40), dtype=dtype,
+                  block_size=block_size, group=group, head_dim=head_dim, seed=seed + 300)
 
 
 def test_triton_prefill_long_prompt_over_long_history():

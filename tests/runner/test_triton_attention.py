@@ -279,3 +279,63 @@ def test_fixed_size_splits_apply_to_the_engine_only_where_asked_and_the_batch_fi
     monkeypatch.setenv("NANOSERVE_DECODE_SPLIT_KEYS", "512")
     assert engine_split_keys(64, 8, 4096, cpu) == 512
     assert engine_split_keys(1, 1, 4096, cpu) is None   # even splits already spread a small batch
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_over_a_mixed_steps_packed_rows_fills_only_its_decode_rows(num_splits) -> None:
+    specs = [(1, 38), (23, 23), (1, 0), (9, 49), (1, 70), (1, 5)]   # a padding row among them
+    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
+                                                dtype=torch.float32, seed=50 + num_splits)
+    ref_out, _, _ = reference(q, k, v, k_cache, v_cache, meta, 0.125)
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.full_like(q, POISON)
+    paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.125, meta.max_seq_len,
+                 num_splits=num_splits, query_start_loc=meta.query_start_loc, out=out)
+    starts = meta.query_start_loc.tolist()
+    decode_rows = [starts[i] for i, (q_len, seq_len) in enumerate(specs) if q_len == 1 and seq_len > 0]
+    prompt_rows = [r for i, (q_len, _) in enumerate(specs) if q_len > 1 for r in range(starts[i], starts[i + 1])]
+    assert_close(out[decode_rows], ref_out[decode_rows], torch.float32)
+    assert (out[starts[2]] == 0).all(), "a padding row must come back as zeros"
+    assert (out[prompt_rows] == POISON).all(), "a prompt's rows are the prefill kernel's"
+
+
+def test_a_mixed_step_sends_its_decode_rows_to_the_decode_kernel(monkeypatch) -> None:
+    import nanoserve.runner.attention.triton_decode as triton_decode
+    import nanoserve.runner.attention.triton_kernels as triton_kernels
+    specs = [(1, 38), (23, 23), (9, 49), (1, 70), (1, 5), (1, 17)]
+    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
+                                                dtype=torch.float32, seed=60)
+    ref_out, ref_k, ref_v = reference(q, k, v, k_cache, v_cache, meta, 0.125)
+    outputs = {}
+    for threshold in (100, 2):   # one prefill launch, then decode rows apart
+        monkeypatch.setattr(triton_kernels, "MIXED_MIN_DECODE_ROWS", threshold)
+        calls = []
+        monkeypatch.setattr(triton_kernels, "paged_decode",
+                            lambda *a, **kw: calls.append(kw) or triton_decode.paged_decode(*a, **kw))
+        kc, vc = k_cache.clone(), v_cache.clone()
+        outputs[threshold] = TritonBackend().forward(q, k, v, kc, vc, meta, 0.125)
+        assert len(calls) == (threshold == 2)
+        assert_close(outputs[threshold], ref_out, torch.float32)
+        assert torch.equal(kc.float(), ref_k) and torch.equal(vc.float(), ref_v)
+
+
+def test_prefill_leaves_a_mixed_steps_decode_rows_to_the_decode_kernel(monkeypatch) -> None:
+    import nanoserve.runner.attention.triton_prefill as triton_prefill
+
+    class NanOutput(_NanWorkspace):
+        @staticmethod
+        def empty_like(t, **kw):
+            return torch.full_like(t, float("nan"), **kw)
+
+    monkeypatch.setattr(triton_prefill, "torch", NanOutput())
+    specs = [(1, 38), (23, 23), (9, 49), (1, 5)]
+    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
+                                                dtype=torch.float32, seed=70)
+    ref_out, _, _ = reference(q, k, v, k_cache, v_cache, meta, 0.125)
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125,
+                        meta.max_query_len, skip_decode_rows=True)
+    starts = meta.query_start_loc.tolist()
+    prompt_rows = list(range(starts[1], starts[3]))
+    assert out[[starts[0], starts[3]]].isnan().all(), "decode rows are the decode kernel's"
+    assert_close(out[prompt_rows], ref_out[prompt_rows], torch.float32)

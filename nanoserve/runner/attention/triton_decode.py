@@ -42,6 +42,16 @@ PREFETCH_MAX_BATCH = 4       # batches up to this prefetch each split's first K/
 # variant when one equals 1 or turns a multiple of 16 (a block-table width of 1 in a short warm-up,
 # 16 in a long batch), and that compile would land in the middle of serving.
 @triton.jit
+def _query_row(query_start_ptr, seq, PACKED_Q: tl.constexpr):
+    """The q and output row of sequence `seq`: `seq` itself, or in a mixed step's packed rows its
+    query start, and -1 where the sequence has more than one query (a prompt's chunk)."""
+    if PACKED_Q:
+        first = tl.load(query_start_ptr + seq)
+        return tl.where(tl.load(query_start_ptr + seq + 1) - first == 1, first, -1)
+    return seq
+
+
+@triton.jit
 def _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N: tl.constexpr):
     """(the sequence's tiles of BLOCK_N keys, tiles per split): split_tiles where given, else the
     tiles divided evenly over num_splits; at least 1."""
@@ -52,7 +62,7 @@ def _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_splits", "split_tiles", "stride_bt"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, seq_order_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, seq_order_ptr, query_start_ptr,
     out_ptr, part_acc_ptr, part_lse_ptr,
     scale_log2, v_scale, num_splits, split_tiles,
     stride_qt, stride_qh,
@@ -62,13 +72,16 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
-    ORDERED: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr,
+    ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr,
 ):
-    # lengths, order and block tables are staged by the host, never written by a kernel of the
-    # step: they may be read before waiting on the kernel ahead (PDL); q and the cache may not
+    # lengths, order, query starts and block tables are staged by the host, never written by a
+    # kernel of the step: they may be read before waiting on the kernel ahead (PDL); q and the cache may not
     seq = tl.program_id(0)
     if ORDERED:   # programs start in launch order: the longest sequences first leave no long tail
         seq = tl.load(seq_order_ptr + seq)
+    q_row = _query_row(query_start_ptr, seq, PACKED_Q)
+    if q_row < 0:   # a prompt's row of a mixed step: the prefill kernel's
+        return
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
@@ -89,7 +102,7 @@ def _decode_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_h
     mask_h = offs_h < GROUP
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+    q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None], other=0.0)
     if KV_FP8 and FP8_VIA_F16:
         # e4m3 widens to f16 in one instruction per pair (to bf16 it takes several); a bf16 q
@@ -124,7 +137,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + row, tl.where(has_keys, m + tl.log2(l), float("-inf")),
                  mask=mask_h)
     else:
-        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
 
 
@@ -146,12 +159,16 @@ def _prefetch_first_tile(k_cache_ptr, v_cache_ptr, table, start, end, kv_head,
 
 @triton.jit(do_not_specialize=["num_splits", "split_tiles"])
 def _merge_splits_kernel(
-    part_acc_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, num_splits, split_tiles, stride_sl, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    part_acc_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, query_start_ptr, num_splits, split_tiles, stride_sl,
+    stride_ot, stride_oh, HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
+    PACKED_Q: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    q_row = _query_row(query_start_ptr, seq, PACKED_Q)
+    if q_row < 0:
+        return
+    pdl_prologue(USE_PDL)
     offs_s = tl.arange(0, SPLITS_POW2)
     offs_d = tl.arange(0, HEAD_DIM)
     # the splits that hold keys, as the decode kernel divided the context
@@ -167,7 +184,7 @@ def _merge_splits_kernel(
     acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=mask_s[:, None], other=0.0)
     o = tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,7 +230,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  max_seq_len: int, num_splits: int | None = None,
                  config: dict | None = None, k_scale: float = 1.0,
                  v_scale: float = 1.0, seq_order: torch.Tensor | None = None,
-                 split_keys: int | None = None) -> torch.Tensor:
+                 split_keys: int | None = None, query_start_loc: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per sequence, q [batch, q_heads, dim], over its paged keys.
 
     max_seq_len only sizes the split count (pass max_model_len when capturing a graph);
@@ -224,10 +242,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     output is the same. split_keys: every split but a sequence's last takes this many keys
     (rounded up to whole tiles), and the split count covers max_seq_len, instead of each context
     being divided evenly; a ragged batch's long contexts then spread over more programs.
+    query_start_loc (a mixed step): q and the output hold packed rows, [tokens, q_heads, dim];
+    only sequences of one query are computed, into `out`, and the other rows are left as they are.
     """
-    batch, q_heads, head_dim = q.shape
+    _, q_heads, head_dim = q.shape
+    batch = q.shape[0] if query_start_loc is None else seq_lens.shape[0]
     _, block_size, kv_heads, _ = k_cache.shape
     check_shapes(q, k_cache, v_cache, block_tables)
+    if query_start_loc is not None and (query_start_loc.shape != (batch + 1,) or query_start_loc.stride(0) != 1
+                                        or out is None):
+        raise ValueError("a mixed step passes query_start_loc of its sequences + 1 and the output to fill")
     if block_tables.shape[0] != batch:
         raise ValueError(f"decode expects one query per sequence; got {batch} queries for "
                          f"{block_tables.shape[0]} block tables")
@@ -246,7 +270,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             num_splits = min(MAX_SPLITS, max(1, -(-max_seq_len // (split_tiles * cfg["BLOCK_N"]))))
     if num_splits is None:
         num_splits = num_decode_splits(batch, kv_heads, max_seq_len, _num_sms(q.device))
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
+    packed = query_start_loc is not None
     split = num_splits > 1
     if split:
         part_acc = torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32,
@@ -256,22 +281,23 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_acc = part_lse = out   # unused
     _decode_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, seq_order if seq_order is not None else seq_lens,
-        out, part_acc, part_lse, softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale, num_splits, split_tiles,
+        query_start_loc if packed else seq_lens, out, part_acc, part_lse, softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale, num_splits, split_tiles,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
-        ORDERED=seq_order is not None, **cfg, **pdl_launch(q.device),
+        ORDERED=seq_order is not None, PACKED_Q=packed, **cfg, **pdl_launch(q.device),
         # small batches wait on latency, not bandwidth; a large one's first tiles would crowd L2
         PREFETCH_LINE=128 // k_cache.element_size() if batch <= PREFETCH_MAX_BATCH and pdl_prefetch_enabled(q.device)
         else 0,
     )
     if split:
         _merge_splits_kernel[(batch, q_heads)](
-            part_acc, part_lse, out, seq_lens, num_splits, split_tiles, seq_lens.stride(0), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_POW2=triton.next_power_of_2(num_splits), BLOCK_N=cfg["BLOCK_N"], num_warps=4,
+            part_acc, part_lse, out, seq_lens, query_start_loc if packed else seq_lens, num_splits, split_tiles,
+            seq_lens.stride(0), out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+            SPLITS_POW2=triton.next_power_of_2(num_splits), BLOCK_N=cfg["BLOCK_N"], PACKED_Q=packed, num_warps=4,
             **pdl_launch(q.device),
         )
     return out

@@ -16,6 +16,9 @@ from nanoserve.runner.batch import AttentionMetadata
 
 __all__ = ["TritonBackend", "paged_decode", "paged_prefill", "qkv_rope_store", "store_kvcache", "to_fp8"]
 
+MIXED_MIN_DECODE_ROWS = 8   # fewer decode rows beside a prompt than this ride in the prefill launch
+
+
 @triton.jit
 def _store_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, inv_k_scale, inv_v_scale,
@@ -97,7 +100,14 @@ class TritonBackend:
                                 meta.max_seq_len, k_scale=k_scale, v_scale=v_scale,
                                 seq_order=meta.decode_order,
                                 split_keys=engine_split_keys(q.shape[0], k_cache.shape[2], meta.max_seq_len, q.device))
-        return paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                             meta.block_tables, scale, meta.max_query_len,
-                             num_query_tokens=sum(meta.query_lens_host),
-                             k_scale=k_scale, v_scale=v_scale)
+        # a mixed step: its decode rows through the decode kernel, which pads a row's query group
+        # to 16, where the prefill kernel pads it to a 128-row tile (and its softmax with it)
+        mixed = sum(1 for n in meta.query_lens_host if n == 1) >= MIXED_MIN_DECODE_ROWS
+        out = paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                            meta.block_tables, scale, meta.max_query_len,
+                            num_query_tokens=sum(meta.query_lens_host),
+                            k_scale=k_scale, v_scale=v_scale, skip_decode_rows=mixed)
+        if mixed:
+            paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
+                         k_scale=k_scale, v_scale=v_scale, query_start_loc=meta.query_start_loc, out=out)
+        return out

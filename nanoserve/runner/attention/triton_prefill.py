@@ -33,7 +33,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, LAST_TILES_FIRST: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    SKIP_DECODE_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
@@ -44,6 +44,8 @@ def _prefill_kernel(
     q_start = tl.load(query_start_loc_ptr + seq * stride_qsl)
     q_len = tl.load(query_start_loc_ptr + (seq + 1) * stride_qsl) - q_start
     if q_tile * BLOCK_Q >= q_len:   # the grid is sized for the longest query of the batch
+        return
+    if SKIP_DECODE_ROWS and q_len == 1:   # the decode kernel's, in a mixed step
         return
     seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
     history = seq_len - q_len
@@ -101,11 +103,13 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                   block_tables: torch.Tensor, scale: float, max_query_len: int,
                   num_query_tokens: int | None = None, k_scale: float = 1.0,
-                  v_scale: float = 1.0, config: dict | None = None) -> torch.Tensor:
+                  v_scale: float = 1.0, config: dict | None = None,
+                  skip_decode_rows: bool = False) -> torch.Tensor:
     """Causal attention of packed queries q [tokens, q_heads, dim] over their paged keys.
 
     Rows past num_query_tokens (query_start_loc[-1], when the caller pads the batch) are zeroed.
     k_scale / v_scale apply to an fp8 cache only; config's keys replace the tile choice's (benchmarks, tests).
+    skip_decode_rows: sequences of one query are left unwritten, for paged_decode to fill (a mixed step).
     """
     check_shapes(q, k_cache, v_cache, block_tables)
     num_tokens, q_heads, head_dim = q.shape
@@ -130,6 +134,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_tables.stride(0), query_start_loc.stride(0), seq_lens.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), KV_FP8=fp8, **cfg, **pdl_launch(q.device),
+        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), KV_FP8=fp8, SKIP_DECODE_ROWS=skip_decode_rows,
+        **cfg, **pdl_launch(q.device),
     )
     return out
