@@ -111,7 +111,7 @@ def mixed_lines(caches: Caches) -> list[str]:
     today, all rows through the prefill kernel, against the decode rows through the decode kernel
     and the prompt alone through the prefill kernel: what splitting mixed steps would gain."""
     lines = []
-    for decodes, prompt in ((64, 512), (256, 512), (256, 2048)):
+    for decodes, prompt in ((32, 512), (128, 512), (256, 512), (256, 2048)):
         context = 1024
         seq_lens, tables = caches.tables(decodes + 1, max(context, prompt))
         seq_lens[:decodes] = context

@@ -16,7 +16,10 @@ from nanoserve.runner.batch import AttentionMetadata
 
 __all__ = ["TritonBackend", "paged_decode", "paged_prefill", "qkv_rope_store", "store_kvcache", "to_fp8"]
 
-MIXED_MIN_DECODE_ROWS = 8   # fewer decode rows beside a prompt than this ride in the prefill launch
+# Fewer decode rows beside a prompt than this ride in the prefill launch. A guess until timed
+# (attention_kernels.py's mixed lines): the split costs two more launches a layer, which an eager
+# mixed step pays on the host, and saves GPU time in proportion to the decode rows.
+MIXED_MIN_DECODE_ROWS = 128
 
 
 @triton.jit
