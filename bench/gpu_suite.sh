@@ -67,7 +67,12 @@ for part in $parts; do
            case $flags in NANOSERVE_*) envs=$flags; args="" ;; *) envs=""; args=$flags ;; esac
            env $envs python3 bench/throughput.py --num-seqs 1024 $args --trace "$out/trace-1024${flags:+-${flags//[^a-zA-Z0-9]/}}" 2>&1 \
              | tee -a "$out/t1024-ab.log" | grep -E "^throughput|^[0-9]+ steps|Error"
-         done ;;
+         done
+         echo "1024 mixed steps unsplit" | tee -a "$out/t1024-ab.log"
+         python3 -c "import sys; sys.argv[0] = 'throughput'; import nanoserve.runner.attention.triton_kernels as t
+t.MIXED_MIN_DECODE_ROWS = 1 << 30
+from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '1024', '--trace', '$out/trace-1024-unsplit'])" 2>&1 \
+           | tee -a "$out/t1024-ab.log" | grep -E "^throughput|^[0-9]+ steps|Error" ;;
     knobs) # the workload at 256 under each kernel switch that is off until measured, both caches, one process each
          for kv in auto fp8; do
            for env in "NANOSERVE_PDL=1" "NANOSERVE_PDL_PREFETCH=1" "NANOSERVE_LONGEST_FIRST=1" \
