@@ -8,6 +8,12 @@ kernel's end and the next one's start. Each kernel that takes part calls `pdl_pr
 touches memory: it waits until the kernel ahead has finished and its writes are visible
 (griddepcontrol.wait), then lets the kernel behind it be scheduled. A kernel launched without PDL
 (cuBLAS, torch's own) waits for ours as stream order always had it.
+
+A program with nothing to do may return before the prologue (a decode split past its sequence's
+end, a prompt's row in a mixed step's decode launch) as long as some program of the launch waits:
+a launch none of whose programs waited could finish before the kernel ahead, and the kernel
+behind it would then read memory that is still being written. Every such launch in the step has a
+real row, which waits.
 """
 
 from __future__ import annotations
