@@ -9,11 +9,11 @@ touches memory: it waits until the kernel ahead has finished and its writes are 
 (griddepcontrol.wait), then lets the kernel behind it be scheduled. A kernel launched without PDL
 (cuBLAS, torch's own) waits for ours as stream order always had it.
 
-A program with nothing to do may return before the prologue (a decode split past its sequence's
-end, a prompt's row in a mixed step's decode launch) as long as some program of the launch waits:
-a launch none of whose programs waited could finish before the kernel ahead, and the kernel
-behind it would then read memory that is still being written. Every such launch in the step has a
-real row, which waits.
+Every program calls the prologue, even one with nothing to do (a decode split past its sequence's
+end, a prompt's row in a mixed step's decode launch) that returns right after: a launch none of
+whose programs waited could finish before the kernel ahead, and the kernel behind it would then
+read memory still being written. Only reads of what no kernel of the step writes (weights, the
+host-staged lengths and tables) may come before it.
 """
 
 from __future__ import annotations

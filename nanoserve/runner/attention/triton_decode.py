@@ -80,8 +80,6 @@ def _decode_kernel(
     if ORDERED:   # programs start in launch order: the longest sequences first leave no long tail
         seq = tl.load(seq_order_ptr + seq)
     q_row = _query_row(query_start_ptr, seq, PACKED_Q)
-    if q_row < 0:   # a prompt's row of a mixed step: the prefill kernel's
-        return
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
@@ -89,14 +87,16 @@ def _decode_kernel(
     _, per_split = _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N)
     start = split * per_split * BLOCK_N
     end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + per_split * BLOCK_N, seq_len))
-    if SPLIT and start >= seq_len:   # past the end (padding rows too): the merge leaves it out
-        return
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if PREFETCH_LINE > 0:   # the first tile's K/V lines into L2 while the kernel ahead runs
         _prefetch_first_tile(k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_kb, stride_kt,
                              stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                              PREFETCH_LINE)
-    pdl_prologue(USE_PDL)
+    pdl_prologue(USE_PDL)   # every program waits, even one with nothing to do: see pdl.py
+    if q_row < 0:   # a prompt's row of a mixed step: the prefill kernel's
+        return
+    if SPLIT and start >= seq_len:   # past the end (padding rows too): the merge leaves it out
+        return
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -165,10 +165,10 @@ def _merge_splits_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    pdl_prologue(USE_PDL)
     q_row = _query_row(query_start_ptr, seq, PACKED_Q)
     if q_row < 0:
         return
-    pdl_prologue(USE_PDL)
     offs_s = tl.arange(0, SPLITS_POW2)
     offs_d = tl.arange(0, HEAD_DIM)
     # the splits that hold keys, as the decode kernel divided the context
