@@ -49,7 +49,7 @@ def check_continuation(continue_final_message: bool, add_generation_prompt: bool
 
 def render_chat(state: ServerState, messages: list[ChatMessage], text_length: int, add_generation_prompt: bool = True,
                 tools: list[Tool] | None = None, template_kwargs: dict | None = None,
-                continue_final_message: bool = False) -> list[int]:
+                continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
     """Token ids of the conversation as the model's chat template writes it (`text_length`: messages_length)."""
     tok = state.tokenizer
     # the template only adds text: contents past the bound cannot fit once rendered either
@@ -75,8 +75,8 @@ def render_chat(state: ServerState, messages: list[ChatMessage], text_length: in
     # tool's description took 40 s and 3.6 GB to tokenize before the token count refused it
     state.prompt_size.check(len(text), "messages", "conversation as the chat template writes it (tools and "
                             "reasoning_content included)")
-    # the template already wrote every special token the model expects (BOS included)
-    return tok.encode(text, add_special_tokens=False)
+    # by default none: the template already wrote every special token the model expects (BOS included)
+    return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
 class ChatCompletion(OpenAIResponse):
@@ -88,7 +88,8 @@ class ChatCompletion(OpenAIResponse):
                  text_length: int) -> None:
         super().__init__(state, req, model)
         self.prompt = req.truncate(render_chat(state, req.messages, text_length, req.add_generation_prompt, req.tools,
-                                               req.chat_template_kwargs, req.continue_final_message))
+                                               req.chat_template_kwargs, req.continue_final_message,
+                                               req.add_special_tokens))
         self.prompt_lens = [len(self.prompt)]
         self.top_n = req.top_logprobs or 0
         parser = REASONING_PARSERS.get(state.settings.reasoning_parser)
@@ -141,6 +142,7 @@ async def create_chat_completion(request: Request) -> Response:
     check_continuation(req.continue_final_message, req.add_generation_prompt)
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+    req.check_priority()
     try:
         params = req.sampling_params(max_tokens(req), (req.top_logprobs or 0) if req.logprobs else None,
                                      state.sampling_defaults)

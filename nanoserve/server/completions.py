@@ -33,7 +33,9 @@ class Completion(OpenAIResponse):
             raise APIError("'prompt' is an empty list; give at least one prompt", param="prompt")
         self.given = prompt
         tok = self.state.tokenizer
-        self.prompts = [req.truncate(tok.encode(self._bounded(p)) if isinstance(p, str) else list(p)) for p in prompt]
+        special = req.add_special_tokens
+        self.prompts = [req.truncate(tok.encode(self._bounded(p), add_special_tokens=special) if isinstance(p, str)
+                                     else list(p)) for p in prompt]
         self.prompt_lens = [len(p) for p in self.prompts]
         self._echoed: dict[int, str] = {}
 
@@ -154,6 +156,7 @@ def refuse_unsupported(req: CompletionRequest) -> None:
                        "(with its logprobs when logprobs is set)", param="max_tokens")
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+    req.check_priority()
 
 
 # what the OpenAI API and vLLM generate when a completion request gives no max_tokens

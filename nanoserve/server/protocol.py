@@ -94,6 +94,9 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # vLLM's: keep only the last k prompt tokens
+    # vLLM's: a request's place in a priority scheduler; this one is first come, first served, so
+    # only 0 (the default) is served, as vLLM serves it without --scheduling-policy priority
+    priority: int = Field(0, ge=-MAX_INT - 1, le=MAX_INT)
     # structured outputs (server/structured.py): OpenAI's field, vLLM's, and vLLM's older ones
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -140,6 +143,11 @@ class SamplingFields(Strict):
             bias[int(digits)] = value
         return bias
 
+    def check_priority(self) -> None:
+        if self.priority != 0:   # vLLM's answer where its scheduler is first come, first served
+            raise APIError("Priority scheduling is not enabled: this server serves requests first come, first "
+                           "served, so 'priority' must be 0", param="priority", code="unsupported_parameter")
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -163,6 +171,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS and the like around a text prompt
 
 
 class TextPart(Strict):
@@ -232,6 +241,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template (enable_thinking)
     add_generation_prompt: bool = True     # vLLM's: False leaves the assistant's header out
     continue_final_message: bool = False   # vLLM's: the reply continues the last message, left open
+    # vLLM's: off, since the chat template writes every special token the model expects (BOS included)
+    add_special_tokens: bool = False
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # the OpenAI API's newer name for max_tokens
     logprobs: bool = False

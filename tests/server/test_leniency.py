@@ -122,3 +122,21 @@ def test_an_empty_or_identity_content_encoding_is_no_encoding(server):
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
                        headers={"Content-Encoding": encoding}, timeout=60)
         assert r.status_code == 200, (encoding, r.text)
+
+
+def test_vllm_add_special_tokens_and_priority_are_served_as_vllm_serves_them(client, server):
+    # add_special_tokens: on by default for a text prompt, off for chat (the template writes them)
+    for special in (True, False):
+        counted = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT, "add_special_tokens": special},
+                             timeout=60).json()["count"]
+        done = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2,
+                                         extra_body={"add_special_tokens": special, "priority": 0})
+        assert done.usage.prompt_tokens == counted
+        chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                              extra_body={"add_special_tokens": special, "priority": 0})
+        assert chat.choices[0].finish_reason == "length"
+    # priority other than 0 needs a priority scheduler, which this server (like vLLM by default) lacks
+    for path, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": MESSAGES})):
+        r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 2, "priority": 5}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+    server.wait_idle()
