@@ -91,6 +91,7 @@ class AttentionMetadata:
     query_lens_host: list[int]      # host copies, for backends that loop or size launches
     seq_lens_host: list[int]
     decode_order: torch.Tensor | None = None  # [num_seqs] int32, the rows longest first (Triton decode)
+    prefill_tiles: torch.Tensor | None = None  # int32 (sequence, query tile) programs of a captured step (Triton prefill)
 
     @property
     def decode_only(self) -> bool:

@@ -33,7 +33,7 @@ class StepInputs:
     prompt_logprob_rows: PromptLogprobRows | None = None
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     tensor = torch.from_numpy(array)
     if device.type == "cuda":
         # pinned staging lets the copy run asynchronously to the host
@@ -101,18 +101,18 @@ def build_inputs(work: list[SequenceWork], block_size: int, device: torch.device
     logits_indices = np.asarray([query_start[i + 1] - 1 for i, w in enumerate(work) if w.params is not None],
                                 dtype=np.int64)
     meta = AttentionMetadata(
-        slot_mapping=_to_device(slots, device),
-        query_start_loc=_to_device(query_start, device),
-        seq_lens=_to_device(np.asarray(seq_lens, dtype=np.int32), device),
-        block_tables=_to_device(block_table_array(work, width), device),
+        slot_mapping=to_device(slots, device),
+        query_start_loc=to_device(query_start, device),
+        seq_lens=to_device(np.asarray(seq_lens, dtype=np.int32), device),
+        block_tables=to_device(block_table_array(work, width), device),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         query_lens_host=query_lens,
         seq_lens_host=seq_lens,
     )
-    input_ids = _to_device(ids, device)
+    input_ids = to_device(ids, device)
     fill_pending_tokens(input_ids, work, query_start, prev_tokens)
-    return StepInputs(input_ids, _to_device(positions, device), meta, _to_device(logits_indices, device),
+    return StepInputs(input_ids, to_device(positions, device), meta, to_device(logits_indices, device),
                       sample_rows, prompt_logprob_rows(work, query_start, device))
 
 
@@ -128,5 +128,5 @@ def prompt_logprob_rows(work: list[SequenceWork], query_start: np.ndarray,
         rows.append(np.arange(query_start[i], query_start[i] + end - w.start, dtype=np.int64))
         targets.append(np.asarray(w.token_ids[w.start + 1:end + 1], dtype=np.int64))
         counts.append(end - w.start)
-    return PromptLogprobRows(_to_device(np.concatenate(rows), device), _to_device(np.concatenate(targets), device),
+    return PromptLogprobRows(to_device(np.concatenate(rows), device), to_device(np.concatenate(targets), device),
                              counts, [w.prompt_logprobs for _, w in asks])

@@ -1,34 +1,38 @@
-"""CUDA graphs of small prefill steps: a lone prompt, or a few, padded to a token-count bucket.
+"""CUDA graphs of prefill and mixed steps (prompts beside decode rows), padded to a token-count bucket.
 
 An eager prefill pays a Python launch for every kernel of every layer; for a 1k-token prompt
-alone that host time was ~4x the GPU's (bench/prefill.py --profile). A graph replays the whole
-forward pass, up to the last hidden states, for any step of at most PREFILL_GRAPH_SEQS sequences
-and at most the largest bucket's tokens. The LM head and sampling run after it, as they do
-after an eager forward.
+alone that host time was ~4x the GPU's (bench/prefill.py --profile), and a served step that
+admits a prompt beside running streams stalled all of them as long. A graph replays the whole
+forward pass, up to the last hidden states, for any step of at most max_num_seqs sequences (up to
+MAX_GRAPH_SEQS) and at most the largest bucket's tokens. The LM head and sampling run after it,
+as they do after an eager forward.
 
 Static inputs, and what padding means in them:
 - tokens past the step's own: id 0 at position 0, cache slot -1 (nothing stored), and no sequence
   owns them, so attention never writes their rows; every other layer works row by row, so
   whatever those rows hold stays in them and nobody reads them;
-- sequences past the step's own: zero queries (query_start_loc repeats the total) and zero keys,
-  so their attention programs return at once.
-The prefill attention kernel takes its grid from the bucket (max_query_len = the bucket), and
-each program reads its sequence's real query range from the buffers, so one capture serves any
-split of the bucket's tokens over the sequences.
+- sequences past the step's own: zero queries (query_start_loc repeats the total) and zero keys.
+The prefill attention kernel runs over a staged list of (sequence, query tile) programs
+(triton_prefill.prefill_tiles): a bucket of T tokens over S sequences needs at most
+T / BLOCK_Q + S of them, whatever the split of its tokens, so one capture serves any step that fits.
+Decode rows are one-token sequences among them.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
+from nanoserve.runner.attention.triton_prefill import prefill_block_q, prefill_tiles
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
-from nanoserve.runner.inputs import StepInputs, build_inputs
+from nanoserve.runner.inputs import StepInputs, build_inputs, to_device
 from nanoserve.runner.layers.linear import building_graphs
+from nanoserve.runner.models.decoder import head_dim_of
 
-PREFILL_GRAPH_SEQS = 4      # sequences a graphed prefill step may hold: a lightly loaded server's steps
+MAX_GRAPH_SEQS = 512        # sequences a graphed step may hold (and max_num_seqs, where lower)
 SMALLEST_BUCKET = 16
 STEP_PAST_1K = 1024         # buckets double up to 1k tokens, then grow by 1k: padding stays under 1k
 # past it a step's GPU time hides its launches (a lone 4k prompt: 22 ms eager, 18 graphed; 16k:
@@ -55,23 +59,33 @@ def prefill_graph_bytes(config: EngineConfig, hidden_size: int, activation_peak:
     return activation_peak + outputs
 
 
-def fits_prefill_graph(work: list[SequenceWork], max_tokens: int) -> bool:
-    """A step the graphs can run: a few sequences, no prompt logprobs (they read every row's
-    logits), and at most the largest bucket's tokens."""
-    return (len(work) <= PREFILL_GRAPH_SEQS and sum(w.num_new for w in work) <= max_tokens
+def fits_prefill_graph(work: list[SequenceWork], max_tokens: int, max_seqs: int) -> bool:
+    """A step the graphs can run: at most max_seqs sequences, no prompt logprobs (they read every
+    row's logits), and at most the largest bucket's tokens."""
+    return (len(work) <= max_seqs and sum(w.num_new for w in work) <= max_tokens
             and all(w.prompt_logprobs is None for w in work))
 
 
 class PrefillBuffers:
-    """The static inputs of the prefill graphs: token rows for the largest bucket, and
-    PREFILL_GRAPH_SEQS sequences of up to max_model_len keys."""
+    """The static inputs of the prefill graphs: token rows for the largest bucket, max_seqs
+    sequences of up to max_model_len keys, and the attention kernel's program list."""
 
-    def __init__(self, max_tokens: int, max_blocks: int, device: torch.device) -> None:
-        n, s = max_tokens, PREFILL_GRAPH_SEQS
+    def __init__(self, max_tokens: int, max_blocks: int, device: torch.device, max_seqs: int,
+                 block_q: int) -> None:
+        """block_q: the prefill kernel's query tokens per program (prefill_block_q), which the
+        staged program list counts in."""
+        n, s = max_tokens, max_seqs
+        self.block_q = block_q
         self.i64 = torch.zeros((3, n), dtype=torch.int64, device=device)   # ids, positions, slots
         self.query_start = torch.zeros(s + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((s, max_blocks), dtype=torch.int32, device=device)
+        self.tiles = torch.full((self.num_tiles(n),), -1, dtype=torch.int32, device=device)
+        self.host_tiles = np.empty(self.num_tiles(n), dtype=np.int32)
+
+    def num_tiles(self, bucket: int) -> int:
+        """Programs a bucket's step may need: every sequence's last tile may be partial."""
+        return -(-bucket // self.block_q) + min(self.seq_lens.shape[0], bucket)
 
     def meta(self, bucket: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -79,11 +93,12 @@ class PrefillBuffers:
             query_start_loc=self.query_start,
             seq_lens=self.seq_lens,
             block_tables=self.block_tables,
-            max_query_len=bucket,    # sizes the attention grid: any sequence's queries fit
+            max_query_len=bucket,
             max_seq_len=bucket,
             # the bucket's rows, all "owned": the kernel leaves padding rows as they are
             query_lens_host=[bucket],
             seq_lens_host=[bucket],
+            prefill_tiles=self.tiles[:self.num_tiles(bucket)],
         )
 
     def _pad_rows(self, start: int, end: int) -> None:
@@ -95,6 +110,7 @@ class PrefillBuffers:
         self._pad_rows(0, bucket)
         self.query_start.zero_()
         self.seq_lens.zero_()
+        self.tiles.fill_(-1)
 
     def stage(self, inputs: StepInputs, bucket: int) -> None:
         """Copy a step's packed inputs (already on the device) into the first rows, padding the rest."""
@@ -110,10 +126,13 @@ class PrefillBuffers:
         self.seq_lens[seqs:].zero_()
         tables = inputs.meta.block_tables
         self.block_tables[:seqs, :tables.shape[1]].copy_(tables)
+        count = self.num_tiles(bucket)
+        prefill_tiles(inputs.meta.query_lens_host, self.block_q, self.host_tiles[:count])
+        self.tiles[:count].copy_(to_device(self.host_tiles[:count], self.tiles.device))
 
 
 class PrefillGraphs:
-    """Replays a captured forward pass for prefill (and mixed) steps of a few sequences."""
+    """Replays a captured forward pass for prefill and mixed steps of up to max_seqs sequences."""
 
     def __init__(self, model: nn.Module, config: EngineConfig, show_progress: bool = False) -> None:
         self.model = model
@@ -121,7 +140,12 @@ class PrefillGraphs:
         self.device = torch.device(config.device)
         self.sizes = prefill_token_buckets(config.max_num_batched_tokens)
         self.max_tokens = self.sizes[-1]
-        self.buffers = PrefillBuffers(self.max_tokens, -(-config.max_model_len // config.block_size), self.device)
+        self.max_seqs = min(config.max_num_seqs, MAX_GRAPH_SEQS)
+        hf = model.config
+        block_q = prefill_block_q(hf.num_attention_heads, hf.num_key_value_heads, head_dim_of(hf), config.dtype,
+                                  self.device, config.kv_cache_dtype == "fp8")
+        self.buffers = PrefillBuffers(self.max_tokens, -(-config.max_model_len // config.block_size), self.device,
+                                      self.max_seqs, block_q)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._capture(show_progress)
@@ -146,7 +170,7 @@ class PrefillGraphs:
         torch.cuda.synchronize()
 
     def fits(self, work: list[SequenceWork]) -> bool:
-        return fits_prefill_graph(work, self.max_tokens)
+        return fits_prefill_graph(work, self.max_tokens, self.max_seqs)
 
     def run(self, work: list[SequenceWork], prev_tokens: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, StepInputs]:

@@ -18,7 +18,7 @@ def greedy(llm: LLM, prompts: list[list[int]], tokens: int = 24) -> list[list[in
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("max_num_seqs", [1, 4], ids=["alone", "a-few"])
+@pytest.mark.parametrize("max_num_seqs", [1, 4, 32], ids=["alone", "a-few", "beside-decode-rows"])
 def test_graphed_prefill_gives_transformers_greedy_tokens(qwen3_06b, max_num_seqs):
     # 300-token chunks: longer prompts prefill over several graphed steps, each over its history
     llm = LLM(qwen3_06b, dtype="float32", device="cuda", max_model_len=1024, max_num_seqs=max_num_seqs,

@@ -13,8 +13,9 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.llm import LLM
 from nanoserve.runner.batch import SequenceWork
 from nanoserve.runner.inputs import build_inputs
-from nanoserve.runner.prefill_graph import (PREFILL_GRAPH_SEQS, PrefillBuffers, fits_prefill_graph,
-                                            prefill_token_buckets)
+from nanoserve.runner.attention.triton_prefill import prefill_block_q
+from nanoserve.runner.models.decoder import head_dim_of
+from nanoserve.runner.prefill_graph import PrefillBuffers, fits_prefill_graph, prefill_token_buckets
 
 if torch.cuda.is_available():
     pytest.skip("CPU checks of the static inputs; tests/gpu replays the graphs", allow_module_level=True)
@@ -31,6 +32,16 @@ def runner():
 
 def ids(n: int, seed: int) -> list[int]:
     return torch.randint(1, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SEQS = 6   # the buffers' sequences: a step of fewer leaves some empty
+
+
+def make_buffers(runner) -> PrefillBuffers:
+    hf = runner.model.config
+    block_q = prefill_block_q(hf.num_attention_heads, hf.num_key_value_heads, head_dim_of(hf), torch.float32,
+                              runner.device, False)
+    return PrefillBuffers(128, 128 // runner.block_size, runner.device, SEQS, block_q)
 
 
 def padded_forward(runner, work: list[SequenceWork], buffers: PrefillBuffers, bucket: int) -> torch.Tensor:
@@ -52,16 +63,18 @@ def test_a_padded_step_gives_the_eager_hidden_states_and_stores_only_its_own_slo
             SequenceWork(c, 9, 8, 1, [10], GREEDY)]           # one new token, as a decode row is
     cache = runner.kv_cache.tensor
     before = cache.clone()
-    buffers = PrefillBuffers(128, 128 // bs, runner.device)
-    # an earlier, larger step leaves stale ids, sequences and tables in the buffers
-    big = [SequenceWork(ids(30, 4 + i), 30, 0, 30, [20 + 2 * i, 21 + 2 * i], None) for i in range(PREFILL_GRAPH_SEQS)]
+    buffers = make_buffers(runner)
+    # an earlier, larger step leaves stale ids, sequences, tables and programs in the buffers
+    big = [SequenceWork(ids(20, 4 + i), 20, 0, 20, [20 + 2 * i, 21 + 2 * i], None) for i in range(SEQS)]
     padded_forward(runner, big, buffers, 128)
-    before[:, :, 20:28] = cache[:, :, 20:28]
+    before[:, :, 20:32] = cache[:, :, 20:32]
     got = padded_forward(runner, work, buffers, 64)
-    # what is not the step's own is padding: no queries, no keys, no stores
+    # what is not the step's own is padding: no queries, no keys, no stores, no programs
     n = sum(w.num_new for w in work)
-    assert buffers.query_start[len(work) + 1:].tolist() == [n] * (PREFILL_GRAPH_SEQS - len(work))
-    assert buffers.seq_lens[len(work):].tolist() == [0] * (PREFILL_GRAPH_SEQS - len(work))
+    assert buffers.query_start[len(work) + 1:].tolist() == [n] * (SEQS - len(work))
+    assert buffers.seq_lens[len(work):].tolist() == [0] * (SEQS - len(work))
+    tiles = buffers.tiles[:buffers.num_tiles(64)].tolist()
+    assert sorted({t >> 16 for t in tiles if t >= 0}) == [0, 1, 2] and tiles[-1] == -1
     assert buffers.i64[2, n:64].eq(-1).all() and buffers.i64[:2, n:64].eq(0).all()
     stored = cache.clone()
     want = runner.model(*(lambda i: (i.input_ids, i.positions, i.meta))(build_inputs(work, bs, runner.device)))
@@ -81,13 +94,29 @@ def test_buckets_double_to_1k_then_grow_by_1k() -> None:
     assert prefill_token_buckets(16384) == prefill_token_buckets(131072) == prefill_token_buckets(8192)
 
 
+@torch.inference_mode()
+def test_a_step_of_many_decode_rows_beside_prompts_gives_the_eager_hidden_states(runner) -> None:
+    bs = runner.block_size
+    runner.kv_cache.tensor.zero_()
+    histories = [(ids(12 + 3 * i, 30 + i), [40 + 2 * i, 41 + 2 * i]) for i in range(4)]   # 4 sequences to decode
+    runner.run([SequenceWork(t, len(t), 0, len(t) - 1, blocks, None) for t, blocks in histories])
+    work = [SequenceWork(t, len(t), len(t) - 1, 1, blocks, GREEDY) for t, blocks in histories[:2]]
+    work.append(SequenceWork(ids(33, 50), 33, 0, 33, [50, 51, 52], GREEDY))
+    work += [SequenceWork(t, len(t), len(t) - 1, 1, blocks, GREEDY) for t, blocks in histories[2:]]
+    buffers = make_buffers(runner)
+    got = padded_forward(runner, work, buffers, 64)
+    want = runner.model(*(lambda i: (i.input_ids, i.positions, i.meta))(build_inputs(work, bs, runner.device)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_which_steps_fit() -> None:
     one = lambda n, **kw: SequenceWork(list(range(n)), n, 0, n, [0], GREEDY, **kw)  # noqa: E731
-    assert fits_prefill_graph([one(1000)], 1024)
-    assert fits_prefill_graph([one(10)] * PREFILL_GRAPH_SEQS, 1024)
-    assert not fits_prefill_graph([one(10)] * (PREFILL_GRAPH_SEQS + 1), 1024)
-    assert not fits_prefill_graph([one(600), one(600)], 1024)
-    assert not fits_prefill_graph([one(10, prompt_logprobs=1)], 1024)
+    assert fits_prefill_graph([one(1000)], 1024, 4)
+    assert fits_prefill_graph([one(10)] * 4, 1024, 4)
+    assert not fits_prefill_graph([one(10)] * 5, 1024, 4)
+    assert fits_prefill_graph([one(1)] * 300 + [one(600)], 1024, 512)
+    assert not fits_prefill_graph([one(600), one(600)], 1024, 4)
+    assert not fits_prefill_graph([one(10, prompt_logprobs=1)], 1024, 4)
 
 
 @pytest.mark.parametrize("kwargs, why", [

@@ -339,3 +339,24 @@ def test_prefill_leaves_a_mixed_steps_decode_rows_to_the_decode_kernel(monkeypat
     prompt_rows = list(range(starts[1], starts[3]))
     assert out[[starts[0], starts[3]]].isnan().all(), "decode rows are the decode kernel's"
     assert_close(out[prompt_rows], ref_out[prompt_rows], torch.float32)
+
+
+def test_prefill_over_a_staged_tile_list_gives_the_same_bits_as_over_the_grid() -> None:
+    import numpy as np
+
+    from nanoserve.runner.attention.triton_prefill import prefill_block_q, prefill_tiles
+    specs = [(1, 38), (23, 23), (9, 49), (1, 5), (40, 40)]
+    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
+                                                dtype=torch.float32, seed=80)
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    block_q = prefill_block_q(4, 2, 64, torch.float32, q.device, False)
+    tiles = np.empty(sum(n for n, _ in specs) // block_q + len(specs), dtype=np.int32)
+    prefill_tiles([n for n, _ in specs], block_q, tiles)
+    real = tiles[tiles >= 0]
+    assert len(real) == sum(-(-n // block_q) for n, _ in specs) and (tiles[len(real):] == -1).all()
+    run = lambda **kw: paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                     0.125, meta.max_query_len, **kw)
+    over_grid, over_tiles = run(), run(tiles=torch.from_numpy(tiles))
+    assert torch.equal(over_tiles, over_grid)
+    with pytest.raises(ValueError, match="do not fit"):
+        prefill_tiles([n for n, _ in specs], block_q, tiles[:2].copy())

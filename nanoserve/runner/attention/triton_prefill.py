@@ -7,10 +7,18 @@ keys sits at position seq_len - q_len + j and sees keys 0..that position.
 One program per (sequence, tile of queries, kv head). A tile's rows are (token, head) pairs of
 the kv head's query group, so each K/V tile is loaded once for the whole group (GQA). An fp8
 cache is read as in triton_decode.
+
+The grid covers every sequence times the longest query's tiles, or (`tiles`, for a captured graph
+of many sequences) a list of (sequence, tile) pairs staged by the host, `prefill_tiles`: a bucket
+of T tokens over S sequences needs at most T / BLOCK_Q + S of them, where sequences x the longest
+query could need S x T / BLOCK_Q programs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -25,7 +33,7 @@ from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale_log2, v_scale,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tiles_ptr, scale_log2, v_scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -33,13 +41,20 @@ def _prefill_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, LAST_TILES_FIRST: tl.constexpr,
-    SKIP_DECODE_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
+    SKIP_DECODE_ROWS: tl.constexpr, TILED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
-    seq = tl.program_id(0)
-    q_tile = tl.program_id(1)
-    if LAST_TILES_FIRST:   # causal: a late tile reads the most keys; started first, it ends no later
-        q_tile = tl.num_programs(1) - 1 - q_tile
+    if TILED:   # (sequence, tile) from the host's list; -1 past its end
+        packed = tl.load(tiles_ptr + tl.program_id(0))
+        if packed < 0:
+            return
+        seq = packed >> TILE_BITS
+        q_tile = packed & TILE_MASK
+    else:
+        seq = tl.program_id(0)
+        q_tile = tl.program_id(1)
+        if LAST_TILES_FIRST:   # causal: a late tile reads the most keys; started first, it ends no later
+            q_tile = tl.num_programs(1) - 1 - q_tile
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq * stride_qsl)
     q_len = tl.load(query_start_loc_ptr + (seq + 1) * stride_qsl) - q_start
@@ -84,6 +99,28 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
 
 
+TILE_BITS = tl.constexpr(16)   # a tiles entry is sequence << TILE_BITS | tile
+TILE_MASK = tl.constexpr((1 << 16) - 1)
+
+
+def prefill_block_q(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                    fp8: bool) -> int:
+    """Query tokens per program (BLOCK_Q) of the default tiles, which `prefill_tiles` counts in."""
+    group = q_heads // kv_heads
+    return max(_prefill_config(head_dim, dtype, device, fp8)["BLOCK_M"], triton.next_power_of_2(group)) // group
+
+
+def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> None:
+    """Fill `out` (int32) with every sequence's (sequence, tile) programs, then -1. Raises if they
+    do not fit: `out` holds T / block_q + S entries for T tokens over S sequences."""
+    tiles = [(seq << TILE_BITS.value) | tile for seq, n in enumerate(query_lens)
+             for tile in range(-(-n // block_q))]
+    if len(tiles) > out.shape[0]:
+        raise ValueError(f"{len(tiles)} prefill tiles do not fit in {out.shape[0]}")
+    out[:len(tiles)] = tiles
+    out[len(tiles):] = -1
+
+
 def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, fp8: bool) -> dict:
     if device.type != "cuda":   # interpreter: small tiles keep masked work (and CPU time) low
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
@@ -104,12 +141,13 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, scale: float, max_query_len: int,
                   num_query_tokens: int | None = None, k_scale: float = 1.0,
                   v_scale: float = 1.0, config: dict | None = None,
-                  skip_decode_rows: bool = False) -> torch.Tensor:
+                  skip_decode_rows: bool = False, tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed queries q [tokens, q_heads, dim] over their paged keys.
 
     Rows past num_query_tokens (query_start_loc[-1], when the caller pads the batch) are zeroed.
     k_scale / v_scale apply to an fp8 cache only; config's keys replace the tile choice's (benchmarks, tests).
     skip_decode_rows: sequences of one query are left unwritten, for paged_decode to fill (a mixed step).
+    tiles: the programs to run, from `prefill_tiles` with `prefill_block_q`'s tiles (no config then).
     """
     check_shapes(q, k_cache, v_cache, block_tables)
     num_tokens, q_heads, head_dim = q.shape
@@ -124,9 +162,14 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_query_tokens is not None and num_query_tokens < num_tokens:
         out[num_query_tokens:].zero_()
     num_seqs = seq_lens.shape[0]
-    grid = (num_seqs, triton.cdiv(max_query_len, block_q), kv_heads)
+    if tiles is not None:
+        if config or tiles.dtype != torch.int32 or tiles.dim() != 1 or tiles.stride(0) != 1:
+            raise ValueError("tiles: a contiguous int32 list from prefill_tiles, with the default tiles")
+        grid = (tiles.shape[0], 1, kv_heads)
+    else:
+        grid = (num_seqs, triton.cdiv(max_query_len, block_q), kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, tiles if tiles is not None else seq_lens,
         softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -135,6 +178,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), KV_FP8=fp8, SKIP_DECODE_ROWS=skip_decode_rows,
+        TILED=tiles is not None,
         **cfg, **pdl_launch(q.device),
     )
     return out
