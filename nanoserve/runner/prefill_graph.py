@@ -15,7 +15,8 @@ Static inputs, and what padding means in them:
 The prefill attention kernel runs over a staged list of (sequence, query tile) programs
 (triton_prefill.prefill_tiles): a bucket of T tokens over S sequences needs at most
 T / BLOCK_Q + S of them, whatever the split of its tokens, so one capture serves any step that fits.
-Decode rows are one-token sequences among them.
+Decode rows (one-token sequences) have no tiles: the decode kernel takes them, over every sequence
+of the buffers, as in an eager mixed step (triton_kernels).
 """
 
 from __future__ import annotations
@@ -71,11 +72,12 @@ class PrefillBuffers:
     sequences of up to max_model_len keys, and the attention kernel's program list."""
 
     def __init__(self, max_tokens: int, max_blocks: int, device: torch.device, max_seqs: int,
-                 block_q: int) -> None:
+                 block_q: int, max_model_len: int) -> None:
         """block_q: the prefill kernel's query tokens per program (prefill_block_q), which the
         staged program list counts in."""
         n, s = max_tokens, max_seqs
         self.block_q = block_q
+        self.max_model_len = max_model_len
         self.i64 = torch.zeros((3, n), dtype=torch.int64, device=device)   # ids, positions, slots
         self.query_start = torch.zeros(s + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
@@ -94,7 +96,7 @@ class PrefillBuffers:
             seq_lens=self.seq_lens,
             block_tables=self.block_tables,
             max_query_len=bucket,
-            max_seq_len=bucket,
+            max_seq_len=self.max_model_len,   # sizes the decode rows' split count for any context
             # the bucket's rows, all "owned": the kernel leaves padding rows as they are
             query_lens_host=[bucket],
             seq_lens_host=[bucket],
@@ -145,7 +147,7 @@ class PrefillGraphs:
         block_q = prefill_block_q(hf.num_attention_heads, hf.num_key_value_heads, head_dim_of(hf), config.dtype,
                                   self.device, config.kv_cache_dtype == "fp8")
         self.buffers = PrefillBuffers(self.max_tokens, -(-config.max_model_len // config.block_size), self.device,
-                                      self.max_seqs, block_q)
+                                      self.max_seqs, block_q, config.max_model_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._capture(show_progress)

@@ -111,9 +111,10 @@ def prefill_block_q(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
 
 
 def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> None:
-    """Fill `out` (int32) with every sequence's (sequence, tile) programs, then -1. Raises if they
-    do not fit: `out` holds T / block_q + S entries for T tokens over S sequences."""
-    tiles = [(seq << TILE_BITS.value) | tile for seq, n in enumerate(query_lens)
+    """Fill `out` (int32) with the (sequence, tile) programs of every sequence of more than one
+    query (decode rows are paged_decode's), then -1. Raises if they do not fit: `out` holds
+    T / block_q + S entries for T tokens over S sequences."""
+    tiles = [(seq << TILE_BITS.value) | tile for seq, n in enumerate(query_lens) if n > 1
              for tile in range(-(-n // block_q))]
     if len(tiles) > out.shape[0]:
         raise ValueError(f"{len(tiles)} prefill tiles do not fit in {out.shape[0]}")
@@ -147,7 +148,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     Rows past num_query_tokens (query_start_loc[-1], when the caller pads the batch) are zeroed.
     k_scale / v_scale apply to an fp8 cache only; config's keys replace the tile choice's (benchmarks, tests).
     skip_decode_rows: sequences of one query are left unwritten, for paged_decode to fill (a mixed step).
-    tiles: the programs to run, from `prefill_tiles` with `prefill_block_q`'s tiles (no config then).
+    tiles: the programs to run, from `prefill_tiles` with `prefill_block_q`'s tiles (no config
+    then); decode rows have none, as with skip_decode_rows.
     """
     check_shapes(q, k_cache, v_cache, block_tables)
     num_tokens, q_heads, head_dim = q.shape
