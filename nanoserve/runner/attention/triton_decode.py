@@ -38,9 +38,6 @@ WAVES = 4                    # programs per SM to aim for before splitting stops
 PREFETCH_MAX_BATCH = 4       # batches up to this prefetch each split's first K/V tile (with PDL)
 
 
-# Ints that change from step to step are not specialized: Triton would otherwise compile a new
-# variant when one equals 1 or turns a multiple of 16 (a block-table width of 1 in a short warm-up,
-# 16 in a long batch), and that compile would land in the middle of serving.
 @triton.jit
 def _query_row(query_start_ptr, seq, PACKED_Q: tl.constexpr):
     """The q and output row of sequence `seq`: `seq` itself, or in a mixed step's packed rows its
@@ -60,6 +57,9 @@ def _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N: tl.constexpr):
     return tiles, tl.maximum(per, 1)
 
 
+# Ints that change from step to step are not specialized: Triton would otherwise compile a new
+# variant when one equals 1 or turns a multiple of 16 (a block-table width of 1 in a short warm-up,
+# 16 in a long batch), and that compile would land in the middle of serving.
 @triton.jit(do_not_specialize=["num_splits", "split_tiles", "stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, seq_order_ptr, query_start_ptr,
@@ -280,8 +280,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         part_acc = part_lse = out   # unused
     _decode_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, seq_order if seq_order is not None else seq_lens,
-        query_start_loc if packed else seq_lens, out, part_acc, part_lse, softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale, num_splits, split_tiles,
+        q, k_cache, v_cache, block_tables, seq_lens,
+        seq_order if seq_order is not None else seq_lens,   # unread unless ORDERED
+        query_start_loc if packed else seq_lens,            # unread unless PACKED_Q
+        out, part_acc, part_lse,
+        softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale, num_splits, split_tiles,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -320,8 +323,8 @@ def longest_first_enabled() -> bool:
 
 
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
-    """The rows by falling length, for paged_decode's seq_order. On the device and without a sync,
-    so that a captured graph computes it at every replay."""
+    """The rows by falling length, for paged_decode's seq_order, on the device (the decode graphs
+    stage theirs from the host instead, beside the lengths)."""
     return torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
 
 
