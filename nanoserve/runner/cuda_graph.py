@@ -118,7 +118,9 @@ class DecodeBuffers:
             host.inv_temp[n:batch] = 0.0
             self.dev_inv_temp[:batch].copy_(host.inv_temp[:batch], non_blocking=True)
         self.dev_i64[:, :batch].copy_(host.i64[:, :batch], non_blocking=True)
-        self.dev_lens_order[:, :batch].copy_(host.lens_order[:, :batch], non_blocking=True)
+        self.dev_lens_order[0, :batch].copy_(host.lens_order[0, :batch], non_blocking=True)
+        if self.longest_first:   # two contiguous rows: a strided [2, batch] slice would not copy asynchronously
+            self.dev_lens_order[1, :batch].copy_(host.lens_order[1, :batch], non_blocking=True)
         self.dev_tables[:batch].copy_(host.tables[:batch], non_blocking=True)
         if host.uploaded is not None:
             host.uploaded.record()

@@ -107,7 +107,8 @@ class TritonBackend:
         # to 16, where the prefill kernel pads it to a 128-row tile (and its softmax with it)
         # (a captured step's composition is not known at capture: it always splits, and its staged
         # prefill tiles leave decode rows out)
-        mixed = meta.prefill_tiles is not None or sum(1 for n in meta.query_lens_host if n == 1) >= MIXED_MIN_DECODE_ROWS
+        mixed = (meta.prefill_tiles is not None
+                 or sum(1 for n in meta.query_lens_host if n == 1) >= MIXED_MIN_DECODE_ROWS)
         out = paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                             meta.block_tables, scale, meta.max_query_len,
                             num_query_tokens=sum(meta.query_lens_host),
