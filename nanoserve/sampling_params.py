@@ -120,6 +120,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these ids may be sampled (every other logit is -inf); logprobs stay the model's
+    allowed_token_ids: list[int] | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
@@ -185,6 +187,15 @@ class SamplingParams:
                 _check_int("logit_bias", token, 0, MAX_INT)
                 if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
                     raise InvalidSamplingParam("logit_bias", f"logit_bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                # nothing to sample from: every logit would be -inf
+                raise InvalidSamplingParam("allowed_token_ids", "allowed_token_ids must hold at least one token id")
+            # min and max at C speed: a list as long as the vocabulary costs no Python loop
+            if min(self.allowed_token_ids) < 0 or max(self.allowed_token_ids) > MAX_INT:
+                bad = next(t for t in self.allowed_token_ids if not 0 <= t <= MAX_INT)
+                _check_int("allowed_token_ids", bad, 0, MAX_INT)
 
     @property
     def greedy(self) -> bool:

@@ -91,6 +91,18 @@ def _leave_out(words: np.ndarray, tokens: tuple[int, ...]) -> None:
         words[:] = kept
 
 
+def _keep_only(words: np.ndarray, tokens: list[int]) -> None:
+    """Clear every bit but the tokens' in one row of a bitmask (an allow list), unless that would
+    leave no token: the grammar's own choice then stands, as with bans."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    ids = ids[ids < 32 * len(words)]
+    allowed = np.zeros_like(words)
+    np.bitwise_or.at(allowed, ids >> 5, (np.left_shift(1, ids & 31)).astype(np.uint32))
+    kept = words & allowed
+    if kept.any():
+        words[:] = kept
+
+
 class GrammarManager:
     """Compiles specs on a thread pool, caches them by spec, and builds each step's bitmask.
 
@@ -126,13 +138,15 @@ class GrammarManager:
         """A matcher at the grammar's start. It ends on the request's own stop tokens, where it has any."""
         return xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None)
 
-    def bitmask(self, matchers: list[xgr.GrammarMatcher | None],
-                bans: dict[int, tuple[int, ...]] | None = None) -> TokenMask | None:
+    def bitmask(self, matchers: list[xgr.GrammarMatcher | None], bans: dict[int, tuple[int, ...]] | None = None,
+                allowed: dict[int, list[int]] | None = None) -> TokenMask | None:
         """The allowed next tokens of each sampling row that has a matcher; None when no row has one.
 
         A terminated matcher has no next token (xgrammar refuses to fill it): its row, whose
         token will be dropped, is left unconstrained. `bans`: per row, tokens to leave out (stop
-        tokens before min_tokens) unless the grammar allows nothing else, as where it must end."""
+        tokens before min_tokens) unless the grammar allows nothing else, as where it must end.
+        `allowed`: per row, its allow list (allowed_token_ids), kept to on the same terms; the
+        sampler leaves such rows' logits to this mask."""
         rows = [r for r, m in enumerate(matchers) if m is not None and not m.is_terminated()]
         if not rows:
             return None
@@ -144,8 +158,11 @@ class GrammarManager:
             matchers[rows[0]].fill_next_token_bitmask(bitmask, 0)
         else:
             self.batch.batch_fill_next_token_bitmask([matchers[r] for r in rows], bitmask)
+        index = {row: i for i, row in enumerate(rows)} if bans or allowed else {}
+        for row, tokens in (allowed or {}).items():   # rare: no pass over every row without one
+            if row in index:
+                _keep_only(bitmask[index[row]].numpy().view(np.uint32), tokens)
         if bans:   # rare (min_tokens beside a grammar): no pass over every row without them
-            index = {row: i for i, row in enumerate(rows)}
             for row, ban in bans.items():
                 if row in index:
                     _leave_out(bitmask[index[row]].numpy().view(np.uint32), ban)

@@ -246,7 +246,10 @@ class LLMEngine:
         dropped anyway."""
         mask = None
         if launched.constrained:
-            mask = self._grammars.bitmask(self._live_matchers(launched.sequences), launched.bans)
+            # a constrained row's allow list goes into its mask (the sampler leaves such rows to it)
+            allowed = {row: ids for row in launched.constrained
+                       if (ids := launched.sequences[row].params.allowed_token_ids) is not None}
+            mask = self._grammars.bitmask(self._live_matchers(launched.sequences), launched.bans, allowed)
         launched.pending = self.runner.sample(launched.forward, mask)
         launched.forward = None
 

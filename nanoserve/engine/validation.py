@@ -41,8 +41,15 @@ def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, max_mo
 
 
 def check_params_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Raise RequestRefused for a logit_bias or stop_token_ids id outside the vocabulary: the
-    sampler indexes the logits by them."""
+    """Raise RequestRefused for a logit_bias, stop_token_ids or allowed_token_ids id outside the
+    vocabulary (the sampler indexes the logits by them), or for more allowed ids than it has."""
     if params.logit_bias:
         check_token_ids(list(params.logit_bias), vocab_size, "'logit_bias'", "logit_bias")
     check_token_ids(params.stop_token_ids, vocab_size, "'stop_token_ids'", "stop_token_ids")
+    allowed = params.allowed_token_ids
+    if allowed is not None:
+        if len(allowed) > vocab_size:
+            # each id is uploaded every step the request samples: the list is bounded by what it can name
+            raise RequestRefused(f"'allowed_token_ids' has {len(allowed)} ids, more than the {vocab_size} tokens of "
+                                 "the vocabulary", "allowed_token_ids")
+        check_token_ids(allowed, vocab_size, "'allowed_token_ids'", "allowed_token_ids")

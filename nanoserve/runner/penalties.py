@@ -1,5 +1,6 @@
-"""Presence, frequency and repetition penalties, logit bias and banned ids: the logit changes
-that depend on a request's own tokens, applied in place before filtering and drawing.
+"""Presence, frequency and repetition penalties, logit bias, banned and allowed ids: the logit
+changes that depend on a request's own settings and tokens, applied in place before filtering
+and drawing.
 
 Each penalized sequence's counts stay on the device between steps (PenaltyCounts): a step uploads
 the tokens its rows added since their last step, in one flat copy counted by two scatters, so it
@@ -11,6 +12,7 @@ there, from that launch's sampled ids, so penalties never wait for the host to r
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -119,11 +121,14 @@ def token_counts(rows: list[SequenceWork], vocab: int, device: torch.device,
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SequenceWork], prev_tokens: torch.Tensor | None = None,
-                    state: PenaltyCounts | None = None) -> None:
-    """Presence, frequency and repetition penalties, logit bias and banned ids, in place.
+                    state: PenaltyCounts | None = None, masked_rows: Collection[int] = ()) -> None:
+    """Presence, frequency and repetition penalties, logit bias, banned ids and allowed ids, in place.
 
     `prev_tokens`: the previous launch's sampled ids, where rows with `prev_row` set find their
-    pending input token. `state`: the counts kept from earlier steps (None: counted now)."""
+    pending input token. `state`: the counts kept from earlier steps (None: counted now).
+    `masked_rows`: rows whose allowed ids are already in their grammar's bitmask (the engine
+    folds them in there, so that a grammar and an allow list that share no token leave the
+    grammar's tokens rather than none)."""
     device, vocab = logits.device, logits.shape[1]
     penalized = [i for i, w in enumerate(rows) if w.params.uses_penalties]
     if penalized:
@@ -137,11 +142,48 @@ def apply_penalties(logits: torch.Tensor, rows: list[SequenceWork], prev_tokens:
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub = sub - freq * counts.to(sub.dtype) - pres * (counts > 0).to(sub.dtype)
         logits[penalized] = sub
-    for i, w in enumerate(rows):
-        if w.params.logit_bias:
-            # an id outside the vocabulary has no logit to move (clamping it would bias the last token)
-            bias = {int(t): b for t, b in w.params.logit_bias.items() if 0 <= int(t) < vocab}
-            ids = torch.tensor(list(bias), dtype=torch.int64, device=device)
-            logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype, device=device))
-        if w.banned_token_ids:
-            logits[i, list(w.banned_token_ids)] = float("-inf")
+    apply_token_choices(logits, rows, masked_rows)
+
+
+def apply_token_choices(logits: torch.Tensor, rows: list[SequenceWork], masked_rows: Collection[int] = ()) -> None:
+    """Logit bias, banned ids and allowed ids of every row, in place: one indexed write each for
+    the whole step, the ids of all rows flattened on the host (no Python loop per row or per id)."""
+    device, vocab = logits.device, logits.shape[1]
+
+    def up(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    biased = [i for i, w in enumerate(rows) if w.params.logit_bias]
+    if biased:
+        biases = [rows[i].params.logit_bias for i in biased]
+        which, ids = _flat(biases)
+        values = np.fromiter(itertools.chain.from_iterable(b.values() for b in biases), dtype=np.float32,
+                             count=len(ids))
+        # an id outside the vocabulary has no logit to move (clamping it would bias the last token)
+        known = (ids >= 0) & (ids < vocab)
+        at = np.asarray(biased, dtype=np.int64)[which]
+        logits.index_put_((up(at[known]), up(ids[known])), up(values[known]).to(logits.dtype), accumulate=True)
+    banned = [i for i, w in enumerate(rows) if w.banned_token_ids]
+    if banned:
+        which, ids = _flat([rows[i].banned_token_ids for i in banned])
+        logits[up(np.asarray(banned, dtype=np.int64)[which]), up(ids)] = float("-inf")
+    masked = set(masked_rows)
+    limited = [i for i, w in enumerate(rows) if w.params.allowed_token_ids is not None and i not in masked]
+    if limited:
+        # last: no bias or penalty can bring a token outside the list back
+        which, ids = _flat([rows[i].params.allowed_token_ids for i in limited])
+        known = (ids >= 0) & (ids < vocab)
+        blocked = torch.ones((len(limited), vocab), dtype=torch.bool, device=device)
+        blocked[up(which[known]), up(ids[known])] = False
+        if len(limited) == len(rows):
+            logits.masked_fill_(blocked, float("-inf"))
+        else:
+            at = up(np.asarray(limited, dtype=np.int64))
+            logits[at] = logits[at].masked_fill(blocked, float("-inf"))
+
+
+def _flat(lists: Sequence[Iterable[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(index of its list, id) of every id in the lists, as two int64 arrays."""
+    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(lengths.sum()))
+    return np.repeat(np.arange(len(lists), dtype=np.int64), lengths), ids

@@ -142,12 +142,14 @@ def draw(logits: torch.Tensor, rows: list[SequenceWork], token_mask: TokenMask |
     Logprobs are those of the model, before penalties and the grammar's mask (as vLLM reports them).
     `penalty_counts` keeps penalized sequences' token counts from step to step."""
     st = SamplingTensors.build(rows, logits.shape[1], logits.device)
-    adjusted = any(w.params.uses_penalties or w.params.logit_bias or w.banned_token_ids for w in rows)
+    adjusted = any(w.params.uses_penalties or w.params.logit_bias or w.banned_token_ids
+                   or w.params.allowed_token_ids is not None for w in rows)
     if adjusted or st.num_logprobs >= 0:
         logits = logits.float()  # once, for both
     raw_logprobs = logits.log_softmax(dim=-1) if st.num_logprobs >= 0 else None
     if adjusted:
-        apply_penalties(logits, rows, prev_tokens, penalty_counts)
+        # a grammar's rows carry their allowed ids in its bitmask (the engine folds them in)
+        apply_penalties(logits, rows, prev_tokens, penalty_counts, token_mask.rows if token_mask is not None else ())
     fused = logits.is_cuda and st.top_k is None and st.top_p is None and st.min_p is None
     # the fused kernel reads a grammar's mask itself; the other paths (and seeded rows, redrawn
     # from the logits) need it applied to the logits first
@@ -167,12 +169,13 @@ def draw(logits: torch.Tensor, rows: list[SequenceWork], token_mask: TokenMask |
 
 def draws_in_graph(rows: list[SequenceWork]) -> bool:
     """Whether a decode graph's own draw (temperature and Gumbel noise over the whole vocabulary)
-    is the draw `draw` makes for every row: no filter, seed, penalty, bias, ban or logprobs.
+    is the draw `draw` makes for every row: no filter, seed, penalty, bias, ban, allow list or logprobs.
 
     A greedy row ignores its filters and seed in `draw` as well."""
     for w in rows:
         p = w.params
-        if p.logprobs is not None or w.banned_token_ids or p.logit_bias or p.uses_penalties:
+        if (p.logprobs is not None or w.banned_token_ids or p.logit_bias or p.uses_penalties
+                or p.allowed_token_ids is not None):
             return False
         if p.temperature > 0.0 and (p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0 or p.seed is not None):
             return False

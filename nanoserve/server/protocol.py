@@ -4,8 +4,8 @@ Strict mode refuses "5" for an integer and true for a number; unknown fields are
 the OpenAI API refuses them. JSON null in an optional field means "the default", as the OpenAI
 API reads it (its client sends null whenever a caller passes None). Ranges follow the OpenAI
 API; vLLM's extra fields (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
-stop_token_ids, truncate_prompt_tokens, stream_options.continuous_usage_stats, the
-structured-output fields) are accepted.
+stop_token_ids, allowed_token_ids, truncate_prompt_tokens, stream_options.continuous_usage_stats,
+the structured-output fields) are accepted.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 # more entries than most vocabularies have tokens; each is parsed on the event loop (~0.5 us)
 MAX_LOGIT_BIAS = 1 << 17
+# as many ids as the largest vocabularies have tokens (Gemma's 262,144); the engine then refuses
+# more than the served model's own vocabulary
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 
 
 class Strict(BaseModel):
@@ -83,6 +86,7 @@ class SamplingFields(Strict):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=2)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    allowed_token_ids: list[int] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)  # vLLM's: sample only these
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -124,6 +128,7 @@ class SamplingFields(Strict):
             min_p=given("min_p", 0.0), seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=given("repetition_penalty", 1.0), logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
