@@ -133,6 +133,9 @@ class SamplingParams:
     # prompt is computed in full (prefix-cache hits would skip the positions that score it)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # with special tokens shown: False drops the space a tokenizer's decoder may put between two
+    # added tokens in a row (vLLM's rule; a byte-level BPE decoder never puts one)
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, no text (saves host time in benchmarks)
     structured_outputs: StructuredOutputsParams | None = None  # the output follows this grammar
 

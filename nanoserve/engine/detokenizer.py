@@ -11,14 +11,28 @@ from transformers import PreTrainedTokenizerBase
 _CONTEXT_TOKENS = 5
 
 
+# id -> text of each added token, per tokenizer backend: built once (a few hundred tokens for a
+# large vocabulary), not for every request that asks for no spaces between special tokens
+_ADDED_TOKENS: dict[int, dict[int, str]] = {}
+
+
+def _added_tokens(backend: Tokenizer) -> dict[int, str]:
+    if id(backend) not in _ADDED_TOKENS:
+        _ADDED_TOKENS[id(backend)] = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+    return _ADDED_TOKENS[id(backend)]
+
+
 class _Decoder:
     """What both decoders share: a full decode, and the text that tokens add after a prefix of them."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.spaces = spaces_between_special_tokens
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+        # slow tokenizers of transformers 4 read the flag; fast ones (and transformers 5) ignore it
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip, spaces_between_special_tokens=self.spaces)
 
     def _text_after(self, ids: list[int], start: int) -> str:
         """The text of ids[start:], decoded with ids[:start] as left context."""
@@ -29,9 +43,14 @@ class _StreamDecoder(_Decoder):
     """O(1) per token through the tokenizers library's DecodeStream (fast tokenizers)."""
 
     def __init__(self, backend: Tokenizer, tokenizer: PreTrainedTokenizerBase, context: list[int],
-                 skip_special_tokens: bool) -> None:
-        super().__init__(tokenizer, skip_special_tokens)
+                 skip_special_tokens: bool, spaces_between_special_tokens: bool = True) -> None:
+        super().__init__(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self.backend = backend
+        # vLLM's rule for fast tokenizers: with special tokens shown and no spaces between them, an
+        # added token right after another is its own text, without the space the decoder put before
+        # it (a WordPiece or Metaspace decoder does; a byte-level BPE one never does)
+        self.joined = {} if skip_special_tokens or spaces_between_special_tokens else _added_tokens(backend)
+        self.after_added = False
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         # a prompt that ends inside a character would leak that character's bytes into the output
         while context and self._decode(context).endswith("\ufffd"):
@@ -46,6 +65,11 @@ class _StreamDecoder(_Decoder):
         if len(self.recent) > 2 * _CONTEXT_TOKENS + self.unshown:
             del self.recent[:len(self.recent) - _CONTEXT_TOKENS - self.unshown - 1]
         text = self.stream.step(self.backend, token)
+        if self.joined:
+            added = self.joined.get(token)
+            if added is not None and self.after_added:
+                text = added
+            self.after_added = added is not None
         if text is None:
             self.unshown += 1
             return ""
@@ -63,8 +87,9 @@ class _StreamDecoder(_Decoder):
 class _WindowDecoder(_Decoder):
     """For tokenizers without a Rust backend: re-decode a short window around each new token."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, context: list[int], skip_special_tokens: bool) -> None:
-        super().__init__(tokenizer, skip_special_tokens)
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, context: list[int], skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True) -> None:
+        super().__init__(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self.tokens = list(context)
         self.prefix_offset, self.read_offset = 0, len(self.tokens)
 
@@ -98,11 +123,13 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
                  stop: list[str] | None = None, include_stop: bool = False,
-                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0,
+                 spaces_between_special_tokens: bool = True) -> None:
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         backend = getattr(tokenizer, "_tokenizer", None)
-        self.decoder = (_StreamDecoder(backend, tokenizer, context, skip_special_tokens)
-                        if isinstance(backend, Tokenizer) else _WindowDecoder(tokenizer, context, skip_special_tokens))
+        spaces = spaces_between_special_tokens
+        self.decoder = (_StreamDecoder(backend, tokenizer, context, skip_special_tokens, spaces)
+                        if isinstance(backend, Tokenizer) else _WindowDecoder(tokenizer, context, skip_special_tokens, spaces))
         self.stop = [s for s in (stop or []) if s]
         self.include_stop = include_stop
         self.min_tokens = min_tokens

@@ -45,7 +45,7 @@ class RequestState:
         self.incremental = streaming or bool(params.stop)
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop,
                                                   params.include_stop_str_in_output, params.skip_special_tokens,
-                                                  params.min_tokens)
+                                                  params.min_tokens, params.spaces_between_special_tokens)
         self.output = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
 
     @property

@@ -92,6 +92,7 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=MAX_INT)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # vLLM's: False joins adjacent special tokens' text
     include_stop_str_in_output: bool = False
     # vLLM's: logprobs name tokens "token_id:N", so tokens of equal or partial text stay apart
     return_tokens_as_token_ids: bool = False
@@ -132,7 +133,8 @@ class SamplingFields(Strict):
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:

@@ -136,3 +136,54 @@ def test_random_tokens_detokenize_to_the_full_decode_with_either_decoder(tokeniz
             detok.decoder = _WindowDecoder(tokenizer, prompt[-5:], True)
         deltas = feed(detok, ids)
         assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def spaced_tokenizer(tmp_path_factory):
+    """A WordPiece tokenizer, whose decoder puts a space before every word and added token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10,
+                            trainers.WordPieceTrainer(vocab_size=100, special_tokens=["[UNK]", "[A]", "[B]"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", additional_special_tokens=["[A]", "[B]"])
+
+
+def test_no_spaces_between_special_tokens_joins_adjacent_added_tokens_as_vllm_does(spaced_tokenizer):
+    ids = spaced_tokenizer.encode("the fox [A][B] dog [B]")
+
+    def text(**kw) -> str:
+        return "".join(feed(IncrementalDetokenizer(spaced_tokenizer, [], **kw), ids))
+
+    assert text(skip_special_tokens=False) == spaced_tokenizer.decode(ids) == "the fox [A] [B] dog [B]"
+    # only between two added tokens in a row: a special token after a word keeps its space
+    assert text(skip_special_tokens=False, spaces_between_special_tokens=False) == "the fox [A][B] dog [B]"
+    # with special tokens skipped there is nothing between them to join
+    assert text(spaces_between_special_tokens=False) == text() == "the fox dog"
+
+
+def test_spaces_between_special_tokens_reaches_the_detokenizer_from_sampling_params(spaced_tokenizer):
+    ids = spaced_tokenizer.encode("[A][B][A]")
+    for spaces, expected in ((True, "[A] [B] [A]"), (False, "[A][B][A]")):
+        params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        for streaming in (True, False):
+            state = RequestState(spaced_tokenizer, [], params, streaming=streaming)
+            for i, t in enumerate(ids):
+                out = state.update(StepOutput("r", [t], None, i == len(ids) - 1, "length" if i == len(ids) - 1 else None,
+                                              0, 0))
+            assert out.text == expected, (spaces, streaming)
+
+
+def test_a_byte_level_tokenizer_never_spaces_special_tokens_either_way():
+    """The bundled model's tokenizer (byte-level BPE) writes its special tokens as they are: the
+    flag leaves its text alone, as in vLLM."""
+    from nanoserve.config import DEFAULT_MODEL
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    ids = tok.encode("<|im_start|><|im_end|>user<|im_end|><|im_start|>")
+    for spaces in (True, False):
+        detok = IncrementalDetokenizer(tok, [], skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        assert "".join(feed(detok, ids)) == "<|im_start|><|im_end|>user<|im_end|><|im_start|>"

@@ -59,3 +59,20 @@ def test_a_bad_allowed_token_ids_list_is_a_400_naming_it(server, path, ids, word
     error = r.json()["error"]
     assert error["param"].startswith("allowed_token_ids") and words in error["message"], error
 
+
+def test_spaces_between_special_tokens_is_served_on_both_endpoints(client, offline):
+    # special tokens only (<|im_start|>, <|im_end|>), shown: the byte-level tokenizer writes them
+    # side by side whatever the flag, as vLLM's detokenizer does for it
+    body = {"allowed_token_ids": [1, 2], "ignore_eos": True, "skip_special_tokens": False}
+    for spaces in (True, False):
+        ref = offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                      allowed_token_ids=[1, 2], skip_special_tokens=False,
+                                                      spaces_between_special_tokens=spaces), use_tqdm=False)[0]
+        assert ref.text == offline.tokenizer.decode(ref.token_ids) and ref.text.count("<|im_") == 4
+        extra = {**body, "spaces_between_special_tokens": spaces}
+        out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, extra_body=extra)
+        assert out.choices[0].text == ref.text
+        chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0,
+                                              stream=True, extra_body=extra)
+        text = "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+        assert text.count("<|im_") == 4 and " " not in text
