@@ -84,6 +84,10 @@ TINY = 1.2e-38
 MIN_REPETITION_PENALTY = 0.01  # dividing logits by less overflows float32 (1e-300 rounds to 0)
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 100.0
+# each bad word is tokenized (twice) when its request is queued, and the engine checks, every step,
+# the words that could end there
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
 
 
 def fork_seed(seed: int, offset: int) -> int:
@@ -126,6 +130,9 @@ class SamplingParams:
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # vLLM's: the token that would complete one of these words (as it starts a text or follows a
+    # space) is never sampled; see engine/bad_words.py
+    bad_words: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
@@ -144,6 +151,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.bad_words = list(self.bad_words)
         if isinstance(self.structured_outputs, dict):  # e.g. decoded from a message
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -183,6 +191,12 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, 20)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, 20)
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidSamplingParam("bad_words", f"bad_words takes at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+                raise InvalidSamplingParam("bad_words", "each of bad_words must be a string of 1 to "
+                                           f"{MAX_BAD_WORD_CHARS} characters, not only whitespace; got {str(word)[:40]!r}")
         for token in self.stop_token_ids:
             _check_int("stop_token_ids", token, 0, MAX_INT)
         if self.logit_bias:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.bad_words import BadWords, bad_words_token_ids
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.messages import EngineStats, StepOutput
 from nanoserve.engine.scheduler import Scheduler
@@ -53,7 +54,11 @@ class InFlightStep:
     pending: PendingSample | None = None
     sequences: list[Sequence] = field(default_factory=list)
     constrained: list[int] = field(default_factory=list)  # rows whose sequence has a grammar
-    bans: dict[int, tuple[int, ...]] = field(default_factory=dict)  # constrained rows' stop tokens before min_tokens
+    bans: dict[int, tuple[int, ...]] = field(default_factory=dict)  # constrained rows' bans (see LLMEngine._banned)
+    rows: list[SequenceWork] = field(default_factory=list)  # the sampling rows' work, in row order
+    # rows whose bans depend on the tokens before them (bad words of several tokens): recomputed
+    # when sampling, which waits for the previous launch's tokens as a grammar's rows do
+    listening: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # index of the placeholder in token_ids
     scored: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk start) with prompt logprobs
 
@@ -106,6 +111,8 @@ class LLMEngine:
         seq.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         self.sequences[request_id] = seq
+        if params.bad_words:
+            seq.bad_words = BadWords(bad_words_token_ids(self.tokenizer, params.bad_words), self.vocab_size)
         if params.structured_outputs is not None:
             future = self.grammars.compile(params.structured_outputs)
             if not future.done():  # forks find their parent's grammar compiled and keep their place
@@ -216,12 +223,15 @@ class LLMEngine:
                            self.num_generated_tokens, self.num_computed_tokens)
 
     @staticmethod
-    def _banned(seq: Sequence) -> tuple[int, ...]:
-        """Stop tokens cannot be sampled before min_tokens outputs."""
+    def _banned(seq: Sequence, end: int | None = None) -> tuple[int, ...]:
+        """Stop tokens cannot be sampled before min_tokens outputs, nor a token that completes a
+        bad word. `end`: how many of the sequence's tokens come before the one sampled (all)."""
+        end = len(seq.token_ids) if end is None else end
         min_tokens = seq.params.min_tokens
-        if not min_tokens or len(seq.token_ids) - seq.num_prompt_tokens >= min_tokens:
-            return ()
-        return tuple(seq.stop_token_ids)
+        ban = tuple(seq.stop_token_ids) if min_tokens and end - seq.num_prompt_tokens < min_tokens else ()
+        if seq.bad_words is not None:
+            ban += seq.bad_words.banned(seq.token_ids, seq.num_prompt_tokens, end)
+        return ban
 
     def step(self) -> list[StepOutput]:
         """Run one scheduled batch; report the tokens each request gained and who finished.
@@ -244,6 +254,16 @@ class LLMEngine:
         The masks are filled (on xgrammar's threads) while the device still runs the forward. A
         sequence that has finished or left since the launch samples unconstrained: its token is
         dropped anyway."""
+        for row in launched.listening:
+            # every token before this row's is known now: its bad words' bans are exact
+            seq, w = launched.sequences[row], launched.rows[row]
+            ban = self._banned(seq, w.start + w.num_new)
+            if seq.grammar is None:
+                w.banned_token_ids = ban   # read by the runner's sampler, which has not run yet
+            elif ban:
+                launched.bans[row] = ban
+            else:
+                launched.bans.pop(row, None)
         mask = None
         if launched.constrained:
             # a constrained row's allow list goes into its mask (the sampler leaves such rows to it)
@@ -278,8 +298,10 @@ class LLMEngine:
         constrained = ([row for row, seq in enumerate(sampling) if seq.grammar is not None]
                        if self._grammars is not None else [])
         bans = {row: ban for row in constrained if (ban := self._banned(sampling[row]))}
-        launched = InFlightStep(self.runner.forward(work), sequences=sampling, constrained=constrained, bans=bans)
-        if self.in_flight is None or not constrained:
+        listening = [row for row, seq in enumerate(sampling) if seq.bad_words is not None and seq.bad_words.needs_history]
+        launched = InFlightStep(self.runner.forward(work), sequences=sampling, constrained=constrained, bans=bans,
+                                rows=[w for w in work if w.params is not None], listening=listening)
+        if self.in_flight is None or not (constrained or listening):
             # every matcher has seen every token: sample now (before the placeholders go in)
             self._sample(launched)
         self.num_computed_tokens += sum(step.num_new_tokens)
@@ -318,6 +340,9 @@ class LLMEngine:
             self._grammars.advance([(seq.grammar, sampled.token_ids[row]) for row, seq in live])
             complete = {id(seq) for _, seq in live if seq.grammar.is_terminated()}
         if deferred is not None:
+            # the tokens just read go in first: the deferred step's bad-word bans look back at them
+            for seq, position, token in zip(launched.sequences, launched.positions, sampled.token_ids):
+                seq.token_ids[position] = token
             self._sample(deferred)  # its matchers have now seen the tokens just read
         outputs = []
         for row, (seq, position) in enumerate(zip(launched.sequences, launched.positions)):

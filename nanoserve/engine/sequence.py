@@ -49,6 +49,7 @@ class Sequence:
         # once the grammar compiled). It advances with each sampled token and never rolls back:
         # preemption recomputes the KV cache but keeps the tokens, so the matcher stays right
         self.grammar = None
+        self.bad_words = None  # engine/bad_words.BadWords, set by the engine when params has any
         # by position; the first token has none (nothing predicts it)
         self.prompt_logprobs: list | None = [None] * self.num_prompt_tokens \
             if params.prompt_logprobs is not None else None

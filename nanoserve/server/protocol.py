@@ -89,6 +89,7 @@ class SamplingFields(Strict):
     allowed_token_ids: list[int] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)  # vLLM's: sample only these
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None  # vLLM's: never complete these words (bounded by SamplingParams)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=MAX_INT)
     skip_special_tokens: bool = True
@@ -131,7 +132,8 @@ class SamplingFields(Strict):
             repetition_penalty=given("repetition_penalty", 1.0), logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            stop_token_ids=list(self.stop_token_ids or []), bad_words=list(self.bad_words or []),
+            ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens)

@@ -76,3 +76,32 @@ def test_spaces_between_special_tokens_is_served_on_both_endpoints(client, offli
                                               stream=True, extra_body=extra)
         text = "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
         assert text.count("<|im_") == 4 and " " not in text
+
+
+def test_bad_words_are_never_completed_on_both_endpoints(client, offline):
+    from nanoserve.engine.bad_words import bad_words_token_ids
+
+    tok = offline.tokenizer
+    free = offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                            use_tqdm=False)[0]
+    bad = [w for w in free.text.split() if len(tok.encode(w, add_special_tokens=False)) > 1][:3]
+    ref = offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, bad_words=bad),
+                           use_tqdm=False)[0]
+    assert ref.text != free.text
+    extra = {"bad_words": bad, "ignore_eos": True, "return_tokens_as_token_ids": True}
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, extra_body=extra)
+    assert out.choices[0].text == ref.text
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0.9, n=2,
+                                          seed=1, logprobs=True, extra_body=extra)
+    for choice in chat.choices:
+        ids = [int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content]
+        assert not any(ids[i:i + len(s)] == s for s in bad_words_token_ids(tok, bad) for i in range(len(ids)))
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("words", [["x"] * 129, ["x" * 257], [" "], "x"])
+def test_too_many_long_or_blank_bad_words_are_a_400_naming_them(server, path, words):
+    body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES}
+    r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 2, "bad_words": words}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith("bad_words"), r.text
