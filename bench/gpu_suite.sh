@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab] [prefill-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +73,12 @@ for part in $parts; do
 t.MIXED_MIN_DECODE_ROWS = 1 << 30
 from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '1024', '--trace', '$out/trace-1024-unsplit'])" 2>&1 \
            | tee -a "$out/t1024-ab.log" | grep -E "^throughput|^[0-9]+ steps|Error" ;;
+    prefill-ab) # a lone prompt's TTFT with graphs sized for 256 sequences (mixed steps), then for 4 (as before 9f5ccc1)
+         python3 bench/prefill.py --lengths 1024,4096 --max-num-seqs 256 2>&1 | tee -a "$out/prefill-ab.log" | grep -vE "it/s|Capturing"
+         python3 -c "import sys; sys.argv = ['prefill', '--lengths', '1024,4096', '--max-num-seqs', '256']
+import nanoserve.runner.prefill_graph as g; g.MAX_GRAPH_SEQS = 4
+sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/prefill.py', run_name='__main__')" 2>&1 \
+           | tee -a "$out/prefill-ab.log" | grep -vE "it/s|Capturing" ;;
     knobs) # the workload at 256 under each kernel switch that is off until measured, both caches, one process each
          for kv in auto fp8; do
            for env in "NANOSERVE_PDL=1" "NANOSERVE_PDL_PREFETCH=1" "NANOSERVE_LONGEST_FIRST=1" \

@@ -63,6 +63,8 @@ def main() -> None:
     parser.add_argument("--config", default="bench/configs/qwen3-0.6b.json")
     parser.add_argument("--lengths", default="1024,4096,16384")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-num-seqs", type=int, default=1,
+                        help="the engine's max_num_seqs: the prefill graphs are sized for that many sequences")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--attention-backend", default="auto")
@@ -71,7 +73,7 @@ def main() -> None:
                         help="also print GPU ops, busy time and span per prefill (torch.profiler)")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
-    config = config_from_file(args.config, max_model_len=max(lengths) + 1, max_num_seqs=1,
+    config = config_from_file(args.config, max_model_len=max(lengths) + 1, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
                               prefill_cuda_graphs=args.prefill_cuda_graphs, enable_prefix_caching=False)
