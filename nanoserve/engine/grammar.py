@@ -11,6 +11,7 @@ import json
 import logging
 import re
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -81,26 +82,31 @@ def _reason(exc: Exception) -> str:
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip()) or type(exc).__name__
 
 
-def _leave_out(words: np.ndarray, tokens: tuple[int, ...]) -> None:
-    """Clear the tokens' bits in one row of a bitmask, unless no other token would be left."""
-    kept = words.copy()
-    for token in tokens:
-        if token >> 5 < len(kept):
-            kept[token >> 5] &= ~np.uint32(1 << (token & 31))
+def _token_bits(tokens: Sequence[int], num_words: int) -> np.ndarray:
+    """A bitmask row (uint32 words) with the tokens' bits set; ids past its end are left out."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    ids = ids[ids < 32 * num_words]
+    bits = np.zeros(num_words, dtype=np.uint32)
+    np.bitwise_or.at(bits, ids >> 5, np.left_shift(1, ids & 31).astype(np.uint32))
+    return bits
+
+
+def _narrow(words: np.ndarray, keep: np.ndarray) -> None:
+    """Keep only the `keep` bits of one bitmask row, unless no token would be left: the grammar's
+    own choice then stands (where it must end, or where an allow list shares none of its tokens)."""
+    kept = words & keep
     if kept.any():
         words[:] = kept
+
+
+def _leave_out(words: np.ndarray, tokens: tuple[int, ...]) -> None:
+    """Clear the tokens' bits in one row of a bitmask (bans), unless no other token would be left."""
+    _narrow(words, ~_token_bits(tokens, len(words)))
 
 
 def _keep_only(words: np.ndarray, tokens: list[int]) -> None:
-    """Clear every bit but the tokens' in one row of a bitmask (an allow list), unless that would
-    leave no token: the grammar's own choice then stands, as with bans."""
-    ids = np.asarray(tokens, dtype=np.int64)
-    ids = ids[ids < 32 * len(words)]
-    allowed = np.zeros_like(words)
-    np.bitwise_or.at(allowed, ids >> 5, (np.left_shift(1, ids & 31)).astype(np.uint32))
-    kept = words & allowed
-    if kept.any():
-        words[:] = kept
+    """Clear every bit but the tokens' in one row of a bitmask (an allow list), on the same terms."""
+    _narrow(words, _token_bits(tokens, len(words)))
 
 
 class GrammarManager:
