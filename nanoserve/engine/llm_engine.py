@@ -339,15 +339,14 @@ class LLMEngine:
                     if self.sequences.get((seq := launched.sequences[row]).request_id) is seq]
             self._grammars.advance([(seq.grammar, sampled.token_ids[row]) for row, seq in live])
             complete = {id(seq) for _, seq in live if seq.grammar.is_terminated()}
+        # the tokens just read go in first: the deferred step's bad-word bans look back at them
+        for seq, position, token in zip(launched.sequences, launched.positions, sampled.token_ids):
+            seq.token_ids[position] = token
         if deferred is not None:
-            # the tokens just read go in first: the deferred step's bad-word bans look back at them
-            for seq, position, token in zip(launched.sequences, launched.positions, sampled.token_ids):
-                seq.token_ids[position] = token
             self._sample(deferred)  # its matchers have now seen the tokens just read
         outputs = []
         for row, (seq, position) in enumerate(zip(launched.sequences, launched.positions)):
             token = sampled.token_ids[row]
-            seq.token_ids[position] = token
             if seq.pending_row == row and len(seq.token_ids) == position + 1:
                 seq.pending_row = -1
             if self.sequences.get(seq.request_id) is not seq:
