@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +97,16 @@ class AttentionMetadata:
     @property
     def decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    # counted once a step, not once a layer: every layer's attention reads them
+    @functools.cached_property
+    def num_query_tokens(self) -> int:
+        return sum(self.query_lens_host)
+
+    @functools.cached_property
+    def num_decode_rows(self) -> int:
+        """Sequences of one query this step (a mixed step's decode rows)."""
+        return self.query_lens_host.count(1)
 
 
 @dataclass

@@ -108,10 +108,10 @@ class TritonBackend:
         # (a captured step's composition is not known at capture: it always splits, and its staged
         # prefill tiles leave decode rows out)
         mixed = (meta.prefill_tiles is not None
-                 or sum(1 for n in meta.query_lens_host if n == 1) >= MIXED_MIN_DECODE_ROWS)
+                 or meta.num_decode_rows >= MIXED_MIN_DECODE_ROWS)
         out = paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                             meta.block_tables, scale, meta.max_query_len,
-                            num_query_tokens=sum(meta.query_lens_host),
+                            num_query_tokens=meta.num_query_tokens,
                             k_scale=k_scale, v_scale=v_scale, skip_decode_rows=mixed, tiles=meta.prefill_tiles)
         if mixed:
             paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
