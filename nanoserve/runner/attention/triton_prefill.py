@@ -103,23 +103,31 @@ TILE_BITS = tl.constexpr(16)   # a tiles entry is sequence << TILE_BITS | tile
 TILE_MASK = tl.constexpr((1 << 16) - 1)
 
 
+def _tile_rows(block_m: int, group: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_Q): a tile's rows, at least one query group, and the query tokens they hold."""
+    block_m = max(block_m, triton.next_power_of_2(group))
+    return block_m, block_m // group
+
+
 def prefill_block_q(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                     fp8: bool) -> int:
     """Query tokens per program (BLOCK_Q) of the default tiles, which `prefill_tiles` counts in."""
-    group = q_heads // kv_heads
-    return max(_prefill_config(head_dim, dtype, device, fp8)["BLOCK_M"], triton.next_power_of_2(group)) // group
+    return _tile_rows(_prefill_config(head_dim, dtype, device, fp8)["BLOCK_M"], q_heads // kv_heads)[1]
 
 
 def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> None:
     """Fill `out` (int32) with the (sequence, tile) programs of every sequence of more than one
     query (decode rows are paged_decode's), then -1. Raises if they do not fit: `out` holds
     T / block_q + S entries for T tokens over S sequences."""
-    tiles = [(seq << TILE_BITS.value) | tile for seq, n in enumerate(query_lens) if n > 1
-             for tile in range(-(-n // block_q))]
-    if len(tiles) > out.shape[0]:
-        raise ValueError(f"{len(tiles)} prefill tiles do not fit in {out.shape[0]}")
-    out[:len(tiles)] = tiles
-    out[len(tiles):] = -1
+    lens = np.asarray(query_lens, dtype=np.int64)
+    per_seq = np.where(lens > 1, -(-lens // block_q), 0)
+    count = int(per_seq.sum())
+    if count > out.shape[0]:
+        raise ValueError(f"{count} prefill tiles do not fit in {out.shape[0]}")
+    seqs = np.repeat(np.arange(len(lens)), per_seq)
+    tile = np.arange(count) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)   # 0, 1, ... within each sequence
+    out[:count] = (seqs << TILE_BITS.value) | tile
+    out[count:] = -1
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, fp8: bool) -> dict:
@@ -158,8 +166,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     fp8 = is_fp8(k_cache)
     # launching the last query tiles first helped no default config (the prefill sweep): off unless asked
     cfg = {"LAST_TILES_FIRST": False, **_prefill_config(head_dim, q.dtype, q.device, fp8), **(config or {})}
-    block_m = max(cfg.pop("BLOCK_M"), triton.next_power_of_2(group))
-    block_q = block_m // group
+    block_m, block_q = _tile_rows(cfg.pop("BLOCK_M"), group)
     out = torch.empty_like(q)
     if num_query_tokens is not None and num_query_tokens < num_tokens:
         out[num_query_tokens:].zero_()
