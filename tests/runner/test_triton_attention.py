@@ -274,11 +274,15 @@ def test_longest_first_order_gives_the_same_bits(group, num_splits) -> None:
 def test_fixed_size_splits_apply_to_the_engine_only_where_asked_and_the_batch_fills_the_gpu(monkeypatch) -> None:
     from nanoserve.runner.attention.triton_decode import engine_split_keys
     cpu = torch.device("cpu")   # 4 SMs under the interpreter: batch 2 x 8 kv heads fills them
+    from nanoserve.runner.attention.triton_decode import _split_keys_asked
     monkeypatch.delenv("NANOSERVE_DECODE_SPLIT_KEYS", raising=False)
+    _split_keys_asked.cache_clear()
     assert engine_split_keys(64, 8, 4096, cpu) is None
     monkeypatch.setenv("NANOSERVE_DECODE_SPLIT_KEYS", "512")
+    _split_keys_asked.cache_clear()
     assert engine_split_keys(64, 8, 4096, cpu) == 512
     assert engine_split_keys(1, 1, 4096, cpu) is None   # even splits already spread a small batch
+    _split_keys_asked.cache_clear()
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

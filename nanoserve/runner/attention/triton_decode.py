@@ -306,14 +306,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _split_keys_asked() -> int | None:
+    value = os.environ.get("NANOSERVE_DECODE_SPLIT_KEYS")   # read once: attention asks every layer
+    return int(value) if value else None
+
+
 def engine_split_keys(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int | None:
     """paged_decode's split_keys for the engine: NANOSERVE_DECODE_SPLIT_KEYS=n at batches that fill
     the GPU with one split per (sequence, kv head), where a ragged batch's longest contexts still
     set the kernel's end; None (even splits) elsewhere. Unset until measured: `gpu_suite.sh ragged`."""
-    value = os.environ.get("NANOSERVE_DECODE_SPLIT_KEYS")
-    if not value or num_decode_splits(batch, kv_heads, max_seq_len, _num_sms(device)) > 1:
+    keys = _split_keys_asked()
+    if keys is None or num_decode_splits(batch, kv_heads, max_seq_len, _num_sms(device)) > 1:
         return None
-    return int(value)
+    return keys
 
 
 def longest_first_enabled() -> bool:
