@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from nanoserve.runner.batch import SequenceWork
+from nanoserve.runner.inputs import to_device
 
 
 SLOT_STEP = 64
@@ -84,29 +85,28 @@ class PenaltyCounts:
             self.counted[key] = end
         slots = np.asarray(slots, dtype=np.int64)
 
-        def to_device(a) -> torch.Tensor:
-            return torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device, non_blocking=True)
+        def up(a) -> torch.Tensor:
+            return to_device(np.asarray(a, dtype=np.int64), device)
 
         def flat(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
             """(slot, id) of every known id in the rows' lists."""
-            lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
-            ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(lengths.sum()))
+            which, ids = _flat(lists)
             known = ids >= 0
-            return to_device(np.repeat(slots, lengths)[known]), to_device(ids[known])
+            return up(slots[which][known]), up(ids[known])
 
         if restart:
-            at = to_device(restart)
+            at = up(restart)
             self.counts[at] = 0.0
             self.seen[at] = False
         at, ids = flat(new_outputs)
         self.counts.index_put_((at, ids), torch.ones(len(ids), device=device), accumulate=True)
         self.seen[flat(new)] = True
         if pending and prev_tokens is not None:
-            at = to_device([s for s, _ in pending])
-            pending_ids = prev_tokens[to_device([p for _, p in pending])]
+            at = up([s for s, _ in pending])
+            pending_ids = prev_tokens[up([p for _, p in pending])]
             self.counts.index_put_((at, pending_ids), torch.ones(len(pending), device=device), accumulate=True)
             self.seen[at, pending_ids] = True
-        return to_device(slots)
+        return up(slots)
 
 
 def token_counts(rows: list[SequenceWork], vocab: int, device: torch.device,
@@ -151,7 +151,7 @@ def apply_token_choices(logits: torch.Tensor, rows: list[SequenceWork], masked_r
     device, vocab = logits.device, logits.shape[1]
 
     def up(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device, non_blocking=True)
+        return to_device(a, device)
 
     biased = [i for i, w in enumerate(rows) if w.params.logit_bias]
     if biased:
