@@ -30,11 +30,16 @@ JSON_MAX_WHITESPACE = 24
 CACHE_SIZE = 1024  # compiled specs kept (xgrammar also caches by its own byte limit)
 
 
+def tokenizer_info(tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+                   stop_token_ids: list[int] | None = None) -> xgr.TokenizerInfo:
+    """xgrammar's view of the tokenizer; `vocab_size` is the model's (its logits may be wider than the tokenizer)."""
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+
+
 def new_compiler(tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int] | None = None,
                  max_threads: int = 2) -> xgr.GrammarCompiler:
-    """A compiler for this tokenizer; `vocab_size` is the model's (its logits may be wider than the tokenizer)."""
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-    return xgr.GrammarCompiler(info, max_threads=max_threads)
+    """A compiler for this tokenizer (see tokenizer_info)."""
+    return xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size, stop_token_ids), max_threads=max_threads)
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import xgrammar as xgr
 from starlette.concurrency import run_in_threadpool
 from transformers import PreTrainedTokenizerBase
 
+from nanoserve.engine.grammar import tokenizer_info
 from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoserve.server.compile_workers import CompileTimeout, CompileWorkers
 from nanoserve.server.errors import APIError
@@ -80,7 +80,7 @@ class SpecChecker:
 
 
 def _tokenizer_info_json(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> str:
-    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size).serialize_json()
+    return tokenizer_info(tokenizer, vocab_size).serialize_json()
 
 
 async def constrain(checker: SpecChecker, params: SamplingParams,
