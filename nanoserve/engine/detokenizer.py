@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
@@ -11,15 +13,12 @@ from transformers import PreTrainedTokenizerBase
 _CONTEXT_TOKENS = 5
 
 
-# id -> text of each added token, per tokenizer backend: built once (a few hundred tokens for a
-# large vocabulary), not for every request that asks for no spaces between special tokens
-_ADDED_TOKENS: dict[int, dict[int, str]] = {}
-
-
+@functools.lru_cache(maxsize=8)
 def _added_tokens(backend: Tokenizer) -> dict[int, str]:
-    if id(backend) not in _ADDED_TOKENS:
-        _ADDED_TOKENS[id(backend)] = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
-    return _ADDED_TOKENS[id(backend)]
+    """id -> text of each added token, built once per tokenizer (a few hundred tokens for a large
+    vocabulary), not for every request that asks for no spaces between special tokens. Keyed by
+    the tokenizer itself, not its id(), which a later tokenizer may reuse."""
+    return {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
 
 
 class _Decoder:
