@@ -88,6 +88,8 @@ MAX_LOGIT_BIAS = 100.0
 # the words that could end there
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 256
+# as vLLM bounds it; the salt is hashed once per sequence, so its length costs next to nothing
+MAX_CACHE_SALT_CHARS = 1024
 
 
 def fork_seed(seed: int, offset: int) -> int:
@@ -145,6 +147,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, no text (saves host time in benchmarks)
     structured_outputs: StructuredOutputsParams | None = None  # the output follows this grammar
+    # vLLM's: not a sampling setting, but it travels with the request as these do. The prefix
+    # cache shares blocks only between requests of equal salt (None included), so that a tenant
+    # cannot learn from cache hits (time to first token) what another tenant's prompts were
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -199,6 +205,10 @@ class SamplingParams:
                                            f"{MAX_BAD_WORD_CHARS} characters, not only whitespace; got {str(word)[:40]!r}")
         for token in self.stop_token_ids:
             _check_int("stop_token_ids", token, 0, MAX_INT)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
+            raise InvalidSamplingParam("cache_salt", f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
+                                       f"characters, got {str(self.cache_salt)[:40]!r}")
         if self.logit_bias:
             for token, bias in self.logit_bias.items():
                 _check_int("logit_bias", token, 0, MAX_INT)

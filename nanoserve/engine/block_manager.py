@@ -15,6 +15,17 @@ def chain_hash(parent: int, token_ids: list[int]) -> int:
     return xxhash.xxh3_128_intdigest(parent.to_bytes(16, "little") + array("q", token_ids).tobytes())
 
 
+def first_parent(cache_salt: str | None) -> int:
+    """What the first block's hash chains from: 0, or the hash of the request's cache salt.
+
+    The salt goes into the first block, as in vLLM, and so into every hash after it: requests of
+    different salts share no block, whatever their tokens; requests of one salt share as before."""
+    if cache_salt is None:
+        return 0
+    # surrogatepass: a JSON string may hold a lone surrogate, which strict UTF-8 cannot encode
+    return xxhash.xxh3_128_intdigest(b"salt:" + cache_salt.encode("utf-8", "surrogatepass"))
+
+
 class BlockManager:
     """Hands out KV blocks to sequences and shares full blocks between equal prefixes.
 
@@ -47,7 +58,8 @@ class BlockManager:
         hashes, bs = seq.block_hashes, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else 0, seq.token_ids[i * bs:(i + 1) * bs]))
+            parent = hashes[-1] if hashes else first_parent(seq.params.cache_salt)
+            hashes.append(chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
         return hashes
 
     def _take(self, block_id: int) -> None:

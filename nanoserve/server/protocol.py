@@ -5,7 +5,7 @@ the OpenAI API refuses them. JSON null in an optional field means "the default",
 API reads it (its client sends null whenever a caller passes None). Ranges follow the OpenAI
 API; vLLM's extra fields (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
 stop_token_ids, allowed_token_ids, truncate_prompt_tokens, stream_options.continuous_usage_stats,
-the structured-output fields) are accepted.
+the structured-output fields, cache_salt) are accepted.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nanoserve.sampling_params import MAX_INT, MIN_REPETITION_PENALTY, SEED_RANGE, SamplingParams
+from nanoserve.sampling_params import (MAX_CACHE_SALT_CHARS, MAX_INT, MIN_REPETITION_PENALTY, SEED_RANGE,
+                                       SamplingParams)
 from nanoserve.server.errors import APIError
 
 MAX_N = 128
@@ -103,6 +104,8 @@ class SamplingFields(Strict):
     # vLLM's: a request's place in a priority scheduler; this one is first come, first served, so
     # only 0 (the default) is served, as vLLM serves it without --scheduling-policy priority
     priority: int = Field(0, ge=-MAX_INT - 1, le=MAX_INT)
+    # vLLM's: the prefix cache shares blocks only between requests of the same salt
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # structured outputs (server/structured.py): OpenAI's field, vLLM's, and vLLM's older ones
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -136,7 +139,7 @@ class SamplingFields(Strict):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens)
+            spaces_between_special_tokens=self.spaces_between_special_tokens, cache_salt=self.cache_salt)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:

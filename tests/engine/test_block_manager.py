@@ -12,13 +12,13 @@ BS = 4
 _ids = itertools.count()
 
 
-def make_seq(tokens: list[int]) -> Sequence:
-    return Sequence(f"r{next(_ids)}", tokens, SamplingParams())
+def make_seq(tokens: list[int], cache_salt: str | None = None) -> Sequence:
+    return Sequence(f"r{next(_ids)}", tokens, SamplingParams(cache_salt=cache_salt))
 
 
-def prefill(bm: BlockManager, tokens: list[int]) -> Sequence:
+def prefill(bm: BlockManager, tokens: list[int], cache_salt: str | None = None) -> Sequence:
     """Admit a sequence and compute its whole prompt, as one engine step would."""
-    seq = make_seq(tokens)
+    seq = make_seq(tokens, cache_salt)
     bm.admit(seq)
     assert bm.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens)
     seq.num_computed_tokens = seq.num_tokens
@@ -26,9 +26,9 @@ def prefill(bm: BlockManager, tokens: list[int]) -> Sequence:
     return seq
 
 
-def hit_tokens(bm: BlockManager, tokens: list[int]) -> int:
+def hit_tokens(bm: BlockManager, tokens: list[int], cache_salt: str | None = None) -> int:
     """How many leading tokens a new sequence would find cached (and give the blocks back)."""
-    seq = make_seq(tokens)
+    seq = make_seq(tokens, cache_salt)
     bm.admit(seq)
     hit = seq.num_cached_tokens
     bm.release(seq)
@@ -205,4 +205,20 @@ def test_without_prefix_caching_nothing_is_shared():
     assert b.block_table == [] and b.num_computed_tokens == 0
     bm.release(a)
     assert hit_tokens(bm, prompt) == 0
+    assert_all_free(bm)
+
+
+def test_blocks_are_shared_only_between_sequences_of_the_same_cache_salt():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    prompt = list(range(1, 14))                      # 3 full blocks + 1 token
+    a = prefill(bm, prompt, cache_salt="tenant-a")
+    assert hit_tokens(bm, prompt, "tenant-a") == 12
+    assert hit_tokens(bm, prompt, "tenant-b") == 0   # another salt: not even the first block
+    assert hit_tokens(bm, prompt) == 0               # no salt is a salt of its own
+    b = prefill(bm, prompt)
+    assert hit_tokens(bm, prompt) == 12
+    assert hit_tokens(bm, prompt, "tenant-a") == 12  # each keeps its own copy
+    assert not set(a.block_table) & set(b.block_table)
+    bm.release(a)
+    bm.release(b)
     assert_all_free(bm)

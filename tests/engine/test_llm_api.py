@@ -278,3 +278,26 @@ def test_a_token_budget_under_max_num_seqs_is_refused_with_what_to_change():
 
     with pytest.raises(ValueError, match="lower --max-num-seqs or raise --max-num-batched-tokens"):
         EngineConfig(device="cpu", max_num_batched_tokens=16)
+
+
+def test_cache_salt_keeps_prefix_blocks_apart_and_leaves_outputs_alone(llm):
+    prompt = [11 + i % 50 for i in range(30)]       # 3 full blocks of 8 before the last token
+    bm = llm.engine.block_manager
+
+    def hits(**kw) -> tuple[int, list[int]]:
+        before = bm.prefix_hit_tokens
+        out = llm.generate([prompt], greedy(4, **kw), use_tqdm=False)[0]
+        return bm.prefix_hit_tokens - before, out.token_ids
+
+    first, ref = hits(cache_salt="a")
+    assert first == 0
+    assert hits(cache_salt="b") == (0, ref)         # another salt finds nothing, computes the same
+    assert hits() == (0, ref)
+    assert hits(cache_salt="a") == (24, ref)
+    assert hits() == (24, ref)
+
+
+@pytest.mark.parametrize("salt", ["", "x" * 1025, 7])
+def test_a_cache_salt_that_is_empty_too_long_or_not_text_is_refused(salt):
+    with pytest.raises(ValueError, match="cache_salt must be a string of 1 to 1024 characters"):
+        SamplingParams(cache_salt=salt)
