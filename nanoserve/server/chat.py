@@ -17,7 +17,7 @@ from nanoserve.server.chat_output import ChoiceReader
 from nanoserve.server.conversation import template_inputs
 from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage, Tool
 from nanoserve.server.reasoning import REASONING_PARSERS
-from nanoserve.server.response import OpenAIResponse
+from nanoserve.server.response import OpenAIResponse, client_request_id
 from nanoserve.server.state import ServerState, off_the_loop_if_long, sampling_error
 from nanoserve.server.structured import constrain, requested_spec
 from nanoserve.server.tools import ToolPlan, plan_tools
@@ -85,8 +85,8 @@ class ChatCompletion(OpenAIResponse):
     id_prefix, body_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, state: ServerState, req: ChatCompletionRequest, model: str, tools: ToolPlan,
-                 text_length: int) -> None:
-        super().__init__(state, req, model)
+                 text_length: int, client_id: str | None = None) -> None:
+        super().__init__(state, req, model, client_id)
         self.prompt = req.truncate(render_chat(state, req.messages, text_length, req.add_generation_prompt, req.tools,
                                                req.chat_template_kwargs, req.continue_final_message,
                                                req.add_special_tokens))
@@ -155,10 +155,11 @@ async def create_chat_completion(request: Request) -> Response:
     if tools.parser is not None and tools.parser.needs_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)  # its calls start with a special token
     length = messages_length(req.messages)
+    client_id = client_request_id(request.headers.get("x-request-id"), req.request_id)
     chat = await off_the_loop_if_long(rendering_work(req.messages, req.tools, length), ChatCompletion, state, req,
-                                      model, tools, length)
+                                      model, tools, length, client_id)
     try:
-        stream = state.start(chat.id, [chat.prompt], params)
+        stream = state.start(chat.engine_id, [chat.prompt], params)
     except APIError as exc:
         if exc.param == "max_tokens" and req.max_completion_tokens is not None:
             exc.param = "max_completion_tokens"   # the field this request set

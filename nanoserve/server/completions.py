@@ -13,7 +13,7 @@ from nanoserve.server.errors import APIError
 from nanoserve.server.logprobs import TextOffsets, completion_logprobs
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.protocol import CompletionRequest
-from nanoserve.server.response import OpenAIResponse
+from nanoserve.server.response import OpenAIResponse, client_request_id
 from nanoserve.server.state import ServerState, off_the_loop_if_long, sampling_error, texts_length
 from nanoserve.server.structured import constrain, requested_spec
 from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_body, sse_response
@@ -26,8 +26,8 @@ class Completion(OpenAIResponse):
 
     id_prefix, body_object, chunk_object = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self, state: ServerState, req: CompletionRequest, model: str) -> None:
-        super().__init__(state, req, model)
+    def __init__(self, state: ServerState, req: CompletionRequest, model: str, client_id: str | None = None) -> None:
+        super().__init__(state, req, model, client_id)
         prompt = prompt_list(req.prompt)
         if not prompt:
             raise APIError("'prompt' is an empty list; give at least one prompt", param="prompt")
@@ -182,7 +182,8 @@ async def create_completion(request: Request) -> Response:
     model = state.model_name(req.model)
     refuse_unsupported(req)
     state.settings.limits.check_request(len(prompt_list(req.prompt)), req.n, req.stop, req.stop_token_ids)
-    completion = await off_the_loop_if_long(texts_length(req.prompt), Completion, state, req, model)
+    client_id = client_request_id(request.headers.get("x-request-id"), req.request_id)
+    completion = await off_the_loop_if_long(texts_length(req.prompt), Completion, state, req, model, client_id)
     try:
         # echo with max_tokens 0 computes one token, which the response leaves out
         params = req.sampling_params(max(1, default_max_tokens(state, req, completion.prompt_lens)), req.logprobs,
@@ -192,7 +193,7 @@ async def create_completion(request: Request) -> Response:
     except ValueError as exc:
         raise sampling_error(exc) from None
     params = await constrain(state.specs, params, requested_spec(req))
-    stream = state.start(completion.id, completion.prompts, params)
+    stream = state.start(completion.engine_id, completion.prompts, params)
     timer.request_id = completion.id
     timer.prompt(sum(completion.prompt_lens))
     if req.stream:

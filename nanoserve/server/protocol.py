@@ -5,7 +5,7 @@ the OpenAI API refuses them. JSON null in an optional field means "the default",
 API reads it (its client sends null whenever a caller passes None). Ranges follow the OpenAI
 API; vLLM's extra fields (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
 stop_token_ids, allowed_token_ids, truncate_prompt_tokens, stream_options.continuous_usage_stats,
-the structured-output fields, cache_salt) are accepted.
+the structured-output fields, cache_salt, request_id) are accepted.
 """
 
 from __future__ import annotations
@@ -104,6 +104,8 @@ class SamplingFields(Strict):
     # vLLM's: a request's place in a priority scheduler; this one is first come, first served, so
     # only 0 (the default) is served, as vLLM serves it without --scheduling-policy priority
     priority: int = Field(0, ge=-MAX_INT - 1, le=MAX_INT)
+    # vLLM's: the response's id is "cmpl-" (or "chatcmpl-") and this (bounded in server/response.py)
+    request_id: str | None = None
     # vLLM's: the prefix cache shares blocks only between requests of the same salt
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # structured outputs (server/structured.py): OpenAI's field, vLLM's, and vLLM's older ones

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 
 import orjson
 
 from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream, RequestUpdate
+from nanoserve.server.errors import APIError
 from nanoserve.server.logprobs import TOKEN_ID_NAMES, TokenIdNames, TokenTexts
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.state import ServerState, engine_error, new_id, timed, usage
@@ -19,16 +21,46 @@ from nanoserve.server.wire import DONE, sse_event
 RenderChoice = Callable[[RequestUpdate, list[int], list], dict | None]
 
 
+# a client's id is sent back in every chunk and written in the log line: uuids and trace ids fit
+MAX_REQUEST_ID_CHARS = 256
+
+
+def client_request_id(header: str | None, field: str | None) -> str | None:
+    """The id a client gave its request, as vLLM takes it: the X-Request-Id header, else the
+    `request_id` field; None (a random id) when neither is given or both are empty."""
+    for given, name in ((header, "The X-Request-Id header"), (field, "'request_id'")):
+        if not given:
+            continue
+        if len(given) > MAX_REQUEST_ID_CHARS:
+            raise APIError(f"{name} has {len(given)} characters; at most {MAX_REQUEST_ID_CHARS}",
+                           param="request_id", code="invalid_value")
+        if not given.isprintable():   # a newline would forge lines of the server's log
+            raise APIError(f"{name} may hold printable characters only, not control characters or line breaks",
+                           param="request_id", code="invalid_value")
+        return given
+    return None
+
+
 class OpenAIResponse:
-    """One request between validation and its last byte. Subclasses name their object types."""
+    """One request between validation and its last byte. Subclasses name their object types.
+
+    `id` is what the client sees ("cmpl-" and its own request id, as vLLM answers, or a random
+    one); `engine_id` names the request in the engine, unique even when clients reuse an id."""
 
     id_prefix = ""
     body_object = ""   # "text_completion" / "chat.completion"
     chunk_object = ""  # the object of each SSE chunk
 
-    def __init__(self, state: ServerState, req, model: str) -> None:
+    def __init__(self, state: ServerState, req, model: str, client_id: str | None = None) -> None:
         self.state, self.req, self.model = state, req, model
-        self.id, self.created = new_id(self.id_prefix), int(time.time())
+        self.created = int(time.time())
+        if client_id is None:
+            self.id = self.engine_id = new_id(self.id_prefix)
+        else:
+            # two requests in flight under one id (a retry, a fixed id) must not meet in the
+            # engine, where an id names the sequence to abort: its own random suffix tells them apart
+            self.id = f"{self.id_prefix}-{client_id}"
+            self.engine_id = f"{self.id}~{uuid.uuid4().hex}"
         self.cached: dict[int, int] = {}  # choice index -> its prompt tokens found in the prefix cache
         self.prompt_lens: list[int] = []  # token counts of the request's prompts, set by the endpoint
 
