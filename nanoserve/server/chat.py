@@ -100,6 +100,14 @@ class ChatCompletion(OpenAIResponse):
     def logprobs(self, token_ids: list[int], logprobs: list | None) -> dict | None:
         return chat_logprobs(self.token_names, token_ids, logprobs or [], self.top_n) if self.req.logprobs else None
 
+    def token_ids(self, token_ids: list[int]) -> dict:
+        """vLLM's return_token_ids: a choice's new token ids, before reasoning and tool calls are read."""
+        return {"token_ids": token_ids} if self.req.return_token_ids else {}
+
+    def prompt_fields(self) -> dict:
+        # as vLLM sends them: the prompt's ids once, beside the choices (streamed: the first chunk's)
+        return {"prompt_token_ids": self.prompt} if self.req.return_token_ids else {}
+
     async def collect(self, stream: RequestStream, timer: RequestTimer) -> dict:
         await self.drain(stream, timer)
         choices = []
@@ -107,8 +115,9 @@ class ChatCompletion(OpenAIResponse):
             message, finish_reason = self.readers[c].message(out.text, out.finish_reason)
             logprobs = self.logprobs(out.token_ids, out.logprobs)
             choices.append(await self.serialized({"index": c, "message": message, "logprobs": logprobs,
-                                                  "finish_reason": finish_reason, "stop_reason": out.stop_reason}))
-        return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
+                                                  "finish_reason": finish_reason, "stop_reason": out.stop_reason,
+                                                  **self.token_ids(out.token_ids)}))
+        return {**self.envelope(self.body_object, choices), "usage": self.usage(stream), **self.prompt_fields()}
 
     def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
         def render(u: RequestUpdate, ids: list[int], lps: list) -> dict | None:
@@ -116,7 +125,7 @@ class ChatCompletion(OpenAIResponse):
             if not delta and finish_reason is None:
                 return None  # text a parser holds back (a tag, the start of a call) shows nothing yet
             return {"index": u.index, "delta": delta, "logprobs": self.logprobs(ids, lps),
-                    "finish_reason": finish_reason, "stop_reason": u.stop_reason}
+                    "finish_reason": finish_reason, "stop_reason": u.stop_reason, **self.token_ids(ids)}
 
         # the role comes first, in a delta of its own for every choice
         opening = [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

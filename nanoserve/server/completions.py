@@ -93,6 +93,14 @@ class Completion(OpenAIResponse):
         p = choice // self.req.n
         return self.prompts[p], stream.outputs[p * self.req.n].prompt_logprobs or []
 
+    def token_ids(self, choice: int, own_ids: list[int], first: bool) -> dict:
+        """vLLM's return_token_ids: a choice's own new token ids (echo or not), and with its first
+        chunk (or its whole body) the ids of its prompt."""
+        if not self.req.return_token_ids:
+            return {}
+        fields = {"prompt_token_ids": self.prompts[choice // self.req.n]} if first else {}
+        return {**fields, "token_ids": own_ids}
+
     def text_offsets(self, choice: int) -> TextOffsets:
         """Where a choice's tokens start in its text: a scored prompt's offsets count from its own
         start, a choice's own tokens from the end of an echo without logprobs."""
@@ -112,16 +120,19 @@ class Completion(OpenAIResponse):
                 logprobs = completion_logprobs(self.token_names, ids + own_ids, lps + own_lps,
                                                self.text_offsets(c), num_prompt_tokens=len(ids))
             choices.append(await self.serialized({"index": c, "text": prefix + text, "logprobs": logprobs,
-                                                  "finish_reason": finish_reason, "stop_reason": stop_reason}))
+                                                  "finish_reason": finish_reason, "stop_reason": stop_reason,
+                                                  **self.token_ids(c, own_ids, first=True)}))
         return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
 
     def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
         offsets = [self.text_offsets(c) for c in range(len(stream.outputs))]
         echoed: set[int] = set()
+        opened: set[int] = set()   # choices whose first chunk has gone (with their prompt's token ids)
 
         def render(u: RequestUpdate, ids: list[int], lps: list) -> dict:
-            text, ids, lps, finish_reason, stop_reason = self.answer(u.text, ids, lps, u.finish_reason, u.stop_reason)
-            num_prompt_tokens = 0
+            text, own_ids, lps, finish_reason, stop_reason = self.answer(u.text, ids, lps, u.finish_reason,
+                                                                         u.stop_reason)
+            ids, num_prompt_tokens = own_ids, 0
             if self.scores_prompt and u.index not in echoed:
                 # a prompt's logprobs exist once it is computed, so it is echoed with the first tokens
                 echoed.add(u.index)
@@ -131,11 +142,16 @@ class Completion(OpenAIResponse):
             logprobs = None
             if self.req.logprobs is not None:
                 logprobs = completion_logprobs(self.token_names, ids, lps, offsets[u.index], num_prompt_tokens)
+            first = u.index not in opened
+            opened.add(u.index)
             return {"index": u.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-                    "stop_reason": stop_reason}
+                    "stop_reason": stop_reason, **self.token_ids(u.index, own_ids, first)}
 
-        opening = [{"index": c, "text": self.echo(c), "logprobs": None, "finish_reason": None, "stop_reason": None}
-                   for c in range(len(stream.outputs))] if self.req.echo and not self.scores_prompt else []
+        opening = []
+        if self.req.echo and not self.scores_prompt:
+            opened.update(range(len(stream.outputs)))
+            opening = [{"index": c, "text": self.echo(c), "logprobs": None, "finish_reason": None, "stop_reason": None,
+                        **self.token_ids(c, [], first=True)} for c in range(len(stream.outputs))]
         return self.sse(stream, timer, opening, render)
 
 

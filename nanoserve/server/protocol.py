@@ -5,7 +5,7 @@ the OpenAI API refuses them. JSON null in an optional field means "the default",
 API reads it (its client sends null whenever a caller passes None). Ranges follow the OpenAI
 API; vLLM's extra fields (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
 stop_token_ids, allowed_token_ids, truncate_prompt_tokens, stream_options.continuous_usage_stats,
-the structured-output fields, cache_salt, request_id) are accepted.
+the structured-output fields, cache_salt, request_id, return_token_ids) are accepted.
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ class SamplingFields(Strict):
     include_stop_str_in_output: bool = False
     # vLLM's: logprobs name tokens "token_id:N", so tokens of equal or partial text stay apart
     return_tokens_as_token_ids: bool = False
+    # vLLM's: each choice carries its new tokens' ids ("token_ids"), and the prompt's ids come too
+    return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # vLLM's: keep only the last k prompt tokens

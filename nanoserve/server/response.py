@@ -78,6 +78,11 @@ class OpenAIResponse:
             body["usage"] = usage
         return body
 
+    def prompt_fields(self) -> dict:
+        """Fields about the prompt beside the choices: in a whole response, and in a stream's first
+        chunk (chat's prompt_token_ids; /v1/completions puts them in each choice)."""
+        return {}
+
     async def drain(self, stream: RequestStream, timer: RequestTimer) -> None:
         """Read every update of a whole-response request; the texts accumulate in stream.outputs."""
         try:
@@ -109,7 +114,8 @@ class OpenAIResponse:
         pending: dict[int, tuple[list, list]] = {}
         try:
             if opening:  # with continuous usage every chunk has it, the opening one too (0 completion tokens)
-                yield sse_event(self.chunk(opening, self.usage(stream) if self.req.continuous_usage else None))
+                yield sse_event({**self.chunk(opening, self.usage(stream) if self.req.continuous_usage else None),
+                                 **self.prompt_fields()})
             async for u in timed(stream, timer):
                 self.cached[u.index] = u.num_cached_tokens
                 ids, lps = pending.setdefault(u.index, ([], []))
