@@ -17,7 +17,7 @@ from nanoserve.server.chat_output import ChoiceReader
 from nanoserve.server.conversation import template_inputs
 from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage, Tool
 from nanoserve.server.reasoning import REASONING_PARSERS
-from nanoserve.server.response import OpenAIResponse, client_request_id
+from nanoserve.server.response import OpenAIResponse, client_request_id, with_prompt_logprobs
 from nanoserve.server.state import ServerState, off_the_loop_if_long, sampling_error
 from nanoserve.server.structured import constrain, requested_spec
 from nanoserve.server.tools import ToolPlan, plan_tools
@@ -117,7 +117,10 @@ class ChatCompletion(OpenAIResponse):
             choices.append(await self.serialized({"index": c, "message": message, "logprobs": logprobs,
                                                   "finish_reason": finish_reason, "stop_reason": out.stop_reason,
                                                   **self.token_ids(out.token_ids)}))
-        return {**self.envelope(self.body_object, choices), "usage": self.usage(stream), **self.prompt_fields()}
+        body = {**self.envelope(self.body_object, choices), "usage": self.usage(stream), **self.prompt_fields()}
+        if self.req.returns_prompt_logprobs:   # vLLM's: beside the choices, which share one prompt
+            body["prompt_logprobs"] = await self.prompt_logprobs_json(self.prompt, stream.outputs[0].prompt_logprobs)
+        return body
 
     def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
         def render(u: RequestUpdate, ids: list[int], lps: list) -> dict | None:
@@ -152,9 +155,11 @@ async def create_chat_completion(request: Request) -> Response:
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     req.check_priority()
+    req.check_prompt_logprobs()
     try:
         params = req.sampling_params(max_tokens(req), (req.top_logprobs or 0) if req.logprobs else None,
                                      state.sampling_defaults)
+        params = with_prompt_logprobs(params, req.prompt_logprobs if req.returns_prompt_logprobs else None)
     except ValueError as exc:
         raise sampling_error(exc) from None
     settings = state.settings

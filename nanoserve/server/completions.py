@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -13,7 +12,7 @@ from nanoserve.server.errors import APIError
 from nanoserve.server.logprobs import TextOffsets, completion_logprobs
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.protocol import CompletionRequest
-from nanoserve.server.response import OpenAIResponse, client_request_id
+from nanoserve.server.response import OpenAIResponse, client_request_id, with_prompt_logprobs
 from nanoserve.server.state import ServerState, off_the_loop_if_long, sampling_error, texts_length
 from nanoserve.server.structured import constrain, requested_spec
 from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_body, sse_response
@@ -91,7 +90,11 @@ class Completion(OpenAIResponse):
         if not self.scores_prompt:
             return [], []
         p = choice // self.req.n
-        return self.prompts[p], stream.outputs[p * self.req.n].prompt_logprobs or []
+        scored = stream.outputs[p * self.req.n].prompt_logprobs or []
+        if self.req.returns_prompt_logprobs:
+            # the engine may have scored more alternatives, for prompt_logprobs: echo shows `logprobs`
+            scored = [e if e is None else (e[0], e[1][:self.req.logprobs]) for e in scored]
+        return self.prompts[p], scored
 
     def token_ids(self, choice: int, own_ids: list[int], first: bool) -> dict:
         """vLLM's return_token_ids: a choice's own new token ids (echo or not), and with its first
@@ -110,6 +113,10 @@ class Completion(OpenAIResponse):
     async def collect(self, stream: RequestStream, timer: RequestTimer) -> dict:
         await self.drain(stream, timer)
         choices = []
+        n = self.req.n
+        # vLLM's prompt_logprobs: each choice carries its prompt's, scored once with the first choice
+        scored = [await self.prompt_logprobs_json(prompt, stream.outputs[p * n].prompt_logprobs)
+                  for p, prompt in enumerate(self.prompts)] if self.req.returns_prompt_logprobs else []
         for c, out in enumerate(stream.outputs):
             prefix = self.echo(c)
             text, own_ids, own_lps, finish_reason, stop_reason = self.answer(
@@ -121,7 +128,8 @@ class Completion(OpenAIResponse):
                                                self.text_offsets(c), num_prompt_tokens=len(ids))
             choices.append(await self.serialized({"index": c, "text": prefix + text, "logprobs": logprobs,
                                                   "finish_reason": finish_reason, "stop_reason": stop_reason,
-                                                  **self.token_ids(c, own_ids, first=True)}))
+                                                  **self.token_ids(c, own_ids, first=True),
+                                                  **({"prompt_logprobs": scored[c // n]} if scored else {})}))
         return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
 
     def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
@@ -173,6 +181,7 @@ def refuse_unsupported(req: CompletionRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     req.check_priority()
+    req.check_prompt_logprobs()
 
 
 # what the OpenAI API and vLLM generate when a completion request gives no max_tokens
@@ -204,8 +213,8 @@ async def create_completion(request: Request) -> Response:
         # echo with max_tokens 0 computes one token, which the response leaves out
         params = req.sampling_params(max(1, default_max_tokens(state, req, completion.prompt_lens)), req.logprobs,
                                      state.sampling_defaults)
-        if completion.scores_prompt:
-            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+        params = with_prompt_logprobs(params, req.prompt_logprobs if req.returns_prompt_logprobs else None,
+                                      req.logprobs if completion.scores_prompt else None)
     except ValueError as exc:
         raise sampling_error(exc) from None
     params = await constrain(state.specs, params, requested_spec(req))

@@ -26,7 +26,6 @@ REFUSED_FIELDS = {
     # as vLLM does unless told to trust request templates
     "chat_template": "a chat template is code the server runs, so a request may not bring one; start the "
                      "server with --chat-template, or pass variables through chat_template_kwargs",
-    "prompt_logprobs": "on /v1/completions, echo with logprobs returns the prompt's token logprobs",
 }
 
 

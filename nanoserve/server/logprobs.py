@@ -142,3 +142,31 @@ def chat_logprobs(texts: TokenTexts | TokenIdNames, token_ids: list[int], logpro
                for tid, lp in alternatives[:top_n]]
         content.append({"token": text, "logprob": chosen, "bytes": list(raw), "top_logprobs": top})
     return {"content": content}
+
+
+def prompt_logprob_entries(texts: TokenTexts, token_ids: list[int], scored: list[TokenLogprob | None],
+                    top_n: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first: nothing predicts it), else
+    {token id: {"logprob", "rank", "decoded_token"}} for the token itself, then its top_n alternatives.
+
+    A rank is 1 + how many tokens are more likely. The engine returns its top alternatives only,
+    so the prompt token's rank is known where they reach down to its logprob, and null below."""
+    out: list[dict | None] = []
+    for token_id, entry in zip(token_ids, scored):
+        if entry is None:
+            out.append(None)
+            continue
+        chosen, alternatives = entry
+        # every more likely token is among the alternatives when the last of them is no more likely
+        known = bool(alternatives) and chosen >= alternatives[-1][1]
+        rank = 1 + sum(lp > chosen for _, lp in alternatives) if known else None
+        tokens = {str(token_id): _entry(texts, token_id, chosen, rank)}
+        for r, (tid, lp) in enumerate(alternatives[:top_n], start=1):
+            tokens.setdefault(str(tid), _entry(texts, tid, lp, r))
+        out.append(tokens)
+    return out
+
+
+def _entry(texts: TokenTexts, token_id: int, logprob: float, rank: int | None) -> dict:
+    # as vLLM's detokenizer writes one token: a piece of a character is U+FFFD, not "bytes:..."
+    return {"logprob": logprob, "rank": rank, "decoded_token": texts.get(token_id)[0].decode("utf-8", "replace")}

@@ -5,7 +5,7 @@ the OpenAI API refuses them. JSON null in an optional field means "the default",
 API reads it (its client sends null whenever a caller passes None). Ranges follow the OpenAI
 API; vLLM's extra fields (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
 stop_token_ids, allowed_token_ids, truncate_prompt_tokens, stream_options.continuous_usage_stats,
-the structured-output fields, cache_salt, request_id, return_token_ids) are accepted.
+the structured-output fields, cache_salt, request_id, return_token_ids, prompt_logprobs) are accepted.
 """
 
 from __future__ import annotations
@@ -100,6 +100,9 @@ class SamplingFields(Strict):
     return_tokens_as_token_ids: bool = False
     # vLLM's: each choice carries its new tokens' ids ("token_ids"), and the prompt's ids come too
     return_token_ids: bool = False
+    # vLLM's: each prompt token's logprob and this many alternatives, in whole responses only
+    # (-1, vLLM's "the whole vocabulary", is refused by name in check_prompt_logprobs)
+    prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_LOGPROBS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # vLLM's: keep only the last k prompt tokens
@@ -163,6 +166,19 @@ class SamplingFields(Strict):
         if self.priority != 0:   # vLLM's answer where its scheduler is first come, first served
             raise APIError("Priority scheduling is not enabled: this server serves requests first come, first "
                            "served, so 'priority' must be 0", param="priority", code="unsupported_parameter")
+
+    def check_prompt_logprobs(self) -> None:
+        if self.prompt_logprobs == -1:
+            raise APIError(f"prompt_logprobs -1 asks for the whole vocabulary at every prompt token; this server "
+                           f"returns at most {MAX_LOGPROBS} alternatives", param="prompt_logprobs")
+        if self.prompt_logprobs and self.stream:   # as vLLM answers: its streams never carry them
+            raise APIError("prompt_logprobs are not available when stream is true; ask without streaming",
+                           param="prompt_logprobs")
+
+    @property
+    def returns_prompt_logprobs(self) -> bool:
+        """A whole response carries prompt_logprobs when asked; a stream may ask for 0 and gets none, as in vLLM."""
+        return self.prompt_logprobs is not None and not self.stream
 
     @property
     def include_usage(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -10,8 +11,9 @@ from collections.abc import AsyncIterator, Callable
 import orjson
 
 from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream, RequestUpdate
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.errors import APIError
-from nanoserve.server.logprobs import TOKEN_ID_NAMES, TokenIdNames, TokenTexts
+from nanoserve.server.logprobs import TOKEN_ID_NAMES, TokenIdNames, TokenTexts, prompt_logprob_entries
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.state import ServerState, engine_error, new_id, timed, usage
 from nanoserve.server.wire import DONE, sse_event
@@ -39,6 +41,15 @@ def client_request_id(header: str | None, field: str | None) -> str | None:
                            param="request_id", code="invalid_value")
         return given
     return None
+
+
+def with_prompt_logprobs(params: SamplingParams, returned: int | None, echoed: int | None = None) -> SamplingParams:
+    """`params` asking the engine for the prompt logprobs a response shows: `returned` alternatives
+    in vLLM's prompt_logprobs, `echoed` in the logprobs of an echoed prompt."""
+    # one alternative costs the sampler nothing (it finds the best token anyway), and it tells
+    # the rank of a prompt token that is the most likely one
+    asks = [n for n in (None if returned is None else max(returned, 1), echoed) if n is not None]
+    return dataclasses.replace(params, prompt_logprobs=max(asks)) if asks else params
 
 
 class OpenAIResponse:
@@ -93,8 +104,15 @@ class OpenAIResponse:
         finally:
             stream.close()
 
+    async def prompt_logprobs_json(self, prompt: list[int], scored: list | None) -> orjson.Fragment | None:
+        """vLLM's prompt_logprobs of one prompt as JSON (a 4k-token prompt with 20 alternatives
+        writes 80k entries: built once, however many choices carry it)."""
+        if not self.req.returns_prompt_logprobs or scored is None:
+            return None
+        return await self.serialized(prompt_logprob_entries(self.state.texts, prompt, scored, self.req.prompt_logprobs))
+
     @staticmethod
-    async def serialized(choice: dict) -> orjson.Fragment:
+    async def serialized(choice: object) -> orjson.Fragment:
         """A choice of a whole response as JSON, written now, then a pause for the event loop: 128
         choices with 2k echoed tokens of logprobs each, built and written at once, held every
         other request for 1.5 s."""
