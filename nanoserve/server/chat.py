@@ -96,6 +96,11 @@ class ChatCompletion(OpenAIResponse):
         # a template may open the reasoning for the model, in the prompt's last tokens
         opened = parser is not None and parser.opens_in(state.tokenizer.decode(self.prompt[-16:]))
         self.readers = [ChoiceReader(tools, parser(opened) if parser else None) for _ in range(req.n)]
+        # as vLLM answers: as the assistant, or without a generation prompt as the last message's author
+        last = req.messages[-1]
+        self.role = "assistant" if req.add_generation_prompt else last.role
+        # vLLM's echo: a reply that continues a message of its own author repeats that message first
+        self.echoed = last.text() if req.echo and last.role == self.role else ""
 
     def logprobs(self, token_ids: list[int], logprobs: list | None) -> dict | None:
         return chat_logprobs(self.token_names, token_ids, logprobs or [], self.top_n) if self.req.logprobs else None
@@ -113,6 +118,9 @@ class ChatCompletion(OpenAIResponse):
         choices = []
         for c, out in enumerate(stream.outputs):
             message, finish_reason = self.readers[c].message(out.text, out.finish_reason)
+            message["role"] = self.role
+            if self.echoed:
+                message["content"] = self.echoed + (message["content"] or "")
             logprobs = self.logprobs(out.token_ids, out.logprobs)
             choices.append(await self.serialized({"index": c, "message": message, "logprobs": logprobs,
                                                   "finish_reason": finish_reason, "stop_reason": out.stop_reason,
@@ -130,8 +138,8 @@ class ChatCompletion(OpenAIResponse):
             return {"index": u.index, "delta": delta, "logprobs": self.logprobs(ids, lps),
                     "finish_reason": finish_reason, "stop_reason": u.stop_reason, **self.token_ids(ids)}
 
-        # the role comes first, in a delta of its own for every choice
-        opening = [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        # the role comes first, in a delta of its own for every choice, with what echo repeats
+        opening = [{"index": c, "delta": {"role": self.role, "content": self.echoed}, "logprobs": None,
                     "finish_reason": None, "stop_reason": None} for c in range(len(stream.outputs))]
         return self.sse(stream, timer, opening, render)
 

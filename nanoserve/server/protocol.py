@@ -273,6 +273,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template (enable_thinking)
     add_generation_prompt: bool = True     # vLLM's: False leaves the assistant's header out
     continue_final_message: bool = False   # vLLM's: the reply continues the last message, left open
+    echo: bool = False   # vLLM's: the reply repeats the last message first when it speaks as its author
     # vLLM's: off, since the chat template writes every special token the model expects (BOS included)
     add_special_tokens: bool = False
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
