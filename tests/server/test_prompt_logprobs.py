@@ -107,3 +107,14 @@ def test_a_bad_prompt_logprobs_is_a_400_naming_it(server, path, body, extra, wor
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "prompt_logprobs" and words in error["message"], error
+
+
+def test_a_long_prompts_logprobs_are_built_off_the_event_loop_and_shared_by_its_choices(client, server, offline):
+    # 600 tokens x 21 entries: past what is built inline, so a worker thread builds them
+    prompt = [100 + (7 * i) % 3000 for i in range(600)]
+    prompt_ids, ref = scored(offline, prompt)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, n=2,
+                                    extra_body={"prompt_logprobs": 20})
+    assert out.choices[0].prompt_logprobs == out.choices[1].prompt_logprobs
+    check(out.choices[0].prompt_logprobs, prompt_ids, ref, 20, offline)
+    server.wait_idle()
