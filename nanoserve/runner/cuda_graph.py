@@ -59,7 +59,7 @@ class DecodeBuffers:
     """
 
     def __init__(self, max_batch: int, max_blocks: int, max_model_len: int, block_size: int,
-                 device: torch.device, seed: int = 0, draws: bool = True) -> None:
+                 device: torch.device, seed: int = 0, draws: bool = True, fp8_cache: bool = False) -> None:
         """`draws`: stage the in-graph draw's inputs too (1 / T and noise seeds)."""
         self.block_size = block_size
         self.draws = draws
@@ -77,7 +77,7 @@ class DecodeBuffers:
         # contiguous (flash-attn wants that)
         dev_i32 = torch.zeros(n * (2 + max_blocks), dtype=torch.int32, device=device)
         self.dev_lens_order, self.dev_tables = dev_i32[:2 * n].view(2, n), dev_i32[2 * n:].view(n, max_blocks)
-        self.longest_first = longest_first_enabled()
+        self.longest_first = longest_first_enabled(fp8_cache)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
 
     def meta(self, batch: int) -> AttentionMetadata:
@@ -147,7 +147,8 @@ class DecodeGraphs:
         self.max_batch = self.sizes[-1]
         device = torch.device(config.device)
         self.buffers = DecodeBuffers(self.max_batch, -(-config.max_model_len // config.block_size),
-                                     config.max_model_len, config.block_size, device, config.seed, draws)
+                                     config.max_model_len, config.block_size, device, config.seed, draws,
+                                     config.kv_cache_dtype == "fp8")
         # every bucket's logits in one buffer: per-graph outputs of [batch, vocab] would add up
         self.logits = torch.empty((self.max_batch, model.config.vocab_size), dtype=config.dtype,
                                   device=device) if draws else None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 import torch
 
 from nanoserve.runner.batch import PENDING_TOKEN, SequenceWork
@@ -111,10 +113,15 @@ def test_the_in_graph_draw_reads_each_rows_inverse_temperature_bit_for_bit():
     assert not torch.equal(buffers.dev_i64[3, :16], first), "each step draws fresh noise"
 
 
-def test_longest_first_stages_the_rows_by_falling_length_padding_last(monkeypatch):
-    monkeypatch.setenv("NANOSERVE_LONGEST_FIRST", "1")
+@pytest.mark.parametrize("asked, fp8_cache", [(None, True), ("1", False)])
+def test_longest_first_stages_the_rows_by_falling_length_padding_last(monkeypatch, asked, fp8_cache):
+    if asked is None:
+        monkeypatch.delenv("NANOSERVE_LONGEST_FIRST", raising=False)
+    else:
+        monkeypatch.setenv("NANOSERVE_LONGEST_FIRST", asked)
     rng = random.Random(3)
-    buffers = DecodeBuffers(16, max_blocks=8, max_model_len=32, block_size=BLOCK, device=torch.device("cpu"))
+    buffers = DecodeBuffers(16, max_blocks=8, max_model_len=32, block_size=BLOCK, device=torch.device("cpu"),
+                            fp8_cache=fp8_cache)
     for n, batch in ((11, 16), (3, 4)):
         _, _, meta = staged(buffers, decode_work(rng, n), batch)
         order = meta.decode_order
@@ -122,6 +129,14 @@ def test_longest_first_stages_the_rows_by_falling_length_padding_last(monkeypatc
         assert sorted(order.tolist()) == list(range(batch))
         lens = meta.seq_lens[order.long()].tolist()
         assert lens == sorted(lens, reverse=True) and lens[n:] == [0] * (batch - n)
-    monkeypatch.delenv("NANOSERVE_LONGEST_FIRST")
-    off = DecodeBuffers(4, max_blocks=8, max_model_len=32, block_size=BLOCK, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("asked, fp8_cache", [(None, False), ("0", True)])
+def test_rows_keep_their_order_over_a_bf16_cache_or_when_asked(monkeypatch, asked, fp8_cache):
+    if asked is None:
+        monkeypatch.delenv("NANOSERVE_LONGEST_FIRST", raising=False)
+    else:
+        monkeypatch.setenv("NANOSERVE_LONGEST_FIRST", asked)
+    off = DecodeBuffers(4, max_blocks=8, max_model_len=32, block_size=BLOCK, device=torch.device("cpu"),
+                        fp8_cache=fp8_cache)
     assert off.meta(4).decode_order is None

@@ -271,17 +271,22 @@ def test_longest_first_order_gives_the_same_bits(group, num_splits) -> None:
         run(seq_order=order.long())
 
 
-def test_fixed_size_splits_apply_to_the_engine_only_where_asked_and_the_batch_fills_the_gpu(monkeypatch) -> None:
+def test_fixed_size_splits_apply_over_an_fp8_cache_or_where_asked_and_only_where_the_batch_fills_the_gpu(monkeypatch) -> None:
     from nanoserve.runner.attention.triton_decode import engine_split_keys
     cpu = torch.device("cpu")   # 4 SMs under the interpreter: batch 2 x 8 kv heads fills them
     from nanoserve.runner.attention.triton_decode import _split_keys_asked
     monkeypatch.delenv("NANOSERVE_DECODE_SPLIT_KEYS", raising=False)
     _split_keys_asked.cache_clear()
     assert engine_split_keys(64, 8, 4096, cpu) is None
-    monkeypatch.setenv("NANOSERVE_DECODE_SPLIT_KEYS", "512")
+    assert engine_split_keys(64, 8, 4096, cpu, fp8_cache=True) == 512   # an fp8 cache's default
+    assert engine_split_keys(1, 1, 4096, cpu, fp8_cache=True) is None   # even splits already spread a small batch
+    monkeypatch.setenv("NANOSERVE_DECODE_SPLIT_KEYS", "256")
     _split_keys_asked.cache_clear()
-    assert engine_split_keys(64, 8, 4096, cpu) == 512
-    assert engine_split_keys(1, 1, 4096, cpu) is None   # even splits already spread a small batch
+    assert engine_split_keys(64, 8, 4096, cpu) == 256
+    assert engine_split_keys(1, 1, 4096, cpu) is None
+    monkeypatch.setenv("NANOSERVE_DECODE_SPLIT_KEYS", "0")
+    _split_keys_asked.cache_clear()
+    assert engine_split_keys(64, 8, 4096, cpu, fp8_cache=True) is None
     _split_keys_asked.cache_clear()
 
 

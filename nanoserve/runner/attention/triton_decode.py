@@ -30,12 +30,11 @@ import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step
-from nanoserve.runner.pdl import pdl_launch, pdl_prefetch_enabled, pdl_prologue, prefetch_l2
+from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 MIN_TOKENS_PER_SPLIT = 256   # below this a split costs more in merging than it saves
 MAX_SPLITS = 64
 WAVES = 4                    # programs per SM to aim for before splitting stops paying
-PREFETCH_MAX_BATCH = 4       # batches up to this prefetch each split's first K/V tile (with PDL)
 
 
 @triton.jit
@@ -72,7 +71,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
-    ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr,
+    ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # lengths, order, query starts and block tables are staged by the host, never written by a
     # kernel of the step: they may be read before waiting on the kernel ahead (PDL); q and the cache may not
@@ -88,10 +87,6 @@ def _decode_kernel(
     start = split * per_split * BLOCK_N
     end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + per_split * BLOCK_N, seq_len))
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if PREFETCH_LINE > 0:   # the first tile's K/V lines into L2 while the kernel ahead runs
-        _prefetch_first_tile(k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_kb, stride_kt,
-                             stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
-                             PREFETCH_LINE)
     pdl_prologue(USE_PDL)   # every program waits, even one with nothing to do: see pdl.py
     if q_row < 0:   # a prompt's row of a mixed step: the prefill kernel's
         return
@@ -139,22 +134,6 @@ def _decode_kernel(
     else:
         tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
-
-
-@triton.jit
-def _prefetch_first_tile(k_cache_ptr, v_cache_ptr, table, start, end, kv_head,
-                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         LINE: tl.constexpr):
-    """One L2 prefetch per 128-byte line (LINE elements) of the split's first K and V tile. A key
-    past the split's end asks for a line of block 0 instead: harmless, and no mask is needed."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < end
-    block = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-    tok = tl.where(mask_n, offs_n % BLOCK_SIZE, 0)
-    offs_l = tl.arange(0, max(1, HEAD_DIM // LINE)) * LINE
-    prefetch_l2(k_cache_ptr + (block * stride_kb + tok * stride_kt + kv_head * stride_kh)[:, None] + offs_l[None, :])
-    prefetch_l2(v_cache_ptr + (block * stride_vb + tok * stride_vt + kv_head * stride_vh)[:, None] + offs_l[None, :])
 
 
 @triton.jit(do_not_specialize=["num_splits", "split_tiles"])
@@ -292,9 +271,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
         ORDERED=seq_order is not None, PACKED_Q=packed, **cfg, **pdl_launch(q.device),
-        # small batches wait on latency, not bandwidth; a large one's first tiles would crowd L2
-        PREFETCH_LINE=128 // k_cache.element_size() if batch <= PREFETCH_MAX_BATCH and pdl_prefetch_enabled(q.device)
-        else 0,
     )
     if split:
         _merge_splits_kernel[(batch, q_heads)](
@@ -306,26 +282,37 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+# An fp8 cache's one-warp programs all fit in about one wave, so over ragged contexts the longest
+# ones set the kernel's end: splits of 512 keys, launched longest first, took the 256-sequence
+# workload from 27,571 to 30,379 tok/s on an H200 (BENCHMARKS.md). A bf16 cache lost ~1% with them.
+FP8_SPLIT_KEYS = 512
+
+
 @functools.lru_cache(maxsize=None)
 def _split_keys_asked() -> int | None:
     value = os.environ.get("NANOSERVE_DECODE_SPLIT_KEYS")   # read once: attention asks every layer
     return int(value) if value else None
 
 
-def engine_split_keys(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int | None:
-    """paged_decode's split_keys for the engine: NANOSERVE_DECODE_SPLIT_KEYS=n at batches that fill
-    the GPU with one split per (sequence, kv head), where a ragged batch's longest contexts still
-    set the kernel's end; None (even splits) elsewhere. Unset until measured: `gpu_suite.sh ragged`."""
+def engine_split_keys(batch: int, kv_heads: int, max_seq_len: int, device: torch.device,
+                      fp8_cache: bool = False) -> int | None:
+    """paged_decode's split_keys for the engine at batches that fill the GPU with one split per
+    (sequence, kv head), where a ragged batch's longest contexts still set the kernel's end:
+    FP8_SPLIT_KEYS over an fp8 cache, NANOSERVE_DECODE_SPLIT_KEYS=n to choose (0: even splits);
+    None (even splits) elsewhere."""
     keys = _split_keys_asked()
-    if keys is None or num_decode_splits(batch, kv_heads, max_seq_len, _num_sms(device)) > 1:
+    if keys is None:
+        keys = FP8_SPLIT_KEYS if fp8_cache else 0
+    if not keys or num_decode_splits(batch, kv_heads, max_seq_len, _num_sms(device)) > 1:
         return None
     return keys
 
 
-def longest_first_enabled() -> bool:
-    """NANOSERVE_LONGEST_FIRST=1: decode graphs launch each step's rows longest first (see
-    paged_decode's seq_order). Off until measured: `bench/gpu_suite.sh ragged`."""
-    return os.environ.get("NANOSERVE_LONGEST_FIRST") == "1"
+def longest_first_enabled(fp8_cache: bool) -> bool:
+    """Whether decode graphs launch each step's rows longest first (see paged_decode's seq_order):
+    over an fp8 cache, unless NANOSERVE_LONGEST_FIRST says otherwise (1 on, 0 off)."""
+    asked = os.environ.get("NANOSERVE_LONGEST_FIRST")
+    return fp8_cache if asked is None else asked == "1"
 
 
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,10 @@ from nanoserve.runner.batch import AttentionMetadata
 
 __all__ = ["TritonBackend", "paged_decode", "paged_prefill", "qkv_rope_store", "store_kvcache", "to_fp8"]
 
-# Fewer decode rows beside a prompt than this ride in the prefill launch. A guess until timed
-# (attention_kernels.py's mixed lines): the split costs two more launches a layer, which an eager
-# mixed step pays on the host, and saves GPU time in proportion to the decode rows.
-MIXED_MIN_DECODE_ROWS = 128
+# Fewer decode rows beside a prompt than this ride in the prefill launch: the split costs two more
+# launches a layer, which an eager mixed step pays on the host. On an H200 (attention_kernels.py's
+# mixed lines) the split already won at 32 decode rows of 1k keys: 77.7 against 96.8 us.
+MIXED_MIN_DECODE_ROWS = 32
 
 
 @triton.jit
@@ -102,7 +102,8 @@ class TritonBackend:
             return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
                                 meta.max_seq_len, k_scale=k_scale, v_scale=v_scale,
                                 seq_order=meta.decode_order,
-                                split_keys=engine_split_keys(q.shape[0], k_cache.shape[2], meta.max_seq_len, q.device))
+                                split_keys=engine_split_keys(q.shape[0], k_cache.shape[2], meta.max_seq_len, q.device,
+                                                            k_cache.element_size() == 1))
         # a mixed step: its decode rows through the decode kernel, which pads a row's query group
         # to 16, where the prefill kernel pads it to a 128-row tile (and its softmax with it)
         # (a captured step's composition is not known at capture: it always splits, and its staged
