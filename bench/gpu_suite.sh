@@ -54,11 +54,11 @@ for part in $parts; do
          done ;;
     ragged) # decode over unequal contexts: split counts and longest-first launch order, bf16 and fp8 caches
          python3 bench/attention_kernels.py --ragged 2>&1 | tee "$out/ragged.log" | tail -12 ;;
-    pdl) # programmatic dependent launch off, on (the default), and on with the skinny GEMMs' weight prefetch
+    pdl) # programmatic dependent launch off, then on (the default)
          python3 -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py 2>&1 | tail -3
-         for mode in "0 0" "1 0" "1 1"; do set -- $mode
-           echo "NANOSERVE_PDL=$1 NANOSERVE_PDL_PREFETCH=$2" | tee -a "$out/pdl.log"
-           NANOSERVE_PDL=$1 NANOSERVE_PDL_PREFETCH=$2 python3 bench/decode_step.py --batch-sizes 1,2,16,64,256 \
+         for pdl in 0 1; do
+           echo "NANOSERVE_PDL=$pdl" | tee -a "$out/pdl.log"
+           NANOSERVE_PDL=$pdl python3 bench/decode_step.py --batch-sizes 1,2,16,64,256 \
              --contexts 1024 2>&1 | tee -a "$out/pdl.log" | grep -vE "it/s|Capturing"
          done ;;
     t1024-ab) # 1,024 sequences fell 12% between 7e004e8 and 25ec76c: the default, then prefill graphs off, then PDL off (with --trace splits)
@@ -79,10 +79,10 @@ from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '1024', '-
 import nanoserve.runner.prefill_graph as g; g.MAX_GRAPH_SEQS = 4
 sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/prefill.py', run_name='__main__')" 2>&1 \
            | tee -a "$out/prefill-ab.log" | grep -vE "it/s|Capturing" ;;
-    knobs) # the workload at 256 under each kernel switch that is off until measured, both caches, one process each
+    knobs) # the workload at 256 with and without the ragged-decode switches, both caches, one process each
          for kv in auto fp8; do
-           for env in "NANOSERVE_PDL=1" "NANOSERVE_PDL_PREFETCH=1" "NANOSERVE_LONGEST_FIRST=1" \
-                      "NANOSERVE_DECODE_SPLIT_KEYS=256" "NANOSERVE_DECODE_SPLIT_KEYS=512" \
+           for env in "NANOSERVE_LONGEST_FIRST=0 NANOSERVE_DECODE_SPLIT_KEYS=0" \
+                      "NANOSERVE_LONGEST_FIRST=1 NANOSERVE_DECODE_SPLIT_KEYS=256" \
                       "NANOSERVE_LONGEST_FIRST=1 NANOSERVE_DECODE_SPLIT_KEYS=512"; do
              echo "$env kv $kv" | tee -a "$out/knobs.log"
              env $env python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype $kv 2>&1 | tee -a "$out/knobs.log" \

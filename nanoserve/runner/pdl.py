@@ -41,22 +41,6 @@ def pdl_enabled(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte line of each pointer; nothing is read into registers. A kernel
-    calls it before `pdl_prologue` for memory no earlier kernel of the step writes (weights):
-    launched early under PDL, it pulls them from DRAM while the kernel ahead still runs."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@functools.lru_cache(maxsize=None)
-def pdl_prefetch_enabled(device: torch.device) -> bool:
-    """NANOSERVE_PDL_PREFETCH=1 where PDL is on: the skinny GEMMs prefetch their weight slab into
-    L2 before waiting for the kernel ahead. Off until measured (`bench/gpu_suite.sh pdl`)."""
-    return pdl_enabled(device) and os.environ.get("NANOSERVE_PDL_PREFETCH") == "1"
-
-
 def pdl_launch(device: torch.device) -> dict:
     """Keyword arguments for a kernel launch: the kernel's USE_PDL, and Triton's launch_pdl where on
     (only then: a Triton without PDL knows no such option)."""

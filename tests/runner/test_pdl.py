@@ -32,20 +32,3 @@ def test_pdl_is_on_by_default_where_the_gpu_has_it(monkeypatch) -> None:
         pdl.pdl_enabled.cache_clear()
         assert pdl.pdl_enabled(gpu) == on, (capability, value)
     pdl.pdl_enabled.cache_clear()
-
-
-def test_the_weight_prefetch_is_opt_in_and_needs_pdl(monkeypatch) -> None:
-    gpu = torch.device("cuda")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
-    for pdl_value, prefetch, on in ((None, None, False), (None, "1", True), ("0", "1", False), ("1", "0", False)):
-        for name, value in (("NANOSERVE_PDL", pdl_value), ("NANOSERVE_PDL_PREFETCH", prefetch)):
-            if value is None:
-                monkeypatch.delenv(name, raising=False)
-            else:
-                monkeypatch.setenv(name, value)
-        pdl.pdl_enabled.cache_clear()
-        pdl.pdl_prefetch_enabled.cache_clear()
-        assert pdl.pdl_prefetch_enabled(gpu) == on, (pdl_value, prefetch)
-    assert not pdl.pdl_prefetch_enabled(torch.device("cpu"))
-    pdl.pdl_enabled.cache_clear()
-    pdl.pdl_prefetch_enabled.cache_clear()

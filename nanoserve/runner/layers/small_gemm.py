@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.runner.layers.linear import row_bucket
-from nanoserve.runner.pdl import pdl_launch, pdl_prefetch_enabled, pdl_prologue, prefetch_l2
+from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 MAX_ROWS = 512
 ROW_TILE = 64        # rows per program past 64 rows
@@ -158,16 +158,6 @@ def _dot_steps(x_ptr, x_stride, w_rows, M, K, k_start, k_end, BLOCK_M: tl.conste
     return tl.trans(acc)
 
 
-@triton.jit
-def _prefetch_slab(w_rows, k_start, k_end, LINE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One prefetch per 128-byte line of the [BLOCK_N, k_start:k_end] weight slab, about 256 a step."""
-    LINES: tl.constexpr = max(1, 256 // BLOCK_N)
-    offs = tl.arange(0, LINES) * LINE
-    for k0 in range(k_start, k_end, LINES * LINE):
-        ks = tl.where(k0 + offs < k_end, k0 + offs, k_start)   # past the end: the first line again
-        prefetch_l2(w_rows + ks[None, :])
-
-
 # M changes with the batch: unspecialized, one compile serves every row count of a bucket
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
@@ -175,7 +165,7 @@ def _skinny_kernel(
     res_ptr, gamma_ptr, new_res_ptr, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
-    NORMED: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINE: tl.constexpr,
+    NORMED: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -192,8 +182,6 @@ def _skinny_kernel(
     w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if PREFETCH_LINE > 0:   # the weight slab into L2 (elements a line), while the kernel ahead runs
-        _prefetch_slab(w_rows, k_start, k_end, PREFETCH_LINE, BLOCK_N)
     pdl_prologue(USE_PDL)   # x is read only past this point: the kernel ahead may write it
     if BLOCK_M >= 16:
         acc = _dot_steps(x_ptr, x_stride, w_rows, M, K, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -333,7 +321,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         NORMED=norm is not None, HAS_RES=res is not None,
         # float32 inputs keep full precision (tf32 would cost ~1e-3 relative error)
         PRECISION="ieee" if x.dtype == torch.float32 else None,
-        PREFETCH_LINE=128 // weight.element_size() if pdl_prefetch_enabled(x.device) else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
     )
     if split:
