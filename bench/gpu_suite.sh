@@ -73,10 +73,10 @@ for part in $parts; do
 t.MIXED_MIN_DECODE_ROWS = 1 << 30
 from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '1024', '--trace', '$out/trace-1024-unsplit'])" 2>&1 \
            | tee -a "$out/t1024-ab.log" | grep -E "^throughput|^[0-9]+ steps|Error" ;;
-    prefill-ab) # a lone prompt's TTFT with graphs sized for 256 sequences (mixed steps), then for 4 (as before 9f5ccc1)
+    prefill-ab) # a lone prompt's TTFT from the prompts-only graphs (the default), then from the mixed ones sized for 256 sequences
          python3 bench/prefill.py --lengths 1024,4096 --max-num-seqs 256 2>&1 | tee -a "$out/prefill-ab.log" | grep -vE "it/s|Capturing"
          python3 -c "import sys; sys.argv = ['prefill', '--lengths', '1024,4096', '--max-num-seqs', '256']
-import nanoserve.runner.prefill_graph as g; g.MAX_GRAPH_SEQS = 4
+import nanoserve.runner.prefill_graph as g; g.PROMPT_GRAPH_SEQS = 0
 sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/prefill.py', run_name='__main__')" 2>&1 \
            | tee -a "$out/prefill-ab.log" | grep -vE "it/s|Capturing" ;;
     knobs) # the workload at 256 with and without the ragged-decode switches, both caches, one process each

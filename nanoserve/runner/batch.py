@@ -93,6 +93,9 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     decode_order: torch.Tensor | None = None  # [num_seqs] int32, the rows longest first (Triton decode)
     prefill_tiles: torch.Tensor | None = None  # int32 (sequence, query tile) programs of a captured step (Triton prefill)
+    # a captured step's: whether one-query rows go to the decode kernel (a prompts-only graph has
+    # none to send); None: the host's counts decide, step by step
+    split_decode_rows: bool | None = None
 
     @property
     def decode_only(self) -> bool:

@@ -44,10 +44,11 @@ def make_buffers(runner) -> PrefillBuffers:
     return PrefillBuffers(128, 128 // runner.block_size, runner.device, SEQS, block_q, 128)
 
 
-def padded_forward(runner, work: list[SequenceWork], buffers: PrefillBuffers, bucket: int) -> torch.Tensor:
+def padded_forward(runner, work: list[SequenceWork], buffers: PrefillBuffers, bucket: int,
+                   seqs: int = SEQS, prompts_only: bool = False) -> torch.Tensor:
     inputs = build_inputs(work, runner.block_size, runner.device)
-    buffers.stage(inputs, bucket)
-    hidden = runner.model(buffers.i64[0, :bucket], buffers.i64[1, :bucket], buffers.meta(bucket))
+    buffers.stage(inputs, bucket, seqs)
+    hidden = runner.model(buffers.i64[0, :bucket], buffers.i64[1, :bucket], buffers.meta(bucket, seqs, prompts_only))
     return hidden[:inputs.input_ids.shape[0]]
 
 
@@ -73,7 +74,7 @@ def test_a_padded_step_gives_the_eager_hidden_states_and_stores_only_its_own_slo
     n = sum(w.num_new for w in work)
     assert buffers.query_start[len(work) + 1:].tolist() == [n] * (SEQS - len(work))
     assert buffers.seq_lens[len(work):].tolist() == [0] * (SEQS - len(work))
-    tiles = buffers.tiles[:buffers.num_tiles(64)].tolist()
+    tiles = buffers.tiles[:buffers.num_tiles(64, SEQS)].tolist()
     assert sorted({t >> 16 for t in tiles if t >= 0}) == [0, 1] and tiles[-1] == -1   # c's decode row: none
     assert buffers.i64[2, n:64].eq(-1).all() and buffers.i64[:2, n:64].eq(0).all()
     stored = cache.clone()
@@ -107,6 +108,36 @@ def test_a_step_of_many_decode_rows_beside_prompts_gives_the_eager_hidden_states
     got = padded_forward(runner, work, buffers, 64)
     want = runner.model(*(lambda i: (i.input_ids, i.positions, i.meta))(build_inputs(work, bs, runner.device)))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_a_prompts_only_graph_over_fewer_sequences_gives_the_eager_hidden_states(runner) -> None:
+    bs = runner.block_size
+    runner.kv_cache.tensor.zero_()
+    buffers = make_buffers(runner)
+    # an earlier mixed step over every sequence leaves stale sequences and programs past the first two
+    big = [SequenceWork(ids(20, 60 + i), 20, 0, 20, [20 + 2 * i, 21 + 2 * i], None) for i in range(SEQS)]
+    padded_forward(runner, big, buffers, 128)
+    work = [SequenceWork(ids(30, 70), 30, 0, 30, [0, 1], GREEDY), SequenceWork(ids(17, 71), 17, 0, 17, [2, 3], GREEDY)]
+    got = padded_forward(runner, work, buffers, 64, seqs=2, prompts_only=True)
+    meta = buffers.meta(64, 2, prompts_only=True)
+    assert meta.seq_lens.shape[0] == 2 and meta.prefill_tiles.shape[0] == buffers.num_tiles(64, 2)
+    want = runner.model(*(lambda i: (i.input_ids, i.positions, i.meta))(build_inputs(work, bs, runner.device)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_prompts_only_graph_launches_no_decode_kernel_and_a_mixed_one_does(runner, monkeypatch) -> None:
+    from nanoserve.runner.attention import triton_kernels
+    launches = []
+    real = triton_kernels.paged_decode
+    monkeypatch.setattr(triton_kernels, "paged_decode", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    buffers = make_buffers(runner)
+    work = [SequenceWork(ids(30, 80), 30, 0, 30, [0, 1], GREEDY)]
+    with torch.inference_mode():
+        padded_forward(runner, work, buffers, 32, seqs=2, prompts_only=True)
+        assert launches == []
+        padded_forward(runner, work, buffers, 32)
+    assert len(launches) == runner.model.config.num_hidden_layers
 
 
 def test_which_steps_fit() -> None:

@@ -106,10 +106,9 @@ class TritonBackend:
                                                             k_cache.element_size() == 1))
         # a mixed step: its decode rows through the decode kernel, which pads a row's query group
         # to 16, where the prefill kernel pads it to a 128-row tile (and its softmax with it)
-        # (a captured step's composition is not known at capture: it always splits, and its staged
-        # prefill tiles leave decode rows out)
-        mixed = (meta.prefill_tiles is not None
-                 or meta.num_decode_rows >= MIXED_MIN_DECODE_ROWS)
+        # (a captured step says at capture, and its staged prefill tiles leave decode rows out)
+        mixed = (meta.split_decode_rows if meta.split_decode_rows is not None
+                 else meta.num_decode_rows >= MIXED_MIN_DECODE_ROWS)
         out = paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                             meta.block_tables, scale, meta.max_query_len,
                             num_query_tokens=meta.num_query_tokens,
