@@ -119,7 +119,7 @@ class OpenAIResponse:
         return await off_the_loop_if_long(len(prompt) * (top_n + 1), build)
 
     @staticmethod
-    async def serialized(choice: object) -> orjson.Fragment:
+    async def serialized(choice: dict) -> orjson.Fragment:
         """A choice of a whole response as JSON, written now, then a pause for the event loop: 128
         choices with 2k echoed tokens of logprobs each, built and written at once, held every
         other request for 1.5 s."""
