@@ -113,12 +113,16 @@ def test_the_in_graph_draw_reads_each_rows_inverse_temperature_bit_for_bit():
     assert not torch.equal(buffers.dev_i64[3, :16], first), "each step draws fresh noise"
 
 
-@pytest.mark.parametrize("asked, fp8_cache", [(None, True), ("1", False)])
-def test_longest_first_stages_the_rows_by_falling_length_padding_last(monkeypatch, asked, fp8_cache):
+def ask_longest_first(monkeypatch, asked: str | None) -> None:
     if asked is None:
         monkeypatch.delenv("NANOSERVE_LONGEST_FIRST", raising=False)
     else:
         monkeypatch.setenv("NANOSERVE_LONGEST_FIRST", asked)
+
+
+@pytest.mark.parametrize("asked, fp8_cache", [(None, True), ("1", False)])
+def test_longest_first_stages_the_rows_by_falling_length_padding_last(monkeypatch, asked, fp8_cache):
+    ask_longest_first(monkeypatch, asked)
     rng = random.Random(3)
     buffers = DecodeBuffers(16, max_blocks=8, max_model_len=32, block_size=BLOCK, device=torch.device("cpu"),
                             fp8_cache=fp8_cache)
@@ -133,10 +137,7 @@ def test_longest_first_stages_the_rows_by_falling_length_padding_last(monkeypatc
 
 @pytest.mark.parametrize("asked, fp8_cache", [(None, False), ("0", True)])
 def test_rows_keep_their_order_over_a_bf16_cache_or_when_asked(monkeypatch, asked, fp8_cache):
-    if asked is None:
-        monkeypatch.delenv("NANOSERVE_LONGEST_FIRST", raising=False)
-    else:
-        monkeypatch.setenv("NANOSERVE_LONGEST_FIRST", asked)
+    ask_longest_first(monkeypatch, asked)
     off = DecodeBuffers(4, max_blocks=8, max_model_len=32, block_size=BLOCK, device=torch.device("cpu"),
                         fp8_cache=fp8_cache)
     assert off.meta(4).decode_order is None
