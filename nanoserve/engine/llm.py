@@ -11,7 +11,7 @@ from tqdm import tqdm
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.validation import check_params_token_ids, check_prompt
-from nanoserve.engine.outputs import CompletionOutput, RequestState, TokenLogprob
+from nanoserve.engine.outputs import CompletionOutput, PromptTokenLogprob, RequestState
 from nanoserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -28,8 +28,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
     @property
-    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
-        """With SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob and top-N."""
+    def prompt_logprobs(self) -> list[PromptTokenLogprob | None] | None:
+        """With SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob,
+        top-N alternatives and rank."""
         return self.outputs[0].prompt_logprobs
 
     @property

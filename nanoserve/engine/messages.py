@@ -13,6 +13,8 @@ from nanoserve.sampling_params import SamplingParams
 
 # (logprob of the chosen token, [(token id, logprob), ...] of the top alternatives)
 TokenLogprob = tuple[float, list[tuple[int, float]]]
+# a prompt token's: the same, then its rank (1 + how many tokens the model found more likely)
+PromptTokenLogprob = tuple[float, list[tuple[int, float]], int]
 
 
 class StepOutput(msgspec.Struct, array_like=True, gc=False):
@@ -27,7 +29,7 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False):
     num_cached_tokens: int
     # with the first token of a request that asked for them: one entry per prompt token, None first;
     # siblings (n > 1) get none, their prompt's are those of its first choice
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[PromptTokenLogprob | None] | None = None
 
 
 class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
-from nanoserve.engine.messages import StepOutput, TokenLogprob
+from nanoserve.engine.messages import PromptTokenLogprob, StepOutput, TokenLogprob
 from nanoserve.sampling_params import SamplingParams
 
-__all__ = ["CompletionOutput", "RequestState", "StepOutput", "TokenLogprob"]
+__all__ = ["CompletionOutput", "PromptTokenLogprob", "RequestState", "StepOutput", "TokenLogprob"]
 
 
 @dataclass
@@ -22,7 +22,7 @@ class CompletionOutput:
     text_delta: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # see StepOutput
+    prompt_logprobs: list[PromptTokenLogprob | None] | None = None  # see StepOutput
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
 

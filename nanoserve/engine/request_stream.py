@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from nanoserve.engine.messages import StepOutput, TokenLogprob
+from nanoserve.engine.messages import PromptTokenLogprob, StepOutput, TokenLogprob
 from nanoserve.engine.outputs import CompletionOutput, RequestState
 
 
@@ -29,7 +29,7 @@ class RequestUpdate:
     finish_reason: str | None               # "stop" or "length" on the choice's last update
     num_prompt_tokens: int
     num_cached_tokens: int                  # prompt tokens found in the prefix cache
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first update, when asked for
+    prompt_logprobs: list[PromptTokenLogprob | None] | None = None  # with the first update, when asked for
     stop_reason: str | int | None = None    # with a "stop": the stop string or stop token id, None for EOS
 
     def merge(self, later: RequestUpdate) -> None:

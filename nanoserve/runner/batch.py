@@ -120,5 +120,5 @@ class SampleOutput:
     # per row: (logprob of the sampled token, [(token id, logprob), ...] top-N) or None
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
     # per sequence that asked for prompt logprobs, in work order: one entry per prompt token it
-    # predicted this step (positions start + 1 ...), in the same form
-    prompt_logprobs: list[list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=list)
+    # predicted this step (positions start + 1 ...), in the same form, then the token's rank
+    prompt_logprobs: list[list[tuple[float, list[tuple[int, float]], int]]] = field(default_factory=list)

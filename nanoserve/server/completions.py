@@ -91,9 +91,9 @@ class Completion(OpenAIResponse):
             return [], []
         p = choice // self.req.n
         scored = stream.outputs[p * self.req.n].prompt_logprobs or []
-        if self.req.returns_prompt_logprobs:
-            # the engine may have scored more alternatives, for prompt_logprobs: echo shows `logprobs`
-            scored = [e if e is None else (e[0], e[1][:self.req.logprobs]) for e in scored]
+        # the engine may have scored more alternatives, for prompt_logprobs: echo shows `logprobs`
+        # (and no rank, which only prompt_logprobs carries)
+        scored = [e if e is None else (e[0], e[1][:self.req.logprobs]) for e in scored]
         return self.prompts[p], scored
 
     def token_ids(self, choice: int, own_ids: list[int], first: bool) -> dict:

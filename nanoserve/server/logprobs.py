@@ -11,7 +11,7 @@ import re
 
 from transformers import PreTrainedTokenizerBase
 
-from nanoserve.engine.outputs import TokenLogprob
+from nanoserve.engine.outputs import PromptTokenLogprob, TokenLogprob
 
 _HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte-fallback tokens
 
@@ -144,22 +144,17 @@ def chat_logprobs(texts: TokenTexts | TokenIdNames, token_ids: list[int], logpro
     return {"content": content}
 
 
-def prompt_logprob_entries(texts: TokenTexts, token_ids: list[int], scored: list[TokenLogprob | None],
-                    top_n: int) -> list[dict | None]:
+def prompt_logprob_entries(texts: TokenTexts, token_ids: list[int], scored: list[PromptTokenLogprob | None],
+                           top_n: int) -> list[dict | None]:
     """vLLM's `prompt_logprobs`: per prompt token None (the first: nothing predicts it), else
-    {token id: {"logprob", "rank", "decoded_token"}} for the token itself, then its top_n alternatives.
-
-    A rank is 1 + how many tokens are more likely. The engine returns its top alternatives only,
-    so the prompt token's rank is known where they reach down to its logprob, and null below."""
+    {token id: {"logprob", "rank", "decoded_token"}} for the token itself (its rank from the
+    engine, over the whole vocabulary), then its top_n alternatives (ranks 1..top_n)."""
     out: list[dict | None] = []
     for token_id, entry in zip(token_ids, scored):
         if entry is None:
             out.append(None)
             continue
-        chosen, alternatives = entry
-        # every more likely token is among the alternatives when the last of them is no more likely
-        known = bool(alternatives) and chosen >= alternatives[-1][1]
-        rank = 1 + sum(lp > chosen for _, lp in alternatives) if known else None
+        chosen, alternatives, rank = entry
         tokens = {str(token_id): _entry(texts, token_id, chosen, rank)}
         for r, (tid, lp) in enumerate(alternatives[:top_n], start=1):
             tokens.setdefault(str(tid), _entry(texts, tid, lp, r))

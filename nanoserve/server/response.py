@@ -46,9 +46,7 @@ def client_request_id(header: str | None, field: str | None) -> str | None:
 def with_prompt_logprobs(params: SamplingParams, returned: int | None, echoed: int | None = None) -> SamplingParams:
     """`params` asking the engine for the prompt logprobs a response shows: `returned` alternatives
     in vLLM's prompt_logprobs, `echoed` in the logprobs of an echoed prompt."""
-    # one alternative costs the sampler nothing (it finds the best token anyway), and it tells
-    # the rank of a prompt token that is the most likely one
-    asks = [n for n in (None if returned is None else max(returned, 1), echoed) if n is not None]
+    asks = [n for n in (returned, echoed) if n is not None]
     return dataclasses.replace(params, prompt_logprobs=max(asks)) if asks else params
 
 

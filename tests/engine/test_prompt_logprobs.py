@@ -22,9 +22,12 @@ def hf_prompt_logprobs(model_path: str, prompt: list[int]) -> torch.Tensor:
 def assert_matches_hf(model_path: str, prompt: list[int], got: list) -> None:
     expected = hf_prompt_logprobs(model_path, prompt)
     assert len(got) == len(prompt) and got[0] is None
-    for position, (chosen, top) in enumerate(got[1:]):
+    for position, (chosen, top, rank) in enumerate(got[1:]):
         row = expected[position]  # the logits at position p score the token at p + 1
-        assert chosen == pytest.approx(row[prompt[position + 1]].item(), abs=1e-4)
+        target = row[prompt[position + 1]].item()
+        assert chosen == pytest.approx(target, abs=1e-4)
+        # 1 + how many tokens are more likely (ties within float noise may count either way)
+        assert int((row > target + 1e-4).sum()) + 1 <= rank <= int((row > target - 1e-4).sum()) + 1
         values, _ = row.topk(TOP)
         assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
         # each id named has that value in transformers too (two ids may swap only within a tie)

@@ -212,7 +212,7 @@ def test_echo_with_logprobs_scores_the_prompt_streamed_and_whole(client, offline
         assert whole.choices[choice].text == prompt + ref.text
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(ids) + 3
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        expected = [chosen for chosen, _ in ref.prompt_logprobs[1:]] + [c for c, _ in ref.outputs[0].logprobs]
+        expected = [entry[0] for entry in ref.prompt_logprobs[1:]] + [c for c, _ in ref.outputs[0].logprobs]
         assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-5)
         assert lp.text_offset[0] == 0 and "".join(lp.tokens).endswith(ref.text)
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice]
@@ -231,7 +231,7 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone_with_its_logprobs(clien
     choice = whole.choices[0]
     assert choice.text == prompt and choice.finish_reason == "length"
     assert len(choice.logprobs.tokens) == len(ids) and choice.logprobs.token_logprobs[0] is None
-    assert choice.logprobs.token_logprobs[1:] == pytest.approx([c for c, _ in ref.prompt_logprobs[1:]], abs=1e-5)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([entry[0] for entry in ref.prompt_logprobs[1:]], abs=1e-5)
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), 0)
     chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     mine = [c.choices[0] for c in chunks if c.choices]
