@@ -21,7 +21,7 @@ from nanoserve.server.response import OpenAIResponse, client_request_id, with_pr
 from nanoserve.server.state import ServerState, off_the_loop_if_long, sampling_error
 from nanoserve.server.structured import constrain, requested_spec
 from nanoserve.server.tools import ToolPlan, plan_tools
-from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_body, sse_response
+from nanoserve.server.wire import cancel_on_disconnect, parse_body, sse_response
 
 router = APIRouter()
 
@@ -113,22 +113,24 @@ class ChatCompletion(OpenAIResponse):
         # as vLLM sends them: the prompt's ids once, beside the choices (streamed: the first chunk's)
         return {"prompt_token_ids": self.prompt} if self.req.return_token_ids else {}
 
-    async def collect(self, stream: RequestStream, timer: RequestTimer) -> dict:
+    async def collect(self, stream: RequestStream, timer: RequestTimer) -> Response:
         await self.drain(stream, timer)
-        choices = []
+        tail = {"usage": self.usage(stream), **self.prompt_fields()}
+        if self.req.returns_prompt_logprobs:   # vLLM's: beside the choices, which share one prompt
+            tail["prompt_logprobs"] = await self.prompt_logprobs_json(self.prompt, stream.outputs[0].prompt_logprobs)
+        return await self.whole(self.choices(stream), tail)
+
+    async def choices(self, stream: RequestStream) -> AsyncIterator[bytes]:
+        """Each choice of a whole response as JSON, written when its turn comes to be sent."""
         for c, out in enumerate(stream.outputs):
             message, finish_reason = self.readers[c].message(out.text, out.finish_reason)
             message["role"] = self.role
             if self.echoed:
                 message["content"] = self.echoed + (message["content"] or "")
             logprobs = self.logprobs(out.token_ids, out.logprobs)
-            choices.append(await self.serialized({"index": c, "message": message, "logprobs": logprobs,
-                                                  "finish_reason": finish_reason, "stop_reason": out.stop_reason,
-                                                  **self.token_ids(out.token_ids)}))
-        body = {**self.envelope(self.body_object, choices), "usage": self.usage(stream), **self.prompt_fields()}
-        if self.req.returns_prompt_logprobs:   # vLLM's: beside the choices, which share one prompt
-            body["prompt_logprobs"] = await self.prompt_logprobs_json(self.prompt, stream.outputs[0].prompt_logprobs)
-        return body
+            yield await self.serialized({"index": c, "message": message, "logprobs": logprobs,
+                                         "finish_reason": finish_reason, "stop_reason": out.stop_reason,
+                                         **self.token_ids(out.token_ids)})
 
     def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
         def render(u: RequestUpdate, ids: list[int], lps: list) -> dict | None:
@@ -191,4 +193,4 @@ async def create_chat_completion(request: Request) -> Response:
     if req.stream:
         return sse_response(chat.events(stream, timer), stream.close)
     body = await cancel_on_disconnect(request, chat.collect(stream, timer))
-    return json_response(body) if body is not None else Response(status_code=499)
+    return body if body is not None else Response(status_code=499)

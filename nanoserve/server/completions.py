@@ -15,7 +15,7 @@ from nanoserve.server.protocol import CompletionRequest
 from nanoserve.server.response import OpenAIResponse, client_request_id, with_prompt_logprobs
 from nanoserve.server.state import ServerState, off_the_loop_if_long, sampling_error, texts_length
 from nanoserve.server.structured import constrain, requested_spec
-from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_body, sse_response
+from nanoserve.server.wire import cancel_on_disconnect, parse_body, sse_response
 
 router = APIRouter()
 
@@ -110,14 +110,18 @@ class Completion(OpenAIResponse):
         start = 0 if self.scores_prompt else len(self.echo(choice))
         return TextOffsets(self.state.texts, self.req.skip_special_tokens, start)
 
-    async def collect(self, stream: RequestStream, timer: RequestTimer) -> dict:
+    async def collect(self, stream: RequestStream, timer: RequestTimer) -> Response:
         await self.drain(stream, timer)
-        choices = []
+        return await self.whole(self.choices(stream), {"usage": self.usage(stream)})
+
+    async def choices(self, stream: RequestStream) -> AsyncIterator[bytes]:
+        """Each choice of a whole response as JSON, written when its turn comes to be sent."""
         n = self.req.n
-        # vLLM's prompt_logprobs: each choice carries its prompt's, scored once with the first choice
-        scored = [await self.prompt_logprobs_json(prompt, stream.outputs[p * n].prompt_logprobs)
-                  for p, prompt in enumerate(self.prompts)] if self.req.returns_prompt_logprobs else []
+        scored = None   # vLLM's prompt_logprobs: a prompt's, scored once with its first choice, for its n choices
         for c, out in enumerate(stream.outputs):
+            if self.req.returns_prompt_logprobs and c % n == 0:
+                p = c // n
+                scored = await self.prompt_logprobs_json(self.prompts[p], stream.outputs[p * n].prompt_logprobs)
             prefix = self.echo(c)
             text, own_ids, own_lps, finish_reason, stop_reason = self.answer(
                 out.text, out.token_ids, out.logprobs or [], out.finish_reason, out.stop_reason)
@@ -126,11 +130,10 @@ class Completion(OpenAIResponse):
                 ids, lps = self.echoed_tokens(c, stream)
                 logprobs = completion_logprobs(self.token_names, ids + own_ids, lps + own_lps,
                                                self.text_offsets(c), num_prompt_tokens=len(ids))
-            choices.append(await self.serialized({"index": c, "text": prefix + text, "logprobs": logprobs,
-                                                  "finish_reason": finish_reason, "stop_reason": stop_reason,
-                                                  **self.token_ids(c, own_ids, first=True),
-                                                  **({"prompt_logprobs": scored[c // n]} if scored else {})}))
-        return {**self.envelope(self.body_object, choices), "usage": self.usage(stream)}
+            yield await self.serialized({"index": c, "text": prefix + text, "logprobs": logprobs,
+                                         "finish_reason": finish_reason, "stop_reason": stop_reason,
+                                         **self.token_ids(c, own_ids, first=True),
+                                         **({"prompt_logprobs": scored} if self.req.returns_prompt_logprobs else {})})
 
     def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
         offsets = [self.text_offsets(c) for c in range(len(stream.outputs))]
@@ -224,4 +227,4 @@ async def create_completion(request: Request) -> Response:
     if req.stream:
         return sse_response(completion.events(stream, timer), stream.close)
     body = await cancel_on_disconnect(request, completion.collect(stream, timer))
-    return json_response(body) if body is not None else Response(status_code=499)
+    return body if body is not None else Response(status_code=499)

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 import orjson
+from starlette.responses import Response
 
 from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream, RequestUpdate
 from nanoserve.sampling_params import SamplingParams
@@ -16,7 +17,7 @@ from nanoserve.server.errors import APIError
 from nanoserve.server.logprobs import TOKEN_ID_NAMES, TokenIdNames, TokenTexts, prompt_logprob_entries
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.state import ServerState, engine_error, new_id, off_the_loop_if_long, timed, usage
-from nanoserve.server.wire import DONE, sse_event
+from nanoserve.server.wire import DONE, sse_event, whole_json_response
 
 # (update, its token ids and logprobs since the choice's last chunk) -> the chunk's choice, or None
 # when the update shows nothing yet (its tokens and logprobs then wait for the choice's next chunk)
@@ -79,7 +80,14 @@ class OpenAIResponse:
         return TOKEN_ID_NAMES if self.req.return_tokens_as_token_ids else self.state.texts
 
     def envelope(self, object_: str, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": object_, "created": self.created, "model": self.model, "choices": choices}
+        return {**self._head(object_), "choices": choices}
+
+    def _head(self, object_: str) -> dict:
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
+
+    async def whole(self, choices: AsyncIterator[bytes], tail: dict) -> Response:
+        """A whole response: the envelope, its choices written one at a time, then `tail`'s fields."""
+        return await whole_json_response(self._head(self.body_object), choices, tail)
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         body = self.envelope(self.chunk_object, choices)
@@ -117,13 +125,13 @@ class OpenAIResponse:
         return await off_the_loop_if_long(len(prompt) * (top_n + 1), build)
 
     @staticmethod
-    async def serialized(choice: dict) -> orjson.Fragment:
+    async def serialized(choice: dict) -> bytes:
         """A choice of a whole response as JSON, written now, then a pause for the event loop: 128
         choices with 2k echoed tokens of logprobs each, built and written at once, held every
         other request for 1.5 s."""
-        fragment = orjson.Fragment(orjson.dumps(choice))
+        written = orjson.dumps(choice)
         await asyncio.sleep(0)
-        return fragment
+        return written
 
     def usage(self, stream: RequestStream) -> dict:
         return usage(stream, self.req.n, self.prompt_lens, self.cached)
