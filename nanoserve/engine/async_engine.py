@@ -177,7 +177,8 @@ class AsyncEngine:
             raise RequestRefused("The request has no prompt", "prompt")
         check_params_token_ids(params, self.vocab_size)
         for prompt in prompts:
-            check_prompt(prompt, params.max_tokens, self.config.max_model_len, self.vocab_size)
+            check_prompt(prompt, params.max_tokens, self.config.max_model_len, self.vocab_size,
+                         params.min_tokens)
         n = params.n
         ids = ([request_id] if len(prompts) * n == 1
                else [f"{request_id}-{c}" for c in range(len(prompts) * n)])

@@ -24,7 +24,8 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str, param:
     raise RequestRefused(f"Token id {bad} in {what} is out of range: the vocabulary has {vocab_size} tokens", param)
 
 
-def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, max_model_len: int, vocab_size: int) -> None:
+def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, max_model_len: int, vocab_size: int,
+                 min_tokens: int = 0) -> None:
     """Raise RequestRefused naming the numbers when a prompt cannot be served as asked."""
     n = len(prompt_token_ids)
     if n == 0:
@@ -37,6 +38,12 @@ def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, max_mo
         raise RequestRefused(f"This model's maximum context length is {max_model_len} tokens, but "
                              f"{n + max_tokens} were requested ({n} in the prompt and {max_tokens} for the "
                              "completion)", "max_tokens", "context_length_exceeded")
+    if max_tokens is None and n + min_tokens > max_model_len:
+        # without max_tokens the output runs to the end of the context, which ends it before
+        # min_tokens: refused, as vLLM refuses a min_tokens past the max_tokens it fills in
+        raise RequestRefused(f"min_tokens ({min_tokens}) is more than the {max_model_len - n} tokens the context "
+                             f"(max_model_len {max_model_len}) leaves after the prompt's {n}", "min_tokens",
+                             "context_length_exceeded")
     check_token_ids(prompt_token_ids, vocab_size, "the prompt", "prompt")
 
 
