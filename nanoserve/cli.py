@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model's tool-call format: hermes (Qwen2.5, Qwen3), llama3_json (Llama 3.1/3.2), "
                             "mistral")
     serve.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
-                       help="return <think>...</think> as reasoning_content, apart from content")
+                       help="return <think>...</think> as reasoning (and reasoning_content), apart from content")
     serve.add_argument("--engine-death-grace-period", type=float, default=30.0,
                        help="seconds that /health answers 503 after the engine died, before the server exits "
                             "non-zero (so that a supervisor restarts it)")

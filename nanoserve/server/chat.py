@@ -37,7 +37,7 @@ def rendering_work(messages: list[ChatMessage], tools: list[Tool] | None, text_l
     """Characters a render reads, for the choice of rendering off the event loop: the text, and
     what a template may write without it counting toward the prompt (reasoning, tools, one
     role header per message)."""
-    extra = sum(len(m.reasoning_content or "") + 32 for m in messages)
+    extra = sum(len(m.thought() or "") + 32 for m in messages)
     return text_length + extra + sum(len(t.model_dump_json()) for t in tools or ())
 
 
@@ -71,10 +71,10 @@ def render_chat(state: ServerState, messages: list[ChatMessage], text_length: in
                                        continue_final_message=continue_final_message, **extra)
     except (jinja2.TemplateError, TypeError, ValueError) as exc:  # e.g. "roles must alternate user/assistant"
         raise APIError(f"The chat template refused these messages: {exc}", param="messages") from None
-    # tools and reasoning_content are written by the template but not counted above: 25 MB of a
+    # tools and reasoning are written by the template but not counted above: 25 MB of a
     # tool's description took 40 s and 3.6 GB to tokenize before the token count refused it
     state.prompt_size.check(len(text), "messages", "conversation as the chat template writes it (tools and "
-                            "reasoning_content included)")
+                            "reasoning included)")
     # by default none: the template already wrote every special token the model expects (BOS included)
     return tok.encode(text, add_special_tokens=add_special_tokens)
 

@@ -55,7 +55,8 @@ class ChoiceReader:
         calls = [c for c in parsed.calls if c.complete or c.name is not None]
         message: dict = {"role": "assistant", "content": parsed.content or None}
         if reasoning is not None:
-            message["reasoning_content"] = reasoning
+            # vLLM's current name, and the older one that DeepSeek-style clients read
+            message["reasoning"] = message["reasoning_content"] = reasoning
         if not calls:
             # no whole call: whatever was written is the answer; an empty one is "" as streamed (and
             # as vLLM returns it), null only beside reasoning, as vLLM's reasoning parsers leave it
@@ -78,7 +79,7 @@ class ChoiceReader:
         reasoning, content, parsed = self.parse(self.text, final)
         delta: dict = {}
         if reasoning is not None and len(reasoning) > self.sent_reasoning:
-            delta["reasoning_content"] = reasoning[self.sent_reasoning:]
+            delta["reasoning"] = delta["reasoning_content"] = reasoning[self.sent_reasoning:]
             self.sent_reasoning = len(reasoning)
         answer = parsed.content
         if final and self.plan.active and not self.ids and not any(c.complete for c in parsed.calls):

@@ -28,8 +28,9 @@ def template_message(m: ChatMessage) -> dict[str, Any]:
                                  for c in m.tool_calls]
     if m.tool_call_id is not None:
         message["tool_call_id"] = m.tool_call_id
-    if m.reasoning_content is not None:
-        message["reasoning_content"] = m.reasoning_content
+    if m.thought() is not None:
+        # Qwen3's and DeepSeek's templates read reasoning_content; others read reasoning
+        message["reasoning_content"] = message["reasoning"] = m.thought()
     return message
 
 

@@ -236,12 +236,19 @@ class ChatMessage(Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None           # tool messages: the call this answers
-    reasoning_content: str | None = None      # assistant messages, as this server returns them
+    # assistant messages' reasoning, as this server returns it: vLLM's current name, and the older
+    # one that DeepSeek's API and many clients still send
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # as vLLM joins them: parts are often a document, then a question
             return "\n".join(part.text if isinstance(part, TextPart) else part.refusal for part in self.content)
         return self.content or ""
+
+    def thought(self) -> str | None:
+        """The reasoning under either name (vLLM's own, `reasoning`, where both are sent)."""
+        return self.reasoning if self.reasoning is not None else self.reasoning_content
 
 
 class FunctionDefinition(Strict):

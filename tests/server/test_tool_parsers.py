@@ -155,7 +155,8 @@ def test_qwen3_reasoning_is_split_whole_and_streamed():
     assert parser.parse("No thinking here.", True) == (None, "No thinking here.")
     reader = ChoiceReader(ToolPlan(), parser)
     deltas = [reader.delta(text[i:i + 2], "stop" if i + 2 >= len(text) else None)[0] for i in range(0, len(text), 2)]
-    assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nweigh it up\n"
+    assert "".join(d.get("reasoning", "") for d in deltas) == "".join(d.get("reasoning_content", "") for d in deltas) \
+        == "\nweigh it up\n"
     assert "".join(d.get("content", "") for d in deltas) == "\n\nThe answer."
 
 
@@ -218,7 +219,8 @@ def test_qwen3_reasoning_opened_by_the_template_in_the_prompt_is_still_reasoning
     assert Qwen3ReasoningParser().parse(text, True) == (None, text)
     reader = ChoiceReader(ToolPlan(), Qwen3ReasoningParser(opened_in_prompt=True))
     deltas = [reader.delta(text[i:i + 2], "stop" if i + 2 >= len(text) else None)[0] for i in range(0, len(text), 2)]
-    assert "".join(d.get("reasoning_content", "") for d in deltas) == "weigh it up\n"
+    assert "".join(d.get("reasoning", "") for d in deltas) == "".join(d.get("reasoning_content", "") for d in deltas) \
+        == "weigh it up\n"
     assert "".join(d.get("content", "") for d in deltas) == "\n\nThe answer."
 
 
