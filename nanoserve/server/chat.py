@@ -87,15 +87,18 @@ class ChatCompletion(OpenAIResponse):
     def __init__(self, state: ServerState, req: ChatCompletionRequest, model: str, tools: ToolPlan,
                  text_length: int, client_id: str | None = None) -> None:
         super().__init__(state, req, model, client_id)
+        kwargs = req.chat_template_kwargs
+        if req.reasoning_effort is not None:
+            kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
         self.prompt = req.truncate(render_chat(state, req.messages, text_length, req.add_generation_prompt, req.tools,
-                                               req.chat_template_kwargs, req.continue_final_message,
-                                               req.add_special_tokens))
+                                               kwargs, req.continue_final_message, req.add_special_tokens))
         self.prompt_lens = [len(self.prompt)]
         self.top_n = req.top_logprobs or 0
         parser = REASONING_PARSERS.get(state.settings.reasoning_parser)
         # a template may open the reasoning for the model, in the prompt's last tokens
         opened = parser is not None and parser.opens_in(state.tokenizer.decode(self.prompt[-16:]))
-        self.readers = [ChoiceReader(tools, parser(opened) if parser else None) for _ in range(req.n)]
+        self.readers = [ChoiceReader(tools, parser(opened) if parser else None, req.include_reasoning)
+                        for _ in range(req.n)]
         # as vLLM answers: as the assistant, or without a generation prompt as the last message's author
         last = req.messages[-1]
         self.role = "assistant" if req.add_generation_prompt else last.role

@@ -16,8 +16,9 @@ logger = logging.getLogger(__name__)
 class ChoiceReader:
     """Reads one choice. `message()` for a whole response; `delta()` for each streamed update."""
 
-    def __init__(self, plan: ToolPlan, reasoning: Qwen3ReasoningParser | None) -> None:
-        self.plan, self.reasoning = plan, reasoning
+    def __init__(self, plan: ToolPlan, reasoning: Qwen3ReasoningParser | None, include_reasoning: bool = True) -> None:
+        """include_reasoning False: the parsed reasoning is dropped, not sent (vLLM's field)."""
+        self.plan, self.reasoning, self.include_reasoning = plan, reasoning, include_reasoning
         self.text = ""
         self.sent_reasoning, self.sent_content = 0, 0
         self.ids: list[str] = []       # per streamed call: its id, sent with its name
@@ -54,7 +55,7 @@ class ChoiceReader:
         # OpenAI returns it and as the stream announced it once its name was written
         calls = [c for c in parsed.calls if c.complete or c.name is not None]
         message: dict = {"role": "assistant", "content": parsed.content or None}
-        if reasoning is not None:
+        if reasoning is not None and self.include_reasoning:
             # vLLM's current name, and the older one that DeepSeek-style clients read
             message["reasoning"] = message["reasoning_content"] = reasoning
         if not calls:
@@ -78,7 +79,7 @@ class ChoiceReader:
         final = finish_reason is not None
         reasoning, content, parsed = self.parse(self.text, final)
         delta: dict = {}
-        if reasoning is not None and len(reasoning) > self.sent_reasoning:
+        if reasoning is not None and self.include_reasoning and len(reasoning) > self.sent_reasoning:
             delta["reasoning"] = delta["reasoning_content"] = reasoning[self.sent_reasoning:]
             self.sent_reasoning = len(reasoning)
         answer = parsed.content

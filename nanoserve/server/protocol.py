@@ -278,6 +278,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool | None = None  # False: at most one call (enforced when tool_choice is required)
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template (enable_thinking)
+    # OpenAI's, as vLLM takes it: a variable of the chat template (unless chat_template_kwargs sets
+    # it), which templates that know no such setting ignore
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    include_reasoning: bool = True         # vLLM's: False leaves the parsed reasoning out of the reply
     add_generation_prompt: bool = True     # vLLM's: False leaves the assistant's header out
     continue_final_message: bool = False   # vLLM's: the reply continues the last message, left open
     echo: bool = False   # vLLM's: the reply repeats the last message first when it speaks as its author

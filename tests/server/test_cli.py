@@ -72,14 +72,31 @@ def test_chat_template_flag_replaces_the_tokenizers_template(server_model, tmp_p
     from tests.server.conftest import ServerProcess
 
     template = tmp_path / "plain.jinja"
-    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    template.write_text("{% if reasoning_effort is defined %}<{{ reasoning_effort }}>{% endif %}"
+                        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
     proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "256", "--chat-template", str(template))
+    messages = [{"role": "user", "content": "A list is"}]
+
+    def prompt_of(**fields) -> list[int]:
+        r = httpx.post(f"{proc.url}/v1/chat/completions", timeout=30,
+                       json={"messages": messages, "max_tokens": 1, "return_token_ids": True, **fields})
+        assert r.status_code == 200, r.text
+        return r.json()["prompt_token_ids"]
+
     try:
-        body = httpx.post(f"{proc.url}/tokenize", json={"messages": [{"role": "user", "content": "A list is"}]},
-                          timeout=30).json()
+        body = httpx.post(f"{proc.url}/tokenize", json={"messages": messages}, timeout=30).json()
+        # OpenAI's reasoning_effort reaches the template as a variable, as vLLM passes it; the
+        # request's chat_template_kwargs win over it
+        low = prompt_of(reasoning_effort="low")
+        high = prompt_of(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"})
+        refused = httpx.post(f"{proc.url}/v1/chat/completions", timeout=30,
+                             json={"messages": messages, "reasoning_effort": "extreme"})
     finally:
         proc.stop()
     assert body["tokens"] == offline.tokenizer.encode("[user] A list is\n", add_special_tokens=False)
+    assert low == offline.tokenizer.encode("<low>[user] A list is\n", add_special_tokens=False)
+    assert high == offline.tokenizer.encode("<high>[user] A list is\n", add_special_tokens=False)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning_effort"
 
 
 @pytest.mark.parametrize("source, extra", [("--config", ()), ("--model", ()), ("--model", ("--json-schema",))],

@@ -159,6 +159,22 @@ def test_reasoning_is_split_from_content(client, stream):
     assert content and "think" not in content
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_include_reasoning_false_drops_the_reasoning_and_keeps_the_answer(client, stream):
+    body = dict(model="tiny", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=stream,
+                extra_body={"guided_regex": r"<think>[a-z ]{5,30}</think>[a-z ]{3,20}", "include_reasoning": False})
+    if stream:
+        chunks = list(client.chat.completions.create(**body))
+        assert not any({"reasoning", "reasoning_content"} & set(c.choices[0].delta.model_extra or {})
+                       for c in chunks if c.choices)
+        content = streamed_message(chunks)[0]
+    else:
+        message = client.chat.completions.create(**body).choices[0].message
+        assert not {"reasoning", "reasoning_content"} & set(message.model_extra)
+        content = message.content
+    assert content and "think" not in content
+
+
 def test_streamed_chunks_each_show_something_and_carry_every_token_logprob(tool_server):
     # text the reasoning parser holds back (a tag being written) went out as chunks with an empty
     # delta; vLLM sends none, and the held tokens' logprobs belong with the text they make
