@@ -33,11 +33,13 @@ def messages_length(messages: list[ChatMessage]) -> int:
                for m in messages)
 
 
-def rendering_work(messages: list[ChatMessage], tools: list[Tool] | None, text_length: int) -> int:
+def rendering_work(messages: list[ChatMessage], tools: list[Tool] | None, text_length: int,
+                   documents: list[dict[str, str]] | None = None) -> int:
     """Characters a render reads, for the choice of rendering off the event loop: the text, and
-    what a template may write without it counting toward the prompt (reasoning, tools, one
-    role header per message)."""
+    what a template may write without it counting toward the prompt (reasoning, tools, documents,
+    one role header per message)."""
     extra = sum(len(m.thought() or "") + 32 for m in messages)
+    extra += sum(len(k) + len(v) for doc in documents or () for k, v in doc.items())
     return text_length + extra + sum(len(t.model_dump_json()) for t in tools or ())
 
 
@@ -49,7 +51,8 @@ def check_continuation(continue_final_message: bool, add_generation_prompt: bool
 
 def render_chat(state: ServerState, messages: list[ChatMessage], text_length: int, add_generation_prompt: bool = True,
                 tools: list[Tool] | None = None, template_kwargs: dict | None = None,
-                continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
+                continue_final_message: bool = False, add_special_tokens: bool = False,
+                documents: list[dict[str, str]] | None = None) -> list[int]:
     """Token ids of the conversation as the model's chat template writes it (`text_length`: messages_length)."""
     tok = state.tokenizer
     # the template only adds text: contents past the bound cannot fit once rendered either
@@ -61,7 +64,7 @@ def render_chat(state: ServerState, messages: list[ChatMessage], text_length: in
     if not tok.chat_template:
         raise APIError("This model has no chat template, so it cannot serve /v1/chat/completions; "
                        "use /v1/completions with a prompt instead", param="messages")
-    conversation, extra = template_inputs(messages, tools, template_kwargs)
+    conversation, extra = template_inputs(messages, tools, template_kwargs, documents)
     if "developer" not in tok.chat_template:
         # OpenAI's developer messages are its system messages; a template that does not know the
         # role would write it verbatim, a header the model never saw in training
@@ -88,10 +91,11 @@ class ChatCompletion(OpenAIResponse):
                  text_length: int, client_id: str | None = None) -> None:
         super().__init__(state, req, model, client_id)
         kwargs = req.chat_template_kwargs
-        if req.reasoning_effort is not None:
+        if req.reasoning_effort is not None:   # the request's field, unless the kwargs set it
             kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
         self.prompt = req.truncate(render_chat(state, req.messages, text_length, req.add_generation_prompt, req.tools,
-                                               kwargs, req.continue_final_message, req.add_special_tokens))
+                                               kwargs, req.continue_final_message, req.add_special_tokens,
+                                               req.documents))
         self.prompt_lens = [len(self.prompt)]
         self.top_n = req.top_logprobs or 0
         parser = REASONING_PARSERS.get(state.settings.reasoning_parser)
@@ -183,8 +187,8 @@ async def create_chat_completion(request: Request) -> Response:
         params = dataclasses.replace(params, skip_special_tokens=False)  # its calls start with a special token
     length = messages_length(req.messages)
     client_id = client_request_id(request.headers.get("x-request-id"), req.request_id)
-    chat = await off_the_loop_if_long(rendering_work(req.messages, req.tools, length), ChatCompletion, state, req,
-                                      model, tools, length, client_id)
+    work = rendering_work(req.messages, req.tools, length, req.documents)
+    chat = await off_the_loop_if_long(work, ChatCompletion, state, req, model, tools, length, client_id)
     try:
         stream = state.start(chat.engine_id, [chat.prompt], params)
     except APIError as exc:

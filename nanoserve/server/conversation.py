@@ -42,8 +42,8 @@ def _arguments(text: str) -> Any:
         return text
 
 
-def template_inputs(messages: list[ChatMessage], tools: list[Tool] | None,
-                    kwargs: dict[str, Any] | None) -> tuple[list[dict], dict[str, Any]]:
+def template_inputs(messages: list[ChatMessage], tools: list[Tool] | None, kwargs: dict[str, Any] | None,
+                    documents: list[dict[str, str]] | None = None) -> tuple[list[dict], dict[str, Any]]:
     """(conversation, the other keyword arguments of apply_chat_template)."""
     extra = dict(kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(extra))
@@ -53,4 +53,6 @@ def template_inputs(messages: list[ChatMessage], tools: list[Tool] | None,
                        param="chat_template_kwargs")
     if tools:
         extra["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    if documents:   # apply_chat_template's own argument, for retrieval-augmented templates
+        extra["documents"] = documents
     return [template_message(m) for m in messages], extra

@@ -21,6 +21,7 @@ from nanoserve.sampling_params import (MAX_CACHE_SALT_CHARS, MAX_INT, MIN_REPETI
 from nanoserve.server.errors import APIError
 
 MAX_N = 128
+MAX_DOCUMENTS = 1024   # their text counts toward the prompt's size limit like any message's
 MAX_LOGPROBS = 20
 # more entries than most vocabularies have tokens; each is parsed on the event loop (~0.5 us)
 MAX_LOGIT_BIAS = 1 << 17
@@ -109,6 +110,10 @@ class SamplingFields(Strict):
     # vLLM's: a request's place in a priority scheduler; this one is first come, first served, so
     # only 0 (the default) is served, as vLLM serves it without --scheduling-policy priority
     priority: int = Field(0, ge=-MAX_INT - 1, le=MAX_INT)
+    # vLLM's beam search: not offered here, so true is refused by name (checked with priority);
+    # length_penalty weighs beams only, so without them it changes nothing, as in vLLM
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-100.0, le=100.0)
     # vLLM's: the response's id is "cmpl-" (or "chatcmpl-") and this (bounded in server/response.py)
     request_id: str | None = None
     # vLLM's: the prefix cache shares blocks only between requests of the same salt
@@ -163,9 +168,14 @@ class SamplingFields(Strict):
         return bias
 
     def check_priority(self) -> None:
+        """Scheduling and search settings this server does not offer: priorities and beam search."""
         if self.priority != 0:   # vLLM's answer where its scheduler is first come, first served
             raise APIError("Priority scheduling is not enabled: this server serves requests first come, first "
                            "served, so 'priority' must be 0", param="priority", code="unsupported_parameter")
+        if self.use_beam_search:
+            raise APIError("Beam search is not offered by this server: leave use_beam_search false (n and "
+                           "best_of give several sampled choices)", param="use_beam_search",
+                           code="unsupported_parameter")
 
     def check_prompt_logprobs(self) -> None:
         if self.prompt_logprobs == -1:
@@ -281,6 +291,8 @@ class ChatCompletionRequest(SamplingFields):
     # OpenAI's, as vLLM takes it: a variable of the chat template (unless chat_template_kwargs sets
     # it), which templates that know no such setting ignore
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # vLLM's: documents for retrieval-augmented templates (Command R, Granite), as the template's `documents`
+    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
     include_reasoning: bool = True         # vLLM's: False leaves the parsed reasoning out of the reply
     add_generation_prompt: bool = True     # vLLM's: False leaves the assistant's header out
     continue_final_message: bool = False   # vLLM's: the reply continues the last message, left open

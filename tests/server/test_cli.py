@@ -66,13 +66,14 @@ def test_the_server_never_imports_the_runner():
         assert "nanoserve.runner" not in path.read_text(), f"{path.name} reaches into the runner"
 
 
-def test_chat_template_flag_replaces_the_tokenizers_template(server_model, tmp_path, offline):
+def test_chat_template_flag_replaces_the_tokenizers_template_and_gets_the_requests_variables(server_model, tmp_path, offline):
     import httpx
 
     from tests.server.conftest import ServerProcess
 
     template = tmp_path / "plain.jinja"
     template.write_text("{% if reasoning_effort is defined %}<{{ reasoning_effort }}>{% endif %}"
+                        "{% for d in documents or [] %}({{ d['title'] }}: {{ d['text'] }}){% endfor %}"
                         "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
     proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "256", "--chat-template", str(template))
     messages = [{"role": "user", "content": "A list is"}]
@@ -91,12 +92,18 @@ def test_chat_template_flag_replaces_the_tokenizers_template(server_model, tmp_p
         high = prompt_of(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"})
         refused = httpx.post(f"{proc.url}/v1/chat/completions", timeout=30,
                              json={"messages": messages, "reasoning_effort": "extreme"})
+        # vLLM's documents reach retrieval-augmented templates as `documents`
+        grounded = prompt_of(documents=[{"title": "Lists", "text": "ordered"}])
+        beams = httpx.post(f"{proc.url}/v1/chat/completions", timeout=30,
+                           json={"messages": messages, "use_beam_search": True, "length_penalty": 0.5})
     finally:
         proc.stop()
     assert body["tokens"] == offline.tokenizer.encode("[user] A list is\n", add_special_tokens=False)
     assert low == offline.tokenizer.encode("<low>[user] A list is\n", add_special_tokens=False)
     assert high == offline.tokenizer.encode("<high>[user] A list is\n", add_special_tokens=False)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning_effort"
+    assert grounded == offline.tokenizer.encode("(Lists: ordered)[user] A list is\n", add_special_tokens=False)
+    assert beams.status_code == 400 and beams.json()["error"]["param"] == "use_beam_search", beams.text
 
 
 @pytest.mark.parametrize("source, extra", [("--config", ()), ("--model", ()), ("--model", ("--json-schema",))],
