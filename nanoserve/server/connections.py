@@ -24,7 +24,7 @@ from nanoserve.server.limits import ServerLimits
 logger = logging.getLogger(__name__)
 
 # probes: load balancers and Docker's HEALTHCHECK reach these with no API key and past the connection cap
-ALWAYS_SERVED = {"/health"}
+ALWAYS_SERVED = {"/health", "/ping"}
 # descriptors kept free beyond --max-connections: model files, the tensor-parallel sockets, and
 # the connections past the cap, which are accepted to be answered 503 (or /health) and closed
 RESERVED_FDS = 512

@@ -62,6 +62,12 @@ async def health(request: Request) -> Response:
     return json_response({"status": "ok"})
 
 
+@router.api_route("/ping", methods=["GET", "HEAD", "POST"])
+async def ping(request: Request) -> Response:
+    """vLLM's probe for SageMaker-style hosts (GET or POST): /health's answer."""
+    return await health(request)
+
+
 @get("/version")
 async def version() -> Response:
     return json_response({"version": __version__})

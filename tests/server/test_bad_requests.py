@@ -205,6 +205,8 @@ def test_context_error_names_both_numbers(server):
 
 def test_health_is_open_and_everything_else_needs_the_key(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
+    # vLLM's /ping, the probe of SageMaker-style hosts, by GET or POST
+    assert httpx.get(f"{server.url}/ping").status_code == httpx.post(f"{server.url}/ping").status_code == 200
     assert httpx.head(f"{server.url}/health").status_code == 200   # probes that ask with HEAD
     assert httpx.get(f"{server.url}/health/", follow_redirects=True).status_code == 200
     for path in ("/v1/models", "/metrics", "/version"):

@@ -75,6 +75,8 @@ def test_a_stuck_engine_turns_health_to_503_until_it_speaks_again(server_model, 
             time.sleep(5)
             health = httpx.get(f"{proc.url}/health", timeout=5)
             assert health.status_code == 503 and health.json()["error"]["code"] == "engine_stalled", health.text
+            ping = httpx.post(f"{proc.url}/ping", timeout=5)   # vLLM's probe says the same
+            assert ping.status_code == 503 and ping.json()["error"]["code"] == "engine_stalled", ping.text
         finally:
             os.kill(engine, signal.SIGCONT)
         time.sleep(2.5)

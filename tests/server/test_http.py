@@ -199,7 +199,7 @@ def test_models_health_version_metrics(http):
         assert f"nanoserve:{name}" in metrics.text
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/v1/models/tiny", "/health", "/version", "/metrics",
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/models/tiny", "/health", "/ping", "/version", "/metrics",
                                   "/tokenizer_info"])
 def test_every_get_route_answers_head_with_no_body(http, path):
     got, head = http.get(path), http.head(path)

@@ -58,6 +58,7 @@ def test_no_422_anywhere_and_every_error_is_the_openai_object(schema):
     ("/v1/chat/completions", "post", {"400", "404", "413", "500", "503"}),
     ("/v1/models/{name}", "get", {"404", "500", "503"}),
     ("/health", "get", {"503"}),
+    ("/ping", "post", {"503"}),
 ])
 def test_routes_list_the_errors_they_answer(schema, path, method, statuses):
     assert set(schema["paths"][path][method]["responses"]) - {"200"} == statuses
