@@ -3,6 +3,7 @@ only /health is served."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -114,3 +115,35 @@ def test_past_the_connection_cap_requests_get_503_but_health_answers(server_mode
         for sock in held:
             sock.close()
         proc.stop()
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (TimeoutError, ConnectionError):
+        pass
+    return data
+
+
+def test_headers_over_64kb_get_431_and_the_connection_closes(impatient):
+    # httptools caps neither a header's size nor their number: 100 MB of small headers took 1.1 GB
+    sock = connect(impatient)
+    sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+    try:
+        for i in range(64):   # 256 KB in all, within the header deadline
+            sock.sendall(b"".join(b"X-%d-%d: v\r\n" % (i, j) for j in range(400)))
+    except ConnectionError:   # refused (and closed) before all of it went out
+        pass
+    reply = read_until_closed(sock)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 "), reply[:200]
+    assert json.loads(body)["error"]["code"] == "request_header_fields_too_large"
+    assert httpx.get(f"{impatient.url}/health", timeout=10).status_code == 200
+
+
+def test_headers_under_the_cap_are_served(impatient):
+    response = httpx.get(f"{impatient.url}/v1/models", timeout=10,
+                         headers={f"x-{i}": "v" * 100 for i in range(300)})   # ~32 KB
+    assert response.status_code == 200
