@@ -120,6 +120,13 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
                     return
             super().data_received(data)
 
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn answers what its parser cannot read in plain text; clients parse an error object
+            refusal = APIError("The request is not valid HTTP/1.1 (a malformed request line, header or chunk "
+                               "framing) and could not be read", 400, code="invalid_http_request")
+            self.transport.write(_raw_response(refusal))
+            self.transport.close()
+
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._head_bytes = 0

@@ -147,3 +147,16 @@ def test_headers_under_the_cap_are_served(impatient):
     response = httpx.get(f"{impatient.url}/v1/models", timeout=10,
                          headers={f"x-{i}": "v" * 100 for i in range(300)})   # ~32 KB
     assert response.status_code == 200
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 50,   # TLS to a plain HTTP port
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Request-Id: a\x01b\r\n\r\n",
+], ids=["tls-hello", "two-content-lengths", "control-character"])
+def test_a_request_http_cannot_parse_gets_an_openai_error_object(impatient, request_bytes):
+    sock = connect(impatient)
+    sock.sendall(request_bytes)
+    head, _, body = read_until_closed(sock).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower(), head
+    assert json.loads(body)["error"]["code"] == "invalid_http_request"
