@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from nanoserve.server.errors import APIError
 from nanoserve.server.limits import ServerLimits
@@ -86,6 +87,30 @@ def _raw_response(error: APIError) -> bytes:
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
 
 
+def _unchunked(cycle: RequestResponseCycle) -> Callable[[Message], Awaitable[None]]:
+    """`cycle.send` for an HTTP/1.0 request: a response of unknown length (a stream) goes out as is,
+    ended by closing the connection, where uvicorn would chunk it. HTTP/1.0 has no chunked coding,
+    so its clients read the chunk sizes as part of the body (RFC 9112 6.1); uvicorn closes every
+    HTTP/1.0 connection after its response, which is what ends such a body."""
+    send = cycle.send
+    unknown_length = False
+
+    async def send_unchunked(message: Message) -> None:
+        nonlocal unknown_length
+        if message["type"] == "http.response.start":
+            names = {name.lower() for name, _ in message.get("headers", [])}
+            if b"content-length" not in names and b"transfer-encoding" not in names:
+                unknown_length = True
+                # uvicorn chunks when this is None, and counts the body down from the expected length
+                cycle.chunked_encoding = False
+                cycle.expected_content_length = 1 << 62
+        elif unknown_length and message["type"] == "http.response.body" and not message.get("more_body", False):
+            cycle.expected_content_length = len(message.get("body", b""))   # the last piece ends it exactly
+        await send(message)
+
+    return send_unchunked
+
+
 def _cancelled(deadline: asyncio.TimerHandle | None) -> None:
     """Cancel a pending deadline, if any; None, for the attribute that held it."""
     if deadline is not None:
@@ -148,6 +173,8 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
             self._header_deadline = _cancelled(self._header_deadline)
             self._head_bytes = None
             super().on_headers_complete()
+            if self.cycle is not None and self.cycle.scope is self.scope and self.scope["http_version"] == "1.0":
+                self.cycle.send = _unchunked(self.cycle)   # type: ignore[method-assign]
             # a body that never completes would hold its connection (and its handler) for good
             self._body_deadline = self.loop.call_later(limits.timeout_body, self._body_deadline_passed)
 

@@ -160,3 +160,22 @@ def test_a_request_http_cannot_parse_gets_an_openai_error_object(impatient, requ
     head, _, body = read_until_closed(sock).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower(), head
     assert json.loads(body)["error"]["code"] == "invalid_http_request"
+
+
+def test_an_http_1_0_stream_is_sent_unchunked_and_ends_with_the_connection(impatient):
+    # HTTP/1.0 has no chunked coding: its clients would read the chunk sizes as part of the events
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": True,
+                       "ignore_eos": True}).encode()
+    sock = connect(impatient)
+    sock.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                 % len(body) + body)
+    head, _, events = read_until_closed(sock).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"transfer-encoding" not in head.lower(), head
+    assert events.startswith(b"data: {") and events.endswith(b"data: [DONE]\n\n"), events[-200:]
+    chunks = [json.loads(event[len(b"data: "):]) for event in events.split(b"\n\n")[:-2]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # a body of known length keeps its Content-Length
+    sock = connect(impatient)
+    sock.sendall(b"GET /v1/models HTTP/1.0\r\n\r\n")
+    head, _, models = read_until_closed(sock).partition(b"\r\n\r\n")
+    assert b"content-length: %d" % len(models) in head.lower() and json.loads(models)["object"] == "list"
