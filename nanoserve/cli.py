@@ -82,7 +82,8 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-headers", type=float, default=d.timeout_headers,
                    help="seconds a connection has to send complete request headers, from its first byte")
     p.add_argument("--timeout-body", type=float, default=d.timeout_body,
-                   help="seconds a request has to send its whole body once its headers are complete")
+                   help="seconds a request has to send its whole body once its headers are complete, and "
+                        "that a response may go with none of it read by the client")
     p.add_argument("--timeout-grammar-compile", type=float, default=d.timeout_grammar_compile,
                    help="seconds a structured-output spec may take to compile before the request gets a 400")
 

@@ -118,12 +118,13 @@ def _cancelled(deadline: asyncio.TimerHandle | None) -> None:
 
 
 def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
-    """uvicorn's `http=` protocol class enforcing `limits.timeout_headers`, `limits.timeout_body` and
-    `limits.max_connections`."""
+    """uvicorn's `http=` protocol class enforcing `limits.timeout_headers`, `limits.timeout_body` (for
+    the request body, and for a response the client leaves unread) and `limits.max_connections`."""
 
     class LimitedConnection(HttpToolsProtocol):
         _header_deadline: asyncio.TimerHandle | None = None
         _body_deadline: asyncio.TimerHandle | None = None
+        _send_deadline: asyncio.TimerHandle | None = None
         _head_bytes: int | None = None   # bytes read of a request whose headers are not complete yet
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -182,9 +183,34 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
             self._body_deadline = _cancelled(self._body_deadline)
             super().on_message_complete()
 
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            # a client that stops reading holds its response, and the stream's merged update grows
+            # to the whole answer (~1.4 KB a token with 20 logprobs): it must not hold them for good
+            self._arm_send_deadline()
+
+        def resume_writing(self) -> None:
+            self._send_deadline = _cancelled(self._send_deadline)
+            super().resume_writing()
+
+        def _arm_send_deadline(self) -> None:
+            self._send_deadline = self.loop.call_later(limits.timeout_body, self._send_deadline_passed,
+                                                       self.transport.get_write_buffer_size())
+
+        def _send_deadline_passed(self, buffered_then: int) -> None:
+            # nothing is added while writing is paused: a smaller buffer means the client read some
+            if self.transport.get_write_buffer_size() < buffered_then:
+                self._arm_send_deadline()
+                return
+            self._send_deadline = None
+            logger.warning("a client read none of its response for %.0f s (--timeout-body): connection closed",
+                           limits.timeout_body)
+            self.transport.abort()   # close() would wait to flush what the client does not read
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._header_deadline = _cancelled(self._header_deadline)
             self._body_deadline = _cancelled(self._body_deadline)
+            self._send_deadline = _cancelled(self._send_deadline)
             super().connection_lost(exc)
 
         def _body_deadline_passed(self) -> None:

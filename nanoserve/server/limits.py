@@ -39,7 +39,9 @@ class ServerLimits:
     max_connections: int = 4096         # past it, new connections get 503 (but /health answers)
     timeout_keep_alive: float = 5.0     # seconds an idle connection stays open after a response
     timeout_headers: float = 10.0       # seconds from a connection's first byte to its complete headers
-    timeout_body: float = 60.0          # seconds from complete headers to the body's last byte
+    # seconds from complete headers to the body's last byte; also how long a response may wait with
+    # none of it read by the client before the connection is closed
+    timeout_body: float = 60.0
     # seconds a structured-output spec may take to compile (a worker process, killed past it): a
     # few KB of "a*a*a*..." takes minutes, and nothing else can stop a compile
     timeout_grammar_compile: float = 10.0

@@ -179,3 +179,22 @@ def test_an_http_1_0_stream_is_sent_unchunked_and_ends_with_the_connection(impat
     sock.sendall(b"GET /v1/models HTTP/1.0\r\n\r\n")
     head, _, models = read_until_closed(sock).partition(b"\r\n\r\n")
     assert b"content-length: %d" % len(models) in head.lower() and json.loads(models)["object"] == "list"
+
+
+def test_a_client_that_reads_none_of_its_stream_is_cut_off_at_the_body_deadline(impatient):
+    # it would hold what is left of its response for good. 9 MB of echoed prompt logprobs: more than
+    # the kernel's socket buffers (4 MB on loopback) take, so the server's own writes back up
+    body = json.dumps({"model": "tiny", "prompt": [100 + i % 200 for i in range(1900)], "max_tokens": 1, "n": 8,
+                       "logprobs": 20, "echo": True, "stream": True}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", impatient.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    deadline = time.monotonic() + 30
+    while "read none of its response" not in impatient.log_tail(20000):
+        assert time.monotonic() < deadline, "the unread stream was never cut off"
+        time.sleep(0.25)
+    impatient.wait_idle()
+    sock.settimeout(2)
+    assert b"data: [DONE]" not in read_until_closed(sock)   # the stream was cut, not finished
