@@ -142,8 +142,7 @@ def draw(logits: torch.Tensor, rows: list[SequenceWork], token_mask: TokenMask |
     Logprobs are those of the model, before penalties and the grammar's mask (as vLLM reports them).
     `penalty_counts` keeps penalized sequences' token counts from step to step."""
     st = SamplingTensors.build(rows, logits.shape[1], logits.device)
-    adjusted = any(w.params.uses_penalties or w.params.logit_bias or w.banned_token_ids
-                   or w.params.allowed_token_ids is not None for w in rows)
+    adjusted = any(map(adjusts_logits, rows))
     if adjusted or st.num_logprobs >= 0:
         logits = logits.float()  # once, for both
     raw_logprobs = logits.log_softmax(dim=-1) if st.num_logprobs >= 0 else None
@@ -167,6 +166,13 @@ def draw(logits: torch.Tensor, rows: list[SequenceWork], token_mask: TokenMask |
     return tokens, token_logprobs(tokens, raw_logprobs, st.top_logprobs)
 
 
+def adjusts_logits(w: SequenceWork) -> bool:
+    """Whether the row changes its logits before the draw: penalties, a bias, bans or an allow
+    list (apply_penalties)."""
+    p = w.params
+    return bool(p.uses_penalties or p.logit_bias or w.banned_token_ids or p.allowed_token_ids is not None)
+
+
 def draws_in_graph(rows: list[SequenceWork]) -> bool:
     """Whether a decode graph's own draw (temperature and Gumbel noise over the whole vocabulary)
     is the draw `draw` makes for every row: no filter, seed, penalty, bias, ban, allow list or logprobs.
@@ -174,8 +180,7 @@ def draws_in_graph(rows: list[SequenceWork]) -> bool:
     A greedy row ignores its filters and seed in `draw` as well."""
     for w in rows:
         p = w.params
-        if (p.logprobs is not None or w.banned_token_ids or p.logit_bias or p.uses_penalties
-                or p.allowed_token_ids is not None):
+        if p.logprobs is not None or adjusts_logits(w):
             return False
         if p.temperature > 0.0 and (p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0 or p.seed is not None):
             return False
