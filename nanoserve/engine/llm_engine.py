@@ -55,7 +55,7 @@ class InFlightStep:
     sequences: list[Sequence] = field(default_factory=list)
     constrained: list[int] = field(default_factory=list)  # rows whose sequence has a grammar
     bans: dict[int, tuple[int, ...]] = field(default_factory=dict)  # constrained rows' bans (see LLMEngine._banned)
-    rows: list[SequenceWork] = field(default_factory=list)  # the sampling rows' work, in row order
+    rows: list[SequenceWork] = field(default_factory=list)  # the sampling rows' work, in row order (if listening)
     # rows whose bans depend on the tokens before them (bad words of several tokens): recomputed
     # when sampling, which waits for the previous launch's tokens as a grammar's rows do
     listening: list[int] = field(default_factory=list)
@@ -299,8 +299,10 @@ class LLMEngine:
                        if self._grammars is not None else [])
         bans = {row: ban for row in constrained if (ban := self._banned(sampling[row]))}
         listening = [row for row, seq in enumerate(sampling) if seq.bad_words is not None and seq.bad_words.needs_history]
+        # the rows' work is kept only for the listening rows' bans: no second pass over a plain step
+        rows = [w for w in work if w.params is not None] if listening else []
         launched = InFlightStep(self.runner.forward(work), sequences=sampling, constrained=constrained, bans=bans,
-                                rows=[w for w in work if w.params is not None], listening=listening)
+                                rows=rows, listening=listening)
         if self.in_flight is None or not (constrained or listening):
             # every matcher has seen every token: sample now (before the placeholders go in)
             self._sample(launched)
