@@ -14,12 +14,13 @@ from nanoserve.runner.attention import select_backend
 from nanoserve.runner.batch import SampleOutput, SequenceWork, TokenMask
 from nanoserve.runner.inputs import build_inputs
 from nanoserve.runner.layers.ops import EAGER_OPS, compiled_ops
-from nanoserve.runner.kv_cache import KVCache, blocks_for_cpu, blocks_for_gpu, profile_work
+from nanoserve.runner.kv_cache import KVCache, blocks_for_cpu, blocks_for_gpu, local_kv_heads, profile_work
 from nanoserve.runner.loader import fill_dummy_weights, load_weights
 from nanoserve.runner.models.registry import model_class
 from nanoserve.runner.parallel import SINGLE, TensorParallel
 from nanoserve.runner.penalties import PenaltyCounts
 from nanoserve.runner.sampler import draw, draws_in_graph, score_prompt
+from nanoserve.runner.warm_up import mixed_warm_up_work
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,8 @@ class ModelRunner:
             self.graph_capture_seconds += seconds
             logger.info("captured %d prefill CUDA graphs (up to %d tokens) in %.1f s", len(self.prefill_graphs.sizes),
                         self.prefill_graphs.max_tokens, seconds)
+        if self.device.type == "cuda":
+            self._warm_up_mixed_steps()
         if self.device.type == "cuda" and self.tp.rank == 0:
             from nanoserve.runner.sampling_kernel import warm_up
             warm_up(self.vocab_size, config.dtype, self.device)
@@ -211,15 +214,36 @@ class ModelRunner:
             hidden, inputs = self.prefill_graphs.run(work, self.prev_tokens)
             hidden, rows = hidden[inputs.logits_indices], inputs.sample_rows
         else:
-            inputs = build_inputs(work, self.block_size, self.device, self.prev_tokens)
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-            if inputs.prompt_logprob_rows is not None:
-                # read back now: only steps that carry such prompts pay this sync
-                prompt = score_prompt(self.model.compute_logits, hidden, inputs.prompt_logprob_rows)
-            hidden, rows = hidden[inputs.logits_indices], inputs.sample_rows
+            hidden, rows, prompt = self._forward_eager(work)
         # every rank: the LM head gathers across ranks
         logits = self.model.compute_logits(hidden) if rows else None
         return StepLogits(logits, rows, prompt)
+
+    def _forward_eager(self, work: list[SequenceWork]) -> tuple[torch.Tensor, list[SequenceWork], list | None]:
+        """A step outside the graphs: the sampling rows' hidden states, those rows, prompt logprobs."""
+        inputs = build_inputs(work, self.block_size, self.device, self.prev_tokens)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        prompt = None
+        if inputs.prompt_logprob_rows is not None:
+            # read back now: only steps that carry such prompts pay this sync
+            prompt = score_prompt(self.model.compute_logits, hidden, inputs.prompt_logprob_rows)
+        return hidden[inputs.logits_indices], inputs.sample_rows, prompt
+
+    @torch.inference_mode()
+    def _warm_up_mixed_steps(self) -> None:
+        """Compile now what eager mixed steps launch (those past the largest prefill graph, or with
+        prompt logprobs), which neither the profiling step nor a graph capture launches."""
+        shapes = getattr(self.backend, "mixed_step_shapes", None)
+        if shapes is None:
+            return
+        start = time.perf_counter()
+        cfg = self.config
+        for seqs, longest in shapes(cfg.max_num_seqs, cfg.max_model_len, local_kv_heads(cfg), self.device):
+            work = mixed_warm_up_work(seqs, longest, self.block_size, self.num_blocks)
+            if work is not None:
+                self._forward_eager(work)
+        torch.cuda.synchronize()
+        logger.info("eager mixed-step kernels ready in %.1f s", time.perf_counter() - start)
 
     @torch.inference_mode()
     def sample(self, step: StepLogits, token_mask: TokenMask | None = None) -> PendingSample:

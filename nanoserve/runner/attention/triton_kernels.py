@@ -8,7 +8,8 @@ import triton
 import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
-from nanoserve.runner.attention.triton_decode import engine_split_keys, paged_decode
+from nanoserve.runner.attention.triton_decode import (MAX_SPLITS, MIN_TOKENS_PER_SPLIT, engine_split_keys,
+                                                      num_decode_splits, num_sms, paged_decode)
 from nanoserve.runner.attention.triton_fp8 import to_fp8
 from nanoserve.runner.attention.triton_prefill import paged_prefill
 from nanoserve.runner.attention.triton_rope_store import qkv_rope_store
@@ -76,6 +77,22 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     )
 
 
+def mixed_step_shapes(max_num_seqs: int, max_model_len: int, kv_heads: int,
+                      device: torch.device) -> list[tuple[int, int]]:
+    """(sequences, longest context) of eager mixed steps that between them launch every kernel
+    variant an eager mixed step can need: the prefill kernel that leaves decode rows out, and the
+    decode kernel over packed rows unsplit and at each merge width. Captured steps compile theirs
+    at capture; these would otherwise compile (~1 s each) under the first such step served."""
+    shapes: dict[int, tuple[int, int]] = {}
+    lengths = sorted({min(max_model_len, n * MIN_TOKENS_PER_SPLIT) for n in range(1, MAX_SPLITS + 1)}
+                     | {max_model_len})
+    for seqs in range(MIXED_MIN_DECODE_ROWS + 1, max_num_seqs + 1):   # the decode rows and a prompt
+        for length in lengths:
+            splits = num_decode_splits(seqs, kv_heads, length, num_sms(device))
+            shapes.setdefault(triton.next_power_of_2(splits), (seqs, length))   # the merge's width
+    return list(shapes.values())
+
+
 class TritonBackend:
     """Attention through our own Triton kernels. The decode path reads no host lists and
     syncs nothing, so it can be captured in a CUDA graph (see triton_decode).
@@ -87,6 +104,7 @@ class TritonBackend:
     supports_cuda_graphs = True
     fuses_kv_store = True
     qkv_rope_store = staticmethod(qkv_rope_store)
+    mixed_step_shapes = staticmethod(mixed_step_shapes)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
