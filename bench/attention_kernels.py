@@ -204,8 +204,8 @@ def tile_sweep(caches: Caches, block_ns: tuple[int, ...] = (32, 64, 128)) -> Non
 def split_sweep(caches: Caches) -> None:
     print("\nsplit sweep (us); * = the heuristic's choice")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for batch, context in ((1, 1024), (4, 1024), (16, 1024), (1, 4096), (1, 8192), (16, 8192), (16, 32768),
-                           (32, 4096), (64, 4096)):
+    for batch, context in ((1, 1024), (4, 1024), (16, 1024), (32, 1024), (64, 1024), (1, 4096), (1, 8192),
+                           (1, 32768), (16, 8192), (16, 32768), (32, 4096), (64, 4096)):
         chosen = num_decode_splits(batch, KV_HEADS, context, sms)
         row = []
         for splits in sorted({1, 2, 4, 8, 16, 32, 64, chosen}):

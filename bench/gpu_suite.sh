@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab] [prefill-ab]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,6 +79,15 @@ from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '1024', '-
 import nanoserve.runner.prefill_graph as g; g.PROMPT_GRAPH_SEQS = 0
 sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/prefill.py', run_name='__main__')" 2>&1 \
            | tee -a "$out/prefill-ab.log" | grep -vE "it/s|Capturing" ;;
+    splits-ab) # decode steps at small batches with splits of at least 64 keys (the default), then 256 (before)
+         python3 bench/attention_kernels.py --splits 2>&1 | tee "$out/splits.log" | sed -n '/split sweep/,$p'
+         for min in 64 256; do
+           echo "MIN_TOKENS_PER_SPLIT=$min" | tee -a "$out/splits-ab.log"
+           python3 -c "import sys; sys.argv = ['decode_step', '--batch-sizes', '1,4,16,64', '--contexts', '1024,4096']
+import nanoserve.runner.attention.triton_decode as d; d.MIN_TOKENS_PER_SPLIT = $min
+sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
+             | tee -a "$out/splits-ab.log" | grep -vE "it/s|Capturing"
+         done ;;
     knobs) # the workload at 256 with and without the ragged-decode switches, both caches, one process each
          for kv in auto fp8; do
            for env in "NANOSERVE_LONGEST_FIRST=0 NANOSERVE_DECODE_SPLIT_KEYS=0" \

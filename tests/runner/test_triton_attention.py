@@ -150,6 +150,24 @@ def test_decode_splits_past_a_sequence_end_are_left_out_of_the_merge(monkeypatch
     assert_close(out, ref_out, torch.float32)
 
 
+@pytest.mark.parametrize("tile", [64 * 4 * 64, 64 * 4 * 2, 64 * 4])
+def test_merge_programs_of_several_heads_cover_every_head_once(tile, monkeypatch) -> None:
+    """A merge program takes as many heads as its tile holds at the split width: 6 heads in one
+    program, in programs of 2, or one at a time, the last program partly past the heads."""
+    import nanoserve.runner.attention.triton_decode as triton_decode
+    monkeypatch.setattr(triton_decode, "torch", _NanWorkspace())
+    monkeypatch.setattr(triton_decode, "MERGE_TILE", tile)
+    assert triton_decode.merge_heads_per_program(6, 4, 64) == {64 * 4 * 64: 8, 64 * 4 * 2: 2, 64 * 4: 1}[tile]
+    q, k, v, k_cache, v_cache, meta = make_step([(1, 50), (1, 0), (1, 7), (1, 33)], block_size=16, kv_heads=3,
+                                                group=2, head_dim=64, dtype=torch.float32, seed=17)
+    ref_out, _, _ = reference(q, k, v, k_cache, v_cache, meta, 0.125)
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.125, max_seq_len=4096,
+                       num_splits=4)
+    assert (out[1] == 0).all(), "a padding row must come back as zeros"
+    assert_close(out, ref_out, torch.float32)
+
+
 @pytest.mark.parametrize("split_keys,max_seq_len", [(16, 4096), (32, 4096), (16, 32), (40, 200)])
 def test_decode_with_fixed_size_splits_matches_reference(split_keys, max_seq_len, monkeypatch) -> None:
     """Splits of split_keys keys, the last taking the rest: also when a context outgrows the split
@@ -224,7 +242,9 @@ def test_split_count_fills_the_gpu_only_when_the_batch_cannot() -> None:
     sms = 132
     assert num_decode_splits(batch=256, kv_heads=8, max_seq_len=32768, num_sms=sms) == 1
     assert num_decode_splits(batch=1, kv_heads=8, max_seq_len=32768, num_sms=sms) > 16
-    assert num_decode_splits(batch=1, kv_heads=8, max_seq_len=100, num_sms=sms) == 1
+    # no split shorter than one 64-key tile: a lone sequence of 1k keys takes 16, of 64 keys one
+    assert num_decode_splits(batch=1, kv_heads=8, max_seq_len=1024, num_sms=sms) == 16
+    assert num_decode_splits(batch=1, kv_heads=8, max_seq_len=64, num_sms=sms) == 1
 
 
 def test_select_backend_picks_torch_on_cpu_and_explains_refusals(monkeypatch) -> None:

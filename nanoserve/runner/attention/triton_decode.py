@@ -32,7 +32,9 @@ from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
-MIN_TOKENS_PER_SPLIT = 256   # below this a split costs more in merging than it saves
+# below this a split costs more in merging than it saves: on an H200, batch 1 at 1k keys took
+# 12.0 us a layer in 16 splits of 64 keys against 16.8 in 4 of 256 (BENCHMARKS.md, split counts)
+MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 64
 WAVES = 4                    # programs per SM to aim for before splitting stops paying
 
@@ -139,11 +141,13 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=["num_splits", "split_tiles"])
 def _merge_splits_kernel(
     part_acc_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, query_start_ptr, num_splits, split_tiles, stride_sl,
-    stride_ot, stride_oh, HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
-    PACKED_Q: tl.constexpr, USE_PDL: tl.constexpr,
+    stride_ot, stride_oh, Q_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SPLITS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PACKED_Q: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # one program merges BLOCK_HEADS heads of a sequence: a program per head was thousands of
+    # programs of a few hundred bytes each at large batches (8B, fp8 splits: 28 us a layer)
     seq = tl.program_id(0)
-    head = tl.program_id(1)
+    offs_h = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     pdl_prologue(USE_PDL)
     q_row = _query_row(query_start_ptr, seq, PACKED_Q)
     if q_row < 0:
@@ -152,22 +156,32 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     # the splits that hold keys, as the decode kernel divided the context
     tiles, per_split = _split_tiles(tl.load(seq_lens_ptr + seq * stride_sl), num_splits, split_tiles, BLOCK_N)
-    mask_s = offs_s < tl.minimum(tl.cdiv(tiles, per_split), num_splits)
-    row = (seq * tl.num_programs(1) + head) * num_splits + offs_s
-    lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
+    mask_h = offs_h < Q_HEADS
+    mask = mask_h[:, None] & (offs_s < tl.minimum(tl.cdiv(tiles, per_split), num_splits))[None, :]
+    row = (seq * Q_HEADS + offs_h[:, None]) * num_splits + offs_s[None, :]   # [heads, splits]
+    lse = tl.load(part_lse_ptr + row, mask=mask, other=float("-inf"))
+    lse_max = tl.max(lse, 1)
     # a padding row has no split with keys: every lse reads as -inf and the output is 0
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)
-    denom = tl.sum(w, 0)
-    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=mask_s[:, None], other=0.0)
-    o = tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    w = tl.exp2(lse - lse_max[:, None])
+    denom = tl.sum(w, 1)
+    acc = tl.load(part_acc_ptr + row[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                  mask=mask[:, :, None], other=0.0)
+    o = tl.sum(w[:, :, None] * acc, 1) / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(out_ptr + q_row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
+
+
+MERGE_TILE = 8192   # float32 partials a merge program holds: 64 a thread on 4 warps
+
+
+def merge_heads_per_program(q_heads: int, splits_pow2: int, head_dim: int) -> int:
+    """Heads one merge program takes: as many as MERGE_TILE holds at this split width, at least one."""
+    return max(1, min(triton.next_power_of_2(q_heads), MERGE_TILE // (splits_pow2 * head_dim)))
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4   # the interpreter: a small number keeps split counts (and CPU time) small
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -248,7 +262,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         if num_splits is None:
             num_splits = min(MAX_SPLITS, max(1, -(-max_seq_len // (split_tiles * cfg["BLOCK_N"]))))
     if num_splits is None:
-        num_splits = num_decode_splits(batch, kv_heads, max_seq_len, _num_sms(q.device))
+        num_splits = num_decode_splits(batch, kv_heads, max_seq_len, num_sms(q.device))
     out = torch.empty_like(q) if out is None else out
     packed = query_start_loc is not None
     split = num_splits > 1
@@ -273,10 +287,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         ORDERED=seq_order is not None, PACKED_Q=packed, **cfg, **pdl_launch(q.device),
     )
     if split:
-        _merge_splits_kernel[(batch, q_heads)](
+        splits_pow2 = triton.next_power_of_2(num_splits)
+        heads = merge_heads_per_program(q_heads, splits_pow2, head_dim)
+        _merge_splits_kernel[(batch, triton.cdiv(q_heads, heads))](
             part_acc, part_lse, out, seq_lens, query_start_loc if packed else seq_lens, num_splits, split_tiles,
-            seq_lens.stride(0), out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-            SPLITS_POW2=triton.next_power_of_2(num_splits), BLOCK_N=cfg["BLOCK_N"], PACKED_Q=packed, num_warps=4,
+            seq_lens.stride(0), out.stride(0), out.stride(1), Q_HEADS=q_heads, BLOCK_HEADS=heads, HEAD_DIM=head_dim,
+            SPLITS_POW2=splits_pow2, BLOCK_N=cfg["BLOCK_N"], PACKED_Q=packed, num_warps=4,
             **pdl_launch(q.device),
         )
     return out
@@ -303,7 +319,7 @@ def engine_split_keys(batch: int, kv_heads: int, max_seq_len: int, device: torch
     keys = _split_keys_asked()
     if keys is None:
         keys = FP8_SPLIT_KEYS if fp8_cache else 0
-    if not keys or num_decode_splits(batch, kv_heads, max_seq_len, _num_sms(device)) > 1:
+    if not keys or num_decode_splits(batch, kv_heads, max_seq_len, num_sms(device)) > 1:
         return None
     return keys
 
