@@ -79,7 +79,7 @@ from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '1024', '-
 import nanoserve.runner.prefill_graph as g; g.PROMPT_GRAPH_SEQS = 0
 sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/prefill.py', run_name='__main__')" 2>&1 \
            | tee -a "$out/prefill-ab.log" | grep -vE "it/s|Capturing" ;;
-    splits-ab) # decode steps at small batches with splits of at least 64 keys (the default), then 256 (before)
+    splits-ab) # decode steps at small batches with splits of at least 64 keys, then of 256 (the default)
          python3 bench/attention_kernels.py --splits 2>&1 | tee "$out/splits.log" | sed -n '/split sweep/,$p'
          for min in 64 256; do
            echo "MIN_TOKENS_PER_SPLIT=$min" | tee -a "$out/splits-ab.log"

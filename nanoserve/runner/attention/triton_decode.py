@@ -32,9 +32,10 @@ from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
-# below this a split costs more in merging than it saves: on an H200, batch 1 at 1k keys took
-# 12.0 us a layer in 16 splits of 64 keys against 16.8 in 4 of 256 (BENCHMARKS.md, split counts)
-MIN_TOKENS_PER_SPLIT = 64
+# below this a split costs more in merging than it saves. Eagerly, batch 1 at 1k keys takes 12.4 us
+# a layer in 16 splits of 64 keys against 17.7 in 4 of 256; yet in the decode graphs (PDL) the
+# step was no faster with 64: 0.952 against 0.935 ms pipelined (BENCHMARKS.md, split counts)
+MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 WAVES = 4                    # programs per SM to aim for before splitting stops paying
 
