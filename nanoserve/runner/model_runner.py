@@ -238,7 +238,8 @@ class ModelRunner:
             return
         start = time.perf_counter()
         cfg = self.config
-        for seqs, longest in shapes(cfg.max_num_seqs, cfg.max_model_len, local_kv_heads(cfg), self.device):
+        for seqs, longest in shapes(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
+                                    local_kv_heads(cfg), self.device):
             work = mixed_warm_up_work(seqs, longest, self.block_size, self.num_blocks)
             if work is not None:
                 self._forward_eager(work)

@@ -77,7 +77,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     )
 
 
-def mixed_step_shapes(max_num_seqs: int, max_model_len: int, kv_heads: int,
+def mixed_step_shapes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, kv_heads: int,
                       device: torch.device) -> list[tuple[int, int]]:
     """(sequences, longest context) of eager mixed steps that between them launch every kernel
     variant an eager mixed step can need: the prefill kernel that leaves decode rows out, and the
@@ -86,7 +86,8 @@ def mixed_step_shapes(max_num_seqs: int, max_model_len: int, kv_heads: int,
     shapes: dict[int, tuple[int, int]] = {}
     lengths = sorted({min(max_model_len, n * MIN_TOKENS_PER_SPLIT) for n in range(1, MAX_SPLITS + 1)}
                      | {max_model_len})
-    for seqs in range(MIXED_MIN_DECODE_ROWS + 1, max_num_seqs + 1):   # the decode rows and a prompt
+    # the decode rows and a prompt of at least two tokens, within the step's token budget
+    for seqs in range(MIXED_MIN_DECODE_ROWS + 1, min(max_num_seqs, max_num_batched_tokens - 1) + 1):
         for length in lengths:
             splits = num_decode_splits(seqs, kv_heads, length, num_sms(device))
             shapes.setdefault(triton.next_power_of_2(splits), (seqs, length))   # the merge's width
