@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from nanoserve.runner.attention import TorchBackend, select_backend
-from nanoserve.runner.attention.triton_decode import longest_first, num_decode_splits, paged_decode
+from nanoserve.runner.attention.triton_decode import (MIN_TOKENS_PER_SPLIT, longest_first, num_decode_splits,
+                                                      paged_decode)
 from nanoserve.runner.attention.triton_kernels import TritonBackend, store_kvcache
 from nanoserve.runner.attention.triton_prefill import paged_prefill
 from nanoserve.runner.batch import AttentionMetadata
@@ -242,9 +243,10 @@ def test_split_count_fills_the_gpu_only_when_the_batch_cannot() -> None:
     sms = 132
     assert num_decode_splits(batch=256, kv_heads=8, max_seq_len=32768, num_sms=sms) == 1
     assert num_decode_splits(batch=1, kv_heads=8, max_seq_len=32768, num_sms=sms) > 16
-    # no split shorter than one 64-key tile: a lone sequence of 1k keys takes 16, of 64 keys one
-    assert num_decode_splits(batch=1, kv_heads=8, max_seq_len=1024, num_sms=sms) == 16
-    assert num_decode_splits(batch=1, kv_heads=8, max_seq_len=64, num_sms=sms) == 1
+    # no split shorter than MIN_TOKENS_PER_SPLIT keys: a lone sequence of 4 times that takes 4
+    assert num_decode_splits(batch=1, kv_heads=8, max_seq_len=4 * MIN_TOKENS_PER_SPLIT, num_sms=sms) == 4
+    assert num_decode_splits(batch=1, kv_heads=8, max_seq_len=MIN_TOKENS_PER_SPLIT, num_sms=sms) == 1
+    assert num_decode_splits(batch=1, kv_heads=8, max_seq_len=100, num_sms=sms) == 1
 
 
 def test_select_backend_picks_torch_on_cpu_and_explains_refusals(monkeypatch) -> None:
