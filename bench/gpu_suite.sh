@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -99,6 +99,8 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py'
            done
          done ;;
     gemv) python3 bench/skinny_gemm.py 2>&1 | tee "$out/skinny_gemm.log" ;;
+    gemm-lt) # linear layers at the workload's batches: cuBLAS as torch picks it, against torch's cuBLASLt preference
+         python3 bench/skinny_gemm.py --rows 1,16,64,128,192,256 --blas-lt 2>&1 | tee "$out/gemm-lt.log" ;;
     silu) python3 bench/silu_mul.py 2>&1 | tee "$out/silu_mul.log" ;;
     prefill-graphs) # TTFT with prefill steps eager, then replayed from graphs; throughput with them off (t256: on)
          for flag in --no-prefill-cuda-graphs --prefill-cuda-graphs; do

@@ -7,6 +7,7 @@ overflow L2 (layers/skinny_choice.py: what the server's startup choice measures)
 
     python bench/skinny_gemm.py            # one line per shape and row count, then per-step sums
     python bench/skinny_gemm.py --sweep    # plus the best of a grid of tiles per case (minutes)
+    python bench/skinny_gemm.py --blas-lt  # plus F.linear with torch's cuBLASLt preference
 """
 
 from __future__ import annotations
@@ -65,10 +66,22 @@ def best_of_sweep(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[float, 
     return best
 
 
+def linear_us_with_cublaslt(x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+    """F.linear's time (graph_us_per_call) while torch prefers cuBLASLt for its matmuls."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return graph_us_per_call(lambda w: F.linear(x, w), weights)
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles per case")
     parser.add_argument("--rows", default=ROWS, help="comma-separated row counts")
+    parser.add_argument("--blas-lt", action="store_true",
+                        help="also time F.linear with torch.backends.cuda.preferred_blas_library('cublaslt')")
     args = parser.parse_args()
     row_counts = [int(r) for r in args.rows.split(",")]
     silu_mul = compiled_ops().silu_mul   # the fused kernel a decode step runs
@@ -77,6 +90,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, {sms} SMs, torch {torch.__version__}", flush=True)
     began = time.perf_counter()
     step_us: dict[tuple[str, int], list[float]] = {}
+    lt_step_us: dict[tuple[str, int], float] = {}
     for model, (layers, shapes) in MODELS.items():
         for proj, (n, k) in shapes.items():
             weights = rotated_weights(n, k, DTYPE, device)
@@ -98,6 +112,11 @@ def main() -> None:
                     gated = graph_us_per_call(lambda w: skinny_linear(gate_up, w, gated=True), weights)
                     act = graph_us_per_call(lambda _: silu_mul(gate_up), weights)
                     line += f" | gated {gated:7.1f} us (SiLU-mul apart {act:5.1f} us)"
+                if args.blas_lt:
+                    lt = linear_us_with_cublaslt(x, weights)
+                    line += (f" | cuBLASLt {lt:7.1f} us x{cublas / lt:4.2f}; cuBLAS at "
+                             f"{2 * rows * n * k / cublas / 1e6:5.1f} TFLOP/s")
+                    lt_step_us[model, rows] = lt_step_us.get((model, rows), 0.0) + layers * lt
                 if args.sweep:
                     us, best = best_of_sweep(x, weights)
                     line += f" | sweep best {us:7.1f} us {best}"
@@ -110,6 +129,8 @@ def main() -> None:
     for (model, rows), (cublas, triton, chosen) in step_us.items():
         print(f"{model} M={rows}: linears per decode step: cuBLAS {cublas:7.1f} us, Triton "
               f"{triton:7.1f} us, per-shape best {chosen:7.1f} us")
+    for (model, rows), lt in lt_step_us.items():
+        print(f"{model} M={rows}: linears per decode step with cuBLASLt preferred: {lt:7.1f} us")
     print(f"done in {time.perf_counter() - began:.1f} s")
 
 
