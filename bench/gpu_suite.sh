@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [fp8-dot]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -87,6 +87,18 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/prefill.py', ru
 import nanoserve.runner.attention.triton_decode as d; d.MIN_TOKENS_PER_SPLIT = $min
 sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
              | tee -a "$out/splits-ab.log" | grep -vE "it/s|Capturing"
+         done ;;
+    fp8-dot) # decode over an fp8 cache with e4m3 dots (NANOSERVE_FP8_DOT=1) against widening to f16 (the default):
+         # its error tests, the kernel at batch 256, decode steps, the workload, and greedy agreement in bf16
+         python3 -m pytest -q -m gpu tests/gpu/test_fp8_kv_cache_gpu.py -k e4m3 2>&1 | tail -3
+         for dot in 0 1; do
+           echo "NANOSERVE_FP8_DOT=$dot" | tee -a "$out/fp8-dot.log"
+           NANOSERVE_FP8_DOT=$dot python3 bench/attention_kernels.py --kv-cache-dtype fp8 2>&1 | tee -a "$out/fp8-dot.log" | tail -4
+           NANOSERVE_FP8_DOT=$dot python3 bench/decode_step.py --kv-cache-dtype fp8 --batch-sizes 1,64,256 --contexts 1024,4096 \
+             2>&1 | tee -a "$out/fp8-dot.log" | grep -vE "it/s|Capturing"
+           NANOSERVE_FP8_DOT=$dot python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype fp8 2>&1 | tee -a "$out/fp8-dot.log" \
+             | grep -E "^throughput|compiles|Error"
+           NANOSERVE_FP8_DOT=$dot python3 -m nanoserve.benchmarks.fp8_agreement --dtype bfloat16 2>&1 | tee -a "$out/fp8-dot.log" | tail -1
          done ;;
     knobs) # the workload at 256 with and without the ragged-decode switches, both caches, one process each
          for kv in auto fp8; do

@@ -11,17 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.benchmarks.fp8_agreement import PROMPTS, greedy_agreement
 from nanoserve.cli import _engine_kwargs, build_parser
 from nanoserve.config import DEFAULT_MODEL, EngineConfig
 from nanoserve.runner.attention.fp8 import FP8_DTYPE
-
-PROMPTS = ["The function returns", "A list is", "Return the value of", "The dictionary maps",
-           "If the argument is", "This module provides", "Raise a ValueError when",
-           "The default encoding is", "Open the file and", "A class defines", "The iterator yields",
-           "Return a new string with", "The socket object", "When the thread starts",
-           "The optional argument", "Decimal numbers are"]
-STEPS = 64
-
 
 def test_fp8_cache_picks_the_float32_caches_greedy_token_at_90_percent_of_steps() -> None:
     """Each of 64 steps of 16 prompts, given the float32-cache run's history, is scored with an fp8
@@ -32,19 +25,14 @@ def test_fp8_cache_picks_the_float32_caches_greedy_token_at_90_percent_of_steps(
     small model, whose top two logits are often close): position by position they agree at 50%,
     and their common prefixes cover 44% of the steps. A bfloat16 cache, for scale, agrees with
     the float32 cache at 98% free-running."""
-    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
-    runs = LLM(device="cpu").generate(PROMPTS, params, use_tqdm=False)
-    llm = LLM(device="cpu", kv_cache_dtype="fp8")
-    assert llm.engine.runner.kv_cache.tensor.dtype == FP8_DTYPE
-    scored = llm.generate([r.prompt_token_ids + r.token_ids for r in runs],
-                          SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-    agree = 0
-    for run, out in zip(runs, scored):
-        start = len(run.prompt_token_ids)
-        # entry start + j: the top token at the position before run.token_ids[j]
-        picks = [out.prompt_logprobs[start + j][1][0][0] for j in range(STEPS)]
-        agree += sum(p == t for p, t in zip(picks, run.token_ids))
-    assert agree >= 0.9 * STEPS * len(PROMPTS), f"{agree / (STEPS * len(PROMPTS)):.1%}"
+    def make_llm(kv_cache_dtype: str) -> LLM:
+        llm = LLM(device="cpu", kv_cache_dtype=kv_cache_dtype)
+        if kv_cache_dtype == "fp8":
+            assert llm.engine.runner.kv_cache.tensor.dtype == FP8_DTYPE
+        return llm
+
+    agree, _ = greedy_agreement(make_llm)
+    assert agree >= 0.9, f"{agree:.1%}"
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
