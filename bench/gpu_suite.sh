@@ -111,8 +111,14 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py'
            done
          done ;;
     gemv) python3 bench/skinny_gemm.py 2>&1 | tee "$out/skinny_gemm.log" ;;
-    gemm-lt) # linear layers at the workload's batches: cuBLAS as torch picks it, against torch's cuBLASLt preference
-         python3 bench/skinny_gemm.py --rows 1,16,64,128,192,256 --blas-lt 2>&1 | tee "$out/gemm-lt.log" ;;
+    gemm-lt) # linear layers at the workload's batches: cuBLAS as torch picks it, against torch's cuBLASLt preference;
+         # then the 8B workload under each (torch reads TORCH_BLAS_PREFER_CUBLASLT at start)
+         python3 bench/skinny_gemm.py --rows 1,16,64,128,192,256 --blas-lt 2>&1 | tee "$out/gemm-lt.log" | grep -E "M=|done"
+         for lt in 0 1; do
+           echo "TORCH_BLAS_PREFER_CUBLASLT=$lt" | tee -a "$out/gemm-lt.log"
+           TORCH_BLAS_PREFER_CUBLASLT=$lt python3 bench/throughput.py --num-seqs 256 --config bench/configs/qwen3-8b.json 2>&1 \
+             | tee -a "$out/gemm-lt.log" | grep -E "^throughput|Error"
+         done ;;
     silu) python3 bench/silu_mul.py 2>&1 | tee "$out/silu_mul.log" ;;
     prefill-graphs) # TTFT with prefill steps eager, then replayed from graphs; throughput with them off (t256: on)
          for flag in --no-prefill-cuda-graphs --prefill-cuda-graphs; do
