@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [fp8-dot]
+# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [fp8-dot] [waves-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -99,6 +99,20 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py'
            NANOSERVE_FP8_DOT=$dot python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype fp8 2>&1 | tee -a "$out/fp8-dot.log" \
              | grep -E "^throughput|compiles|Error"
            NANOSERVE_FP8_DOT=$dot python3 -m nanoserve.benchmarks.fp8_agreement --dtype bfloat16 2>&1 | tee -a "$out/fp8-dot.log" | tail -1
+         done ;;
+    waves-ab) # decode splits sized for 4 programs an SM (the default), then 2: the split sweep of effb7b7 had one split
+         # faster at batch 64 (78.8 against 85.7 us a layer) and two at batch 32; steps by batch, then the workload
+         for waves in 4 2; do
+           echo "WAVES=$waves" | tee -a "$out/waves-ab.log"
+           python3 -c "import sys; sys.argv = ['decode_step', '--batch-sizes', '16,32,64', '--contexts', '1024,4096']
+import nanoserve.runner.attention.triton_decode as d; d.WAVES = $waves
+sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
+             | tee -a "$out/waves-ab.log" | grep -vE "it/s|Capturing"
+           for kv in auto fp8; do
+             python3 -c "import nanoserve.runner.attention.triton_decode as d; d.WAVES = $waves
+from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--kv-cache-dtype', '$kv'])" 2>&1 \
+               | tee -a "$out/waves-ab.log" | grep -E "^throughput|Error"
+           done
          done ;;
     knobs) # the workload at 256 with and without the ragged-decode switches, both caches, one process each
          for kv in auto fp8; do
