@@ -16,11 +16,12 @@ from nanoserve.runner.inputs import build_inputs
 from nanoserve.runner.layers.ops import EAGER_OPS, compiled_ops
 from nanoserve.runner.kv_cache import KVCache, blocks_for_cpu, blocks_for_gpu, local_kv_heads, profile_work
 from nanoserve.runner.loader import fill_dummy_weights, load_weights
+from nanoserve.runner.models.decoder import head_dim_of
 from nanoserve.runner.models.registry import model_class
 from nanoserve.runner.parallel import SINGLE, TensorParallel
 from nanoserve.runner.penalties import PenaltyCounts
 from nanoserve.runner.sampler import draw, draws_in_graph, score_prompt
-from nanoserve.runner.warm_up import mixed_warm_up_work
+from nanoserve.runner.warm_up import warm_up_work
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class ModelRunner:
             logger.info("captured %d prefill CUDA graphs (up to %d tokens) in %.1f s", len(self.prefill_graphs.sizes),
                         self.prefill_graphs.max_tokens, seconds)
         if self.device.type == "cuda":
-            self._warm_up_mixed_steps()
+            self._warm_up_eager_steps()
         if self.device.type == "cuda" and self.tp.rank == 0:
             from nanoserve.runner.sampling_kernel import warm_up
             warm_up(self.vocab_size, config.dtype, self.device)
@@ -230,21 +231,25 @@ class ModelRunner:
         return hidden[inputs.logits_indices], inputs.sample_rows, prompt
 
     @torch.inference_mode()
-    def _warm_up_mixed_steps(self) -> None:
-        """Compile now what eager mixed steps launch (those past the largest prefill graph, or with
-        prompt logprobs), which neither the profiling step nor a graph capture launches."""
-        shapes = getattr(self.backend, "mixed_step_shapes", None)
+    def _warm_up_eager_steps(self) -> None:
+        """Compile now what eager steps launch that neither the profiling step nor a graph capture
+        does: mixed steps (past the largest prefill graph, or with prompt logprobs) and, without
+        prefill graphs, decode-only steps (1-token prompt chunks beside decode rows; every step
+        under enforce_eager)."""
+        shapes = getattr(self.backend, "eager_step_shapes", None)
         if shapes is None:
             return
         start = time.perf_counter()
-        cfg = self.config
-        for seqs, longest in shapes(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
-                                    local_kv_heads(cfg), self.device):
-            work = mixed_warm_up_work(seqs, longest, self.block_size, self.num_blocks)
-            if work is not None:
-                self._forward_eager(work)
+        cfg, fp8 = self.config, self.config.kv_cache_dtype == "fp8"
+        block_n = self.backend.decode_config(self.device, fp8, cfg.dtype, head_dim_of(cfg.hf_config))["BLOCK_N"]
+        for mixed in (True, False) if self.prefill_graphs is None else (True,):
+            for seqs, longest in shapes(mixed, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
+                                        local_kv_heads(cfg), self.device, block_n, fp8):
+                work = warm_up_work(seqs, longest, self.block_size, self.num_blocks, with_prompt=mixed)
+                if work is not None:
+                    self._forward_eager(work)
         torch.cuda.synchronize()
-        logger.info("eager mixed-step kernels ready in %.1f s", time.perf_counter() - start)
+        logger.info("eager-step kernels ready in %.1f s", time.perf_counter() - start)
 
     @torch.inference_mode()
     def sample(self, step: StepLogits, token_mask: TokenMask | None = None) -> PendingSample:

@@ -114,9 +114,9 @@ def test_triton_decode_over_fp8_forced_splits(dtype, block_size, head_dim, group
 @pytest.mark.parametrize("group,magnitude,seed", [(2, 1.0, 21), (4, 300.0, 22)])
 def test_triton_decode_widening_fp8_to_bf16_for_a_bf16_query(group, magnitude, seed):
     """The bf16 widening that bench/attention_kernels.py --fp8-sweep weighs against the default f16."""
-    from nanoserve.runner.attention.triton_decode import _decode_config
+    from nanoserve.runner.attention.triton_decode import decode_config
 
-    config = dict(_decode_config(torch.device("cuda"), fp8=True), FP8_VIA_F16=False)
+    config = dict(decode_config(torch.device("cuda"), fp8=True), FP8_VIA_F16=False)
     check_fp8(decode_specs(random.Random(seed), batch=29, max_len=3000), dtype=torch.bfloat16,
               magnitude=magnitude, seed=seed, config=config,
               block_size=256, group=group, head_dim=128, kv_heads=2)
@@ -128,9 +128,9 @@ def test_triton_decode_with_e4m3_dots(dtype, block_size, head_dim, group, magnit
     """NANOSERVE_FP8_DOT's kernel (q per head and the probabilities in e4m3): within
     FP8_DOT_REL_ERR of the exact output, the bound the CPU tests state. It quantizes q, so it does
     not match the reference over the same cache to the widening kernel's tolerance."""
-    from nanoserve.runner.attention.triton_decode import _decode_config
+    from nanoserve.runner.attention.triton_decode import decode_config
 
-    config = dict(_decode_config(torch.device("cuda"), fp8=True), FP8_DOT=True)
+    config = dict(decode_config(torch.device("cuda"), fp8=True), FP8_DOT=True)
     check_fp8(decode_specs(random.Random(seed + 300), batch=29, max_len=3000), dtype=dtype,
               magnitude=magnitude, seed=seed + 300, config=config, exact_bound=FP8_DOT_REL_ERR,
               same_cache_bound=False, block_size=block_size, group=group, head_dim=head_dim, kv_heads=2)

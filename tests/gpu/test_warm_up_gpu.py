@@ -1,6 +1,7 @@
 """No attention kernel compiles while requests run: the eager mixed steps (prompts beside 32 or
-more decode rows, outside the prefill graphs) launch kernel variants that no graph capture and
-no profiling step launches, and the startup warm-up compiles them first.
+more decode rows, outside the prefill graphs) and, under enforce_eager, the eager decode steps
+launch kernel variants that no graph capture and no profiling step launches, and the startup
+warm-up compiles them first.
 
 Each case runs in a fresh process: kernels an earlier test compiled in this one would hide a
 compile that a server would pay."""
@@ -27,7 +28,7 @@ from nanoserve.runner.attention.triton_decode import num_decode_splits, num_sms
 from tests.conftest import random_prompts
 
 llm = LLM(sys.argv[1], device="cuda", max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=700,
-          kv_cache_dtype=sys.argv[2], prefill_cuda_graphs=False)
+          kv_cache_dtype=sys.argv[2], prefill_cuda_graphs=False, enforce_eager=sys.argv[3] == "eager")
 runner = llm.engine.runner
 eager, mixed = runner._forward_eager, []
 
@@ -48,9 +49,9 @@ print(json.dumps({"compiles": sorted(compiles), "mixed": mixed}))
 """
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_eager_mixed_steps_compile_nothing_while_serving(qwen3_06b, kv_cache_dtype):
-    done = subprocess.run([sys.executable, "-c", SCRIPT, qwen3_06b, kv_cache_dtype], cwd=ROOT,
+@pytest.mark.parametrize("kv_cache_dtype,steps", [("auto", "graphs"), ("fp8", "graphs"), ("auto", "eager")])
+def test_eager_steps_compile_nothing_while_serving(qwen3_06b, kv_cache_dtype, steps):
+    done = subprocess.run([sys.executable, "-c", SCRIPT, qwen3_06b, kv_cache_dtype, steps], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

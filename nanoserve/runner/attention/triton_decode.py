@@ -215,7 +215,20 @@ def num_decode_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int)
     return max(1, min(want, by_len, MAX_SPLITS))
 
 
-def _decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = torch.bfloat16,
+def split_span(split_keys: int | None, block_n: int) -> int:
+    """Keys of each fixed-size split: split_keys rounded up to whole tiles; 0 for even splits."""
+    return max(1, -(-split_keys // block_n)) * block_n if split_keys is not None else 0
+
+
+def decode_split_count(batch: int, kv_heads: int, max_seq_len: int, device: torch.device, span: int = 0) -> int:
+    """The splits paged_decode launches: enough `span`-key splits to cover max_seq_len, or
+    num_decode_splits' even division when span is 0."""
+    if span:
+        return min(MAX_SPLITS, max(1, -(-max_seq_len // span)))
+    return num_decode_splits(batch, kv_heads, max_seq_len, num_sms(device))
+
+
+def decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = torch.bfloat16,
                    head_dim: int = 128) -> dict:
     if device.type != "cuda":   # interpreter: small tiles keep masked work (and CPU time) low
         return dict(BLOCK_N=16, num_warps=1, num_stages=1)
@@ -270,17 +283,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"seq_order must be a contiguous int32 permutation of the {batch} rows")
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
-    cfg = {**_decode_config(q.device, fp8, q.dtype, head_dim), **(config or {})}
+    cfg = {**decode_config(q.device, fp8, q.dtype, head_dim), **(config or {})}
     # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
     cfg.setdefault("FP8_VIA_F16", fp8 and q.dtype == torch.bfloat16)
     cfg["FP8_DOT"] = fp8 and cfg.get("FP8_DOT", False)
-    split_tiles = 0   # the kernels' flag for even division
-    if split_keys is not None:
-        split_tiles = max(1, -(-split_keys // cfg["BLOCK_N"]))
-        if num_splits is None:
-            num_splits = min(MAX_SPLITS, max(1, -(-max_seq_len // (split_tiles * cfg["BLOCK_N"]))))
+    span = split_span(split_keys, cfg["BLOCK_N"])
+    split_tiles = span // cfg["BLOCK_N"]   # 0: the kernels' flag for even division
     if num_splits is None:
-        num_splits = num_decode_splits(batch, kv_heads, max_seq_len, num_sms(q.device))
+        num_splits = decode_split_count(batch, kv_heads, max_seq_len, q.device, span)
     out = torch.empty_like(q) if out is None else out
     packed = query_start_loc is not None
     split = num_splits > 1

@@ -8,8 +8,8 @@ import triton
 import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
-from nanoserve.runner.attention.triton_decode import (MAX_SPLITS, MIN_TOKENS_PER_SPLIT, engine_split_keys,
-                                                      num_decode_splits, num_sms, paged_decode)
+from nanoserve.runner.attention.triton_decode import (decode_config, decode_split_count, engine_split_keys,
+                                                      paged_decode, split_span)
 from nanoserve.runner.attention.triton_fp8 import to_fp8
 from nanoserve.runner.attention.triton_prefill import paged_prefill
 from nanoserve.runner.attention.triton_rope_store import qkv_rope_store
@@ -77,19 +77,25 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     )
 
 
-def mixed_step_shapes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, kv_heads: int,
-                      device: torch.device) -> list[tuple[int, int]]:
-    """(sequences, longest context) of eager mixed steps that between them launch every kernel
-    variant an eager mixed step can need: the prefill kernel that leaves decode rows out, and the
-    decode kernel over packed rows unsplit and at each merge width. Captured steps compile theirs
-    at capture; these would otherwise compile (~1 s each) under the first such step served."""
+def eager_step_shapes(mixed: bool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                      kv_heads: int, device: torch.device, block_n: int, fp8_cache: bool) -> list[tuple[int, int]]:
+    """(sequences, longest context) of eager steps that between them launch every decode-kernel
+    variant such steps can need, unsplit and at each merge width: mixed (decode rows beside a
+    prompt, which also brings the prefill kernel that leaves them out) or decode rows alone.
+    Captured steps compile theirs at capture; these would otherwise compile (~1 s each) under the
+    first such step served. `block_n`: the decode kernel's keys per tile."""
+    # a power of two falls in every range (a, 2a] of contexts that one merge width takes
+    lengths = sorted({1 << i for i in range(max_model_len.bit_length())} | {max_model_len})
+    if mixed:   # the decode rows and a prompt of at least two tokens, within the step's token budget
+        seq_counts = range(MIXED_MIN_DECODE_ROWS + 1, min(max_num_seqs, max_num_batched_tokens - 1) + 1)
+    else:
+        seq_counts = range(1, min(max_num_seqs, max_num_batched_tokens) + 1)
     shapes: dict[int, tuple[int, int]] = {}
-    lengths = sorted({min(max_model_len, n * MIN_TOKENS_PER_SPLIT) for n in range(1, MAX_SPLITS + 1)}
-                     | {max_model_len})
-    # the decode rows and a prompt of at least two tokens, within the step's token budget
-    for seqs in range(MIXED_MIN_DECODE_ROWS + 1, min(max_num_seqs, max_num_batched_tokens - 1) + 1):
+    for seqs in seq_counts:
         for length in lengths:
-            splits = num_decode_splits(seqs, kv_heads, length, num_sms(device))
+            # a mixed step's decode rows split evenly; alone they may take fixed-size splits
+            keys = None if mixed else engine_split_keys(seqs, kv_heads, length, device, fp8_cache)
+            splits = decode_split_count(seqs, kv_heads, length, device, split_span(keys, block_n))
             shapes.setdefault(triton.next_power_of_2(splits), (seqs, length))   # the merge's width
     return list(shapes.values())
 
@@ -105,7 +111,8 @@ class TritonBackend:
     supports_cuda_graphs = True
     fuses_kv_store = True
     qkv_rope_store = staticmethod(qkv_rope_store)
-    mixed_step_shapes = staticmethod(mixed_step_shapes)
+    eager_step_shapes = staticmethod(eager_step_shapes)
+    decode_config = staticmethod(decode_config)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
