@@ -202,8 +202,10 @@ PREFILL_CASES = [
 def test_prefill_matches_reference_with_prefix_history(
         dtype, block_size, head_dim, group, seed) -> None:
     torch.manual_seed(seed)
-    # a fresh prompt, a prefix hit (history 40), a chunk after a chunk, and a decode row
-    specs = [(23, 23), (9, 49), (17, 50), (1, 38)]
+    # a fresh prompt, a prefix hit (history 40), a chunk after a chunk, a decode row, and a chunk
+    # whose first query sits on the last key of a tile (history 15): the rows of its first query
+    # tile see no key of the next tile, the first one past the unmasked ones
+    specs = [(23, 23), (9, 49), (17, 50), (1, 38), (20, 35)]
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=block_size, kv_heads=2,
                                                 group=group, head_dim=head_dim, dtype=dtype,
                                                 seed=seed)
@@ -217,7 +219,7 @@ def test_prefill_matches_reference_with_prefix_history(
 @pytest.mark.parametrize("last_tiles_first", [False, True])
 def test_prefill_tile_configs_match_reference(last_tiles_first) -> None:
     """The overrides a tile sweep times (bench/attention_kernels.py --prefill-sweep) compute the same attention."""
-    specs = [(40, 40), (9, 49), (1, 38)]
+    specs = [(40, 40), (9, 49), (1, 38), (20, 35)]
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
                                                 dtype=torch.float32, seed=21)
     scale = 64 ** -0.5

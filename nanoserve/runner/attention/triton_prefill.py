@@ -29,6 +29,19 @@ from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 
+@triton.jit
+def _tile_scores(q, k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
+                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, scale_log2,
+                 BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+    """Base-2 scores of q against one tile of keys, and the tile's values (an fp8 cache widened to
+    q's dtype); masked keys read as 0."""
+    k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
+                        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
+    if KV_FP8:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2, v
+
+
 # the block-table width changes with the batch: see _decode_kernel on specialization
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
@@ -81,14 +94,20 @@ def _prefill_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # keys up to the tile's last query position; every row sees key 0, so m turns finite
     end = history + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
-    for n0 in range(0, end, BLOCK_N):
+    # whole key tiles that every row of this tile sees (up to its first query's position) need
+    # no causal mask; only the tiles along the diagonal do
+    unmasked_end = tl.minimum((history + q_tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N, end)
+    for n0 in range(0, unmasked_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
-                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
-        if KV_FP8:
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        qk, v = _tile_scores(q, k_cache_ptr, v_cache_ptr, table, offs_n, offs_n < unmasked_end, kv_head, offs_d,
+                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, scale_log2,
+                             BLOCK_SIZE, PRECISION, KV_FP8)
+        m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
+    for n0 in range(unmasked_end, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        qk, v = _tile_scores(q, k_cache_ptr, v_cache_ptr, table, offs_n, offs_n < end, kv_head, offs_d,
+                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, scale_log2,
+                             BLOCK_SIZE, PRECISION, KV_FP8)
         qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
         m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
 
