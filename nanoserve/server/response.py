@@ -79,18 +79,16 @@ class OpenAIResponse:
         """What logprobs call each token: its text, or "token_id:N" when the request asks."""
         return TOKEN_ID_NAMES if self.req.return_tokens_as_token_ids else self.state.texts
 
-    def envelope(self, object_: str, choices: list[dict]) -> dict:
-        return {**self._head(object_), "choices": choices}
-
-    def _head(self, object_: str) -> dict:
+    def envelope(self, object_: str) -> dict:
+        """The fields every response and chunk starts with, before its choices."""
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
 
     async def whole(self, choices: AsyncIterator[bytes], tail: dict) -> Response:
         """A whole response: the envelope, its choices written one at a time, then `tail`'s fields."""
-        return await whole_json_response(self._head(self.body_object), choices, tail)
+        return await whole_json_response(self.envelope(self.body_object), choices, tail)
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        body = self.envelope(self.chunk_object, choices)
+        body = {**self.envelope(self.chunk_object), "choices": choices}
         if self.req.include_usage:
             body["usage"] = usage
         return body
