@@ -240,11 +240,11 @@ class ModelRunner:
         if shapes is None:
             return
         start = time.perf_counter()
-        cfg, fp8 = self.config, self.config.kv_cache_dtype == "fp8"
-        block_n = self.backend.decode_config(self.device, fp8, cfg.dtype, head_dim_of(cfg.hf_config))["BLOCK_N"]
+        cfg = self.config
         for mixed in (True, False) if self.prefill_graphs is None else (True,):
             for seqs, longest in shapes(mixed, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
-                                        local_kv_heads(cfg), self.device, block_n, fp8):
+                                        local_kv_heads(cfg), head_dim_of(cfg.hf_config), cfg.dtype, self.device,
+                                        cfg.kv_cache_dtype == "fp8"):
                 work = warm_up_work(seqs, longest, self.block_size, self.num_blocks, with_prompt=mixed)
                 if work is not None:
                     self._forward_eager(work)

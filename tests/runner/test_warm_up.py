@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nanoserve.runner.attention.triton_decode as triton_decode
-from nanoserve.runner.attention.triton_decode import decode_split_count, engine_split_keys, split_span
+from nanoserve.runner.attention.triton_decode import decode_config, decode_split_count, engine_split_keys, split_span
 from nanoserve.runner.attention.triton_kernels import MIXED_MIN_DECODE_ROWS, eager_step_shapes
 from nanoserve.runner.inputs import build_inputs
 from nanoserve.runner.warm_up import warm_up_work
@@ -23,14 +23,15 @@ def h200_sms(monkeypatch):
 
 def widths(mixed: bool, seqs: int, length: int, fp8: bool) -> int:
     keys = None if mixed else engine_split_keys(seqs, 8, length, CPU, fp8)
-    splits = decode_split_count(seqs, 8, length, CPU, split_span(keys, 64))
+    block_n = decode_config(CPU, fp8, torch.bfloat16, 128)["BLOCK_N"]
+    splits = decode_split_count(seqs, 8, length, CPU, split_span(keys, block_n))
     return 1 << (splits - 1).bit_length()
 
 
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "decode-only"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_every_merge_width_an_eager_step_reaches_is_warmed_once(h200_sms, mixed, fp8) -> None:
-    shapes = eager_step_shapes(mixed, 512, 16384, 4096, 8, CPU, 64, fp8)
+    shapes = eager_step_shapes(mixed, 512, 16384, 4096, 8, 128, torch.bfloat16, CPU, fp8)
     warmed = [widths(mixed, seqs, longest, fp8) for seqs, longest in shapes]
     first = MIXED_MIN_DECODE_ROWS + 1 if mixed else 1
     reachable = {widths(mixed, seqs, length, fp8) for seqs in range(first, 513) for length in range(1, 4097, 37)}
@@ -50,7 +51,10 @@ def test_a_warm_up_step_has_its_shape(seqs, longest, with_prompt) -> None:
 
 
 def test_no_warm_up_step_exceeds_the_token_budget_or_the_cache(h200_sms) -> None:
-    assert eager_step_shapes(True, 512, MIXED_MIN_DECODE_ROWS + 1, 4096, 8, CPU, 64, False) == []
-    assert all(seqs + 1 <= 100 for seqs, _ in eager_step_shapes(True, 512, 100, 4096, 8, CPU, 64, False))
-    assert all(seqs <= 20 for seqs, _ in eager_step_shapes(False, 512, 20, 4096, 8, CPU, 64, True))
+    def shapes(mixed: bool, budget: int, fp8: bool) -> list[tuple[int, int]]:
+        return eager_step_shapes(mixed, 512, budget, 4096, 8, 128, torch.bfloat16, CPU, fp8)
+
+    assert shapes(True, MIXED_MIN_DECODE_ROWS + 1, False) == []
+    assert all(seqs + 1 <= 100 for seqs, _ in shapes(True, 100, False))
+    assert all(seqs <= 20 for seqs, _ in shapes(False, 20, True))
     assert warm_up_work(33, 4096, block_size=256, num_blocks=15) is None

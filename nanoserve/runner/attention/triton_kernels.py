@@ -78,12 +78,14 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 
 
 def eager_step_shapes(mixed: bool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                      kv_heads: int, device: torch.device, block_n: int, fp8_cache: bool) -> list[tuple[int, int]]:
+                      kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                      fp8_cache: bool) -> list[tuple[int, int]]:
     """(sequences, longest context) of eager steps that between them launch every decode-kernel
     variant such steps can need, unsplit and at each merge width: mixed (decode rows beside a
     prompt, which also brings the prefill kernel that leaves them out) or decode rows alone.
     Captured steps compile theirs at capture; these would otherwise compile (~1 s each) under the
-    first such step served. `block_n`: the decode kernel's keys per tile."""
+    first such step served."""
+    block_n = decode_config(device, fp8_cache, dtype, head_dim)["BLOCK_N"]   # keys per tile
     # a power of two falls in every range (a, 2a] of contexts that one merge width takes
     lengths = sorted({1 << i for i in range(max_model_len.bit_length())} | {max_model_len})
     if mixed:   # the decode rows and a prompt of at least two tokens, within the step's token budget
@@ -112,7 +114,6 @@ class TritonBackend:
     fuses_kv_store = True
     qkv_rope_store = staticmethod(qkv_rope_store)
     eager_step_shapes = staticmethod(eager_step_shapes)
-    decode_config = staticmethod(decode_config)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
