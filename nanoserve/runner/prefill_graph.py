@@ -165,10 +165,14 @@ class PrefillGraphs:
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self._capture(show_progress)
 
+    def graph_seqs(self, prompts_only: bool) -> int:
+        """Sequences the prompts-only or the mixed graph of a bucket holds."""
+        return self.prompt_seqs if prompts_only else self.max_seqs
+
     def _step(self, bucket: int, prompts_only: bool) -> torch.Tensor:
         b = self.buffers
-        seqs = self.prompt_seqs if prompts_only else self.max_seqs
-        return self.model(b.i64[0, :bucket], b.i64[1, :bucket], b.meta(bucket, seqs, prompts_only))
+        return self.model(b.i64[0, :bucket], b.i64[1, :bucket],
+                          b.meta(bucket, self.graph_seqs(prompts_only), prompts_only))
 
     @torch.inference_mode()
     def _capture(self, show_progress: bool) -> None:
@@ -196,7 +200,7 @@ class PrefillGraphs:
         inputs = build_inputs(work, self.block_size, self.device, prev_tokens)
         bucket = self.bucket(inputs.input_ids.shape[0])
         prompts_only = len(work) <= self.prompt_seqs and inputs.meta.num_decode_rows == 0
-        self.buffers.stage(inputs, bucket, self.prompt_seqs if prompts_only else self.max_seqs)
+        self.buffers.stage(inputs, bucket, self.graph_seqs(prompts_only))
         self.graphs[bucket, prompts_only].replay()
         return self.outputs[bucket, prompts_only][:inputs.input_ids.shape[0]], inputs
 
