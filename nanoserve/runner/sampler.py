@@ -218,14 +218,16 @@ def token_logprobs(chosen_ids: torch.Tensor, logprobs: torch.Tensor, top_n: list
     chosen = raw.squeeze(-1).clamp(min=MIN_LOGPROB)
     top_vals, top_ids = logprobs.topk(max(max((n for n in top_n if n is not None), default=0), 1), dim=-1)
     top_vals = top_vals.clamp(min=MIN_LOGPROB)
-    chosen_list = chosen.tolist()
+    if ranks:   # read back beside the chosen logprobs, in one transfer (float32 holds any rank exactly)
+        chosen_list, rank_list = torch.stack((chosen, (logprobs > raw).sum(-1).to(chosen.dtype) + 1)).tolist()
+    else:
+        chosen_list = chosen.tolist()
     ids_list, vals_list = top_ids.tolist(), top_vals.tolist()
     rows = [None if n is None else (chosen_list[i], list(zip(ids_list[i][:n], vals_list[i][:n])))
             for i, n in enumerate(top_n)]
     if not ranks:
         return rows
-    rank_list = ((logprobs > raw).sum(-1) + 1).tolist()
-    return [row and (*row, rank_list[i]) for i, row in enumerate(rows)]
+    return [row and (*row, int(rank_list[i])) for i, row in enumerate(rows)]
 
 
 # rows of float32 logits scored at once: a long prompt is scored in slices no larger than the
