@@ -14,10 +14,10 @@ from typing import Literal
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from nanoserve.sampling_params import (MAX_CACHE_SALT_CHARS, MAX_INT, MIN_REPETITION_PENALTY, SEED_RANGE,
-                                       SamplingParams)
+from nanoserve.sampling_params import (MAX_CACHE_SALT_CHARS, MAX_INT, MAX_SPEC_DEPTH, MIN_REPETITION_PENALTY,
+                                       SEED_RANGE, SamplingParams, json_depth)
 from nanoserve.server.errors import APIError
 
 MAX_N = 128
@@ -230,6 +230,16 @@ class RefusalPart(Strict):
 class FunctionCall(Strict):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _bounded_depth(cls, text: str) -> str:
+        # the text is parsed for the chat template (json.loads, then `tojson`), and both recurse
+        # per level: 50,000 brackets raised RecursionError, a 500. The body itself may nest no deeper
+        depth = json_depth(text)
+        if depth > MAX_SPEC_DEPTH:
+            raise ValueError(f"the arguments nest {depth} levels deep; at most {MAX_SPEC_DEPTH}")
+        return text
 
 
 class ToolCall(Strict):

@@ -216,6 +216,26 @@ def test_chat_template_kwargs_and_tool_history_reach_the_template(tool_server):
     assert "the user wants Paris" not in text
 
 
+@pytest.mark.parametrize("depth", [50_000, 950])
+def test_tool_call_arguments_in_history_nest_no_deeper_than_a_body_may(tool_server, depth):
+    # the template reads them as JSON: 50,000 levels broke json.loads, 950 the template's tojson (500s)
+    arguments = "[" * depth + "]" * depth
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "Add", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    for path, extra in (("/v1/chat/completions", {"max_tokens": 4}), ("/tokenize", {})):
+        r = httpx.post(f"{tool_server.url}{path}", json={"messages": history, "tools": TOOLS, **extra}, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "messages.1.tool_calls.0.function.arguments" and "levels deep" in error["message"]
+    ok = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "Add", "arguments": "[" * 200 + "]" * 200}}]}
+    r = httpx.post(f"{tool_server.url}/v1/chat/completions",
+                   json={"messages": [*MESSAGES, ok, history[2]], "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 BIG_TOOLS = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
     "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(7000)}}}} for i in range(2)]
 
