@@ -139,6 +139,24 @@ def test_auto_reads_the_call_a_model_writes_whole_and_streamed(client):
     assert finish == "tool_calls" and not content
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_call_whose_name_escapes_a_lone_surrogate_is_answered_with_a_replacement_character(client, stream):
+    # json.loads turns "\\ud800" into a code point UTF-8 cannot encode: the body was a 500 and
+    # the stream was cut off without an error or [DONE]
+    regex = r'<tool_call>\n\{"name": "Get\\ud800", "arguments": \{"city": "\\udc00"\}\}\n</tool_call>'
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=0,
+                  extra_body={"guided_regex": regex, "chat_template_kwargs": {"enable_thinking": False}})
+    if stream:
+        _, calls, finish, _ = streamed_message(client.chat.completions.create(**kwargs, stream=True))
+        name, arguments = calls[0]["name"], calls[0]["arguments"]
+    else:
+        whole = client.chat.completions.create(**kwargs)
+        (call,) = whole.choices[0].message.tool_calls
+        name, arguments, finish = call.function.name, call.function.arguments, whole.choices[0].finish_reason
+    assert (name, finish) == ("Get\ufffd", "tool_calls")
+    assert json.loads(arguments) == {"city": "\udc00"}   # the model's own text, escape and all
+
+
 def test_auto_without_a_call_is_plain_content(client):
     out = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=12, temperature=0)
     assert out.choices[0].message.tool_calls is None and out.choices[0].message.content

@@ -69,6 +69,18 @@ def without_marker_start(text: str, marker: str, final: bool) -> str:
 
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+# what json.loads leaves of a "\ud800" escape with no partner: no UTF-8 can encode it, so the
+# response's JSON could not be written (a 500, or a stream cut off mid-way)
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _encodable(text: str) -> str:
+    """Decoded JSON text with each lone surrogate as U+FFFD (a pair was decoded to its character)."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
+
+# the decoder recurses once per level: a model's thousand-deep brackets are no call it can read
+# whole (as a broken one is not), and the arguments are still shown as far as they are written
+_UNREADABLE = (ValueError, RecursionError)
 
 
 def scan_call(text: str) -> tuple[PartialCall, int | None]:
@@ -78,18 +90,18 @@ def scan_call(text: str) -> tuple[PartialCall, int | None]:
     start = len(text) - len(text.lstrip())
     try:
         obj, end = _decoder.raw_decode(text, start)
-    except ValueError:
+    except _UNREADABLE:
         obj, end = None, None
     if isinstance(obj, dict):
-        call.name = str(obj.get("name")) if obj.get("name") is not None else None
+        call.name = _encodable(str(obj.get("name"))) if obj.get("name") is not None else None
         args = obj.get("arguments", obj.get("parameters", {}))
-        call.arguments = _raw_arguments(text[start:end]) or json.dumps(args, ensure_ascii=False)
+        call.arguments = _raw_arguments(text[start:end]) or _encodable(json.dumps(args, ensure_ascii=False))
         call.complete = call.name is not None
         return call, end
     name = _NAME.search(text, start)
     if name:
         try:
-            call.name = json.loads(f'"{name.group(1)}"', strict=False)  # strict: control characters
+            call.name = _encodable(json.loads(f'"{name.group(1)}"', strict=False))  # strict: control characters
         except ValueError:   # a broken escape ("\u12"): the name as the model wrote it
             call.name = name.group(1)
     args = _ARGS.search(text, start)
@@ -105,7 +117,7 @@ def _raw_arguments(obj_text: str) -> str | None:
         return None
     try:
         _, end = _decoder.raw_decode(obj_text, match.end())
-    except ValueError:
+    except _UNREADABLE:
         return None
     return obj_text[match.end():end]
 
@@ -115,7 +127,7 @@ def _partial_arguments(tail: str) -> str:
     try:
         _, end = _decoder.raw_decode(tail)
         return tail[:end]
-    except ValueError:
+    except _UNREADABLE:
         return tail.rstrip()  # trailing whitespace may come before a closing brace: keep it for later
 
 
