@@ -24,16 +24,21 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str, param:
     raise RequestRefused(f"Token id {bad} in {what} is out of range: the vocabulary has {vocab_size} tokens", param)
 
 
+def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
+    """Raise RequestRefused when a prompt of `num_tokens` leaves the context no room for output."""
+    if num_tokens >= max_model_len:
+        raise RequestRefused(f"The prompt has {num_tokens} tokens, but this model's maximum context length is "
+                             f"{max_model_len} tokens (max_model_len), which leaves no room for output", "prompt",
+                             "context_length_exceeded")
+
+
 def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, max_model_len: int, vocab_size: int,
                  min_tokens: int = 0) -> None:
     """Raise RequestRefused naming the numbers when a prompt cannot be served as asked."""
     n = len(prompt_token_ids)
     if n == 0:
         raise RequestRefused("The prompt is empty; it needs at least one token", "prompt")
-    if n >= max_model_len:
-        raise RequestRefused(f"The prompt has {n} tokens, but this model's maximum context length is "
-                             f"{max_model_len} tokens (max_model_len), which leaves no room for output", "prompt",
-                             "context_length_exceeded")
+    check_prompt_length(n, max_model_len)
     if max_tokens is not None and n + max_tokens > max_model_len:
         raise RequestRefused(f"This model's maximum context length is {max_model_len} tokens, but "
                              f"{n + max_tokens} were requested ({n} in the prompt and {max_tokens} for the "

@@ -31,12 +31,17 @@ class Completion(OpenAIResponse):
         if not prompt:
             raise APIError("'prompt' is an empty list; give at least one prompt", param="prompt")
         self.given = prompt
-        tok = self.state.tokenizer
-        special = req.add_special_tokens
-        self.prompts = [req.truncate(tok.encode(self._bounded(p), add_special_tokens=special) if isinstance(p, str)
-                                     else list(p)) for p in prompt]
+        self.prompts = [self._tokenized(p) if isinstance(p, str) else req.truncate(list(p)) for p in prompt]
         self.prompt_lens = [len(p) for p in self.prompts]
         self._echoed: dict[int, str] = {}
+
+    def _tokenized(self, text: str) -> list[int]:
+        ids = self.req.truncate(self.state.tokenizer.encode(self._bounded(text),
+                                                            add_special_tokens=self.req.add_special_tokens))
+        # refused at once rather than once every prompt is tokenized: 256 texts of 120 KB, each too
+        # long for the context, took 13 s of tokenizing to be refused
+        self.state.check_prompt_length(len(ids))
+        return ids
 
     def _bounded(self, text: str) -> str:
         """The text to tokenize: refused when it cannot fit the context, cut when only its end is kept."""

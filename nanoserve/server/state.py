@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from nanoserve.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError,
                                           RequestStream, RequestUpdate)
-from nanoserve.engine.validation import RequestRefused
+from nanoserve.engine.validation import RequestRefused, check_prompt_length
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.defaults import sampling_defaults
 from nanoserve.server.errors import APIError
@@ -72,6 +72,12 @@ class ServerState:
             self.engine.check_token_ids(token_ids, f"'{param}'")
         except RequestRefused as exc:
             raise APIError(str(exc), param=param) from None
+
+    def check_prompt_length(self, num_tokens: int) -> None:
+        try:
+            check_prompt_length(num_tokens, self.engine.config.max_model_len)
+        except RequestRefused as exc:
+            raise APIError(str(exc), param=exc.param, code=exc.code) from None
 
     def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
         """Queue the request, turning engine refusals into OpenAI errors."""

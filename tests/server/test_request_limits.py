@@ -88,6 +88,20 @@ def test_a_5_mb_prompt_is_refused_before_tokenizing(server):
     assert peak_rss_mb(server) - before < 100
 
 
+def test_a_batch_of_over_long_prompts_is_refused_at_the_first_one(server):
+    # each text is within the characters a context could hold, but 24,000 tokens long: all 256 were
+    # tokenized (13 s on a 2-core CPU, the body's 31 MB at once) before the first was refused
+    body = {**OK, "prompt": ["word " * 24_000] * 256}
+    start = time.monotonic()
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    elapsed = time.monotonic() - start
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
+    assert "24001 tokens" in error["message"]
+    assert elapsed < 3.0, f"took {elapsed:.2f}s: was every prompt tokenized?"
+
+
 def test_truncate_prompt_tokens_keeps_the_end_of_a_long_prompt_without_tokenizing_it_all(server):
     tail = " A list is a sequence of"
     start = time.monotonic()
