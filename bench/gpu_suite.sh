@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [fp8-dot] [waves-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [waves-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/nanoserve-gpu}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 parts=${*:-tests throughput decode}
+kernel_tests="tests/gpu/test_attention_kernels.py tests/gpu/test_fp8_kv_cache_gpu.py tests/gpu/test_warm_up_gpu.py"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
 for part in $parts; do
   case $part in
     tests) python3 -m pytest -q -m gpu tests/gpu 2>&1 | tee "$out/tests.log" | tail -25 ;;
+    # the whole GPU suite takes ~10 minutes on an H200: two halves of ~5 fit a call of at most 10
+    tests-a) python3 -m pytest -q -m gpu $kernel_tests 2>&1 | tee "$out/tests-a.log" | tail -25 ;;
+    tests-b) python3 -m pytest -q -m gpu tests/gpu ${kernel_tests//tests\/gpu\//--ignore=tests/gpu/} 2>&1 \
+               | tee "$out/tests-b.log" | tail -25 ;;
     throughput) "$0" t256 sync eager t1024 ;;
     topk) python3 bench/throughput.py --num-seqs 256 --top-k 20 --top-p 0.95 --runs 1 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
     t256) python3 bench/throughput.py --num-seqs 256 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
@@ -87,18 +92,6 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/prefill.py', ru
 import nanoserve.runner.attention.triton_decode as d; d.MIN_TOKENS_PER_SPLIT = $min
 sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
              | tee -a "$out/splits-ab.log" | grep -vE "it/s|Capturing"
-         done ;;
-    fp8-dot) # decode over an fp8 cache with e4m3 dots (NANOSERVE_FP8_DOT=1) against widening to f16 (the default):
-         # its error tests, the kernel at batch 256, decode steps, the workload, and greedy agreement in bf16
-         python3 -m pytest -q -m gpu tests/gpu/test_fp8_kv_cache_gpu.py -k e4m3 2>&1 | tail -3
-         for dot in 0 1; do
-           echo "NANOSERVE_FP8_DOT=$dot" | tee -a "$out/fp8-dot.log"
-           NANOSERVE_FP8_DOT=$dot python3 bench/attention_kernels.py --kv-cache-dtype fp8 2>&1 | tee -a "$out/fp8-dot.log" | tail -4
-           NANOSERVE_FP8_DOT=$dot python3 bench/decode_step.py --kv-cache-dtype fp8 --batch-sizes 1,64,256 --contexts 1024,4096 \
-             2>&1 | tee -a "$out/fp8-dot.log" | grep -vE "it/s|Capturing"
-           NANOSERVE_FP8_DOT=$dot python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype fp8 2>&1 | tee -a "$out/fp8-dot.log" \
-             | grep -E "^throughput|compiles|Error"
-           NANOSERVE_FP8_DOT=$dot python3 -m nanoserve.benchmarks.fp8_agreement --dtype bfloat16 2>&1 | tee -a "$out/fp8-dot.log" | tail -1
          done ;;
     waves-ab) # decode splits sized for 4 programs an SM (the default), then 2: the split sweep of effb7b7 had one split
          # faster at batch 64 (78.8 against 85.7 us a layer) and two at batch 32; steps by batch, then the workload

@@ -5,7 +5,6 @@ history (prompt logprobs over prompt + that run's tokens), so one early flip doe
 later step; the free-running agreement, position by position, is reported beside it.
 
     python -m nanoserve.benchmarks.fp8_agreement --device cuda --dtype bfloat16
-    NANOSERVE_FP8_DOT=1 python -m nanoserve.benchmarks.fp8_agreement --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -58,9 +57,8 @@ def main(argv: list[str] | None = None) -> None:
         return LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                    max_model_len=1024, num_kvcache_blocks=64, kv_cache_dtype=kv_cache_dtype)
 
-    from nanoserve.runner.attention.triton_decode import fp8_dot_asked
     agree, free = greedy_agreement(make_llm)
-    print(f"fp8 cache, {args.dtype} compute{', e4m3 dots (NANOSERVE_FP8_DOT=1)' if fp8_dot_asked() else ''}: "
+    print(f"fp8 cache, {args.dtype} compute: "
           f"greedy picks agree at {agree:.1%} of {STEPS * len(PROMPTS)} steps given the auto cache's history; "
           f"free-running {free:.1%}")
 

@@ -36,8 +36,6 @@ from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 # a layer in 16 splits of 64 keys against 17.7 in 4 of 256; yet in the decode graphs (PDL) the
 # step was no faster with 64: 0.952 against 0.935 ms pipelined (BENCHMARKS.md, split counts)
 MIN_TOKENS_PER_SPLIT = 256
-E4M3_MAX = tl.constexpr(448.0)      # e4m3's largest value: a query head's largest entry maps to it
-FP8_P_SCALE = tl.constexpr(256.0)   # e4m3 probabilities of p * 256: flushed to 0 only below ~8e-6
 MAX_SPLITS = 64
 WAVES = 4                    # programs per SM to aim for before splitting stops paying
 
@@ -75,7 +73,7 @@ def _decode_kernel(
     stride_bt, stride_sl, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr, FP8_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
     ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # lengths, order, query starts and block tables are staged by the host, never written by a
@@ -104,13 +102,7 @@ def _decode_kernel(
     mask_h = offs_h < GROUP
     q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None], other=0.0)
-    if KV_FP8 and FP8_DOT:
-        # q to e4m3 once, a scale per head: the tiles enter both dots as stored, never widened
-        q_amax = tl.max(tl.abs(q.to(tl.float32)), 1)
-        q_scale = tl.where(q_amax > 0, q_amax / E4M3_MAX, 1.0)
-        q = (q.to(tl.float32) / q_scale[:, None]).to(k_cache_ptr.dtype.element_ty)
-        row_scale = q_scale * scale_log2
-    elif KV_FP8 and FP8_VIA_F16:
+    if KV_FP8 and FP8_VIA_F16:
         # e4m3 widens to f16 in one instruction per pair (to bf16 it takes several); a bf16 q
         # loses no mantissa in f16, and attention queries stay far inside f16's range
         q = q.to(tl.float16)
@@ -124,23 +116,15 @@ def _decode_kernel(
         mask_n = offs_n < end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
-        if FP8_DOT:
-            qk = tl.dot(q, tl.trans(k)) * row_scale[:, None]
-        else:
-            if KV_FP8:
-                k, v = k.to(q.dtype), v.to(q.dtype)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if KV_FP8:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         # every tile holds at least one key of this split
-        if FP8_DOT:
-            m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION, FP8_P_SCALE)
-        else:
-            m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
+        m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
 
     has_keys = l > 0
     l = tl.where(has_keys, l, 1.0)
-    if FP8_DOT:
-        l = l * FP8_P_SCALE
     o = acc / l[:, None]   # no keys: acc is 0, so o is 0
     if KV_FP8:
         o = o * v_scale   # the merge of splits is linear in o: scaling each partial suffices
@@ -243,7 +227,7 @@ def decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = 
         # Widening to f16 makes the kernel issue-bound, not memory-bound; one warp a program needs
         # no cross-warp reductions per tile and holds fewer registers, so more programs share an
         # SM: 176 / 1,270 / 99 us a layer, against 231 / 1,778 / 128 for 128 keys on 4 warps
-        return dict(BLOCK_N=64, num_warps=1, num_stages=1, FP8_DOT=fp8_dot_asked())
+        return dict(BLOCK_N=64, num_warps=1, num_stages=1)
     # best of BLOCK_N 32/64/128 x warps 4/8 x stages 2/3/4 at batch 256 on an H200 (bf16, dim 128)
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
@@ -286,7 +270,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cfg = {**decode_config(q.device, fp8, q.dtype, head_dim), **(config or {})}
     # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
     cfg.setdefault("FP8_VIA_F16", fp8 and q.dtype == torch.bfloat16)
-    cfg["FP8_DOT"] = fp8 and cfg.get("FP8_DOT", False)
     span = split_span(split_keys, cfg["BLOCK_N"])
     split_tiles = span // cfg["BLOCK_N"]   # 0: the kernels' flag for even division
     if num_splits is None:
@@ -330,14 +313,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 # ones set the kernel's end: splits of 512 keys, launched longest first, took the 256-sequence
 # workload from 27,571 to 30,379 tok/s on an H200 (BENCHMARKS.md). A bf16 cache lost ~1% with them.
 FP8_SPLIT_KEYS = 512
-
-
-@functools.lru_cache(maxsize=None)
-def fp8_dot_asked() -> bool:
-    """NANOSERVE_FP8_DOT=1: decode over an fp8 cache takes both dots in e4m3 (q quantized per head,
-    probabilities times FP8_P_SCALE) instead of widening every tile to f16. Off by default: not yet
-    measured on a GPU; its error bound is in tests/runner/test_fp8_kv_cache.py."""
-    return os.environ.get("NANOSERVE_FP8_DOT") == "1"
 
 
 @functools.lru_cache(maxsize=None)

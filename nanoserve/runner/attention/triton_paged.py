@@ -22,17 +22,12 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_
 
 
 @triton.jit
-def online_softmax_step(qk, v, m, l, acc, PRECISION: tl.constexpr, P_SCALE: tl.constexpr = 1.0):
+def online_softmax_step(qk, v, m, l, acc, PRECISION: tl.constexpr):
     """Fold one tile of base-2 scores (masked ones -inf) and its values into (m, l, acc).
-    Each row must see at least one unmasked key per tile, so m stays finite.
-
-    P_SCALE: the probabilities enter the value dot times this (acc with them; l does not), so that
-    e4m3 probabilities keep small ones off its subnormals; the caller divides acc by it."""
+    Each row must see at least one unmasked key per tile, so m stays finite."""
     m_new = tl.maximum(m, tl.max(qk, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    if P_SCALE != 1.0:
-        p = p * P_SCALE
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l, acc
