@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [waves-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -92,6 +92,18 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/prefill.py', ru
 import nanoserve.runner.attention.triton_decode as d; d.MIN_TOKENS_PER_SPLIT = $min
 sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
              | tee -a "$out/splits-ab.log" | grep -vE "it/s|Capturing"
+         done ;;
+    lt-ab) # cuBLASLt where it timed faster at startup (the default), then cuBLAS throughout: the 8B workload
+         # (LT_CONFIGS="qwen3-8b qwen3-0.6b" for the 0.6B one too)
+         for config in ${LT_CONFIGS:-qwen3-8b}; do
+           for lt in default off; do
+             echo "$config cuBLASLt choice $lt" | tee -a "$out/lt-ab.log"
+             python3 -c "import logging, sys; logging.basicConfig(level=logging.INFO)
+import nanoserve.runner.layers.blas_choice as b
+if '$lt' == 'off': b.lt_row_counts = lambda sizes: []
+from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--config', 'bench/configs/$config.json'])" 2>&1 \
+               | tee -a "$out/lt-ab.log" | grep -E "^throughput|cuBLASLt for|Error"
+           done
          done ;;
     waves-ab) # decode splits sized for 4 programs an SM (the default), then 2: the split sweep of effb7b7 had one split
          # faster at batch 64 (78.8 against 85.7 us a layer) and two at batch 32; steps by batch, then the workload

@@ -113,6 +113,9 @@ class ModelRunner:
             # Python launch cost to every step, so enforce_eager keeps cuBLAS throughout
             from nanoserve.runner.layers.skinny_choice import use_skinny_gemm_where_faster
             use_skinny_gemm_where_faster(self.model, config.max_num_seqs, self.device, ops.silu_mul, ops.add_rms_norm)
+            from nanoserve.runner.cuda_graph import graph_batch_sizes
+            from nanoserve.runner.layers.blas_choice import use_blas_lt_where_faster
+            use_blas_lt_where_faster(self.model, graph_batch_sizes(config.max_num_seqs), self.device)
         draws_in_graphs = uses_graphs and self.tp.size == 1   # the LM head's gather stays out of graphs
         graphs_prefill = uses_graphs and config.prefill_cuda_graphs and self._prefill_graphs_supported()
         if self.device.type == "cuda":

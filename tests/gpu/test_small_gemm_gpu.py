@@ -1,5 +1,6 @@
 """The skinny Triton GEMM on the GPU at the linear shapes of Qwen3-0.6B and Qwen3-8B, bf16, against
 F.linear in float32; under CUDA graph capture and replay with new inputs; and the startup choice.
+Also the startup choice of cuBLASLt past the skinny rows, and a layer replaying it from a graph.
 
 Tolerance: the float32 reference of the same bf16 inputs, within two bf16 roundings of the output
 (2^-7 relative) plus 1e-2 absolute on outputs of unit spread; cuBLAS in bf16 is held to the same.
@@ -11,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanoserve.runner.layers.blas_choice import choose_blas_lt, enable_blas_lt
+from nanoserve.runner.layers.linear import RowParallelLinear, building_graphs
 from nanoserve.runner.layers.ops import add_rms_norm
 from nanoserve.runner.layers.skinny_choice import choose_gated, choose_normed, choose_skinny, row_buckets
 from nanoserve.runner.layers.small_gemm import skinny_config, skinny_linear, skinny_linear_normed
@@ -134,3 +137,36 @@ def test_the_normed_choice_names_only_the_shapes_and_buckets_it_timed():
     wins = choose_skinny(shapes, 2, torch.device("cuda"), torch.bfloat16)
     normed = choose_normed(wins, shapes, torch.device("cuda"), torch.bfloat16)
     assert all((n, k) in shapes and rows in (1, 2) for n, k, rows in normed)
+
+
+def test_the_cublaslt_choice_names_only_shapes_and_rows_it_timed():
+    shapes = [SHAPES["8b-down"], SHAPES["0.6b-o"]]
+    before = torch.backends.cuda.preferred_blas_library()
+    wins = choose_blas_lt(shapes, [48, 192], torch.device("cuda"), torch.bfloat16)
+    assert all((n, k) in shapes and rows in (48, 192) for n, k, rows in wins)
+    assert torch.backends.cuda.preferred_blas_library() == before
+
+
+@pytest.mark.parametrize("name", ["8b-down", "0.6b-qkv"])
+def test_a_layer_on_cublaslt_replays_a_captured_graph_with_new_inputs(name):
+    n, k = SHAPES[name]
+    rows = 192
+    x, w = inputs(rows, n, k, seed=7)
+    layer = RowParallelLinear(k, n).cuda().bfloat16()
+    layer.weight.data.copy_(w)
+    assert enable_blas_lt(layer, {(n, k, rows)}) == 1
+    with building_graphs():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x)
+    for seed in (1, 2):
+        fresh, _ = inputs(rows, n, k, seed=seed)
+        x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), F.linear(fresh.float(), w.float()), rtol=RTOL, atol=ATOL)

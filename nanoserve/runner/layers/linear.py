@@ -3,7 +3,8 @@ output projections of tensor parallelism.
 
 Both run cuBLAS (F.linear) unless the runner found at startup that the skinny Triton kernel
 (small_gemm.py) beats it for this weight at this many rows: then `skinny_rows` holds the row
-buckets where it does. It stays empty on the CPU and with enforce_eager."""
+buckets where it does. Past those, `blas_lt_rows` holds the decode-graph batch sizes where
+cuBLASLt beat cuBLAS's own pick (blas_choice.py). Both stay empty on the CPU and with enforce_eager."""
 
 from __future__ import annotations
 
@@ -42,14 +43,28 @@ def _skinny_takes(x: torch.Tensor, rows: frozenset[int]) -> bool:
     return _graph_kernels and bool(rows) and x.dim() == 2 and x.shape[0] > 0 and row_bucket(x.shape[0]) in rows
 
 
+@contextlib.contextmanager
+def preferring_cublaslt() -> Iterator[None]:
+    """Inside: torch's matmuls go through cuBLASLt rather than cuBLAS (a process-wide setting)."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            skinny_rows: frozenset[int]) -> torch.Tensor:
-    """x W^T (+ bias): the skinny Triton kernel where it won at startup for x's rows, while CUDA
-    graphs are being built; else cuBLAS."""
+            skinny_rows: frozenset[int], blas_lt_rows: frozenset[int] = frozenset()) -> torch.Tensor:
+    """x W^T (+ bias): while CUDA graphs are being built, the skinny Triton kernel where it won
+    at startup for x's rows, or cuBLASLt where it did; else cuBLAS."""
     if _skinny_takes(x, skinny_rows):
         # imported here: Triton loads only where skinny GEMM is on (CUDA)
         from nanoserve.runner.layers.small_gemm import skinny_linear
         return skinny_linear(x, weight, bias)
+    if _graph_kernels and x.dim() == 2 and x.shape[0] in blas_lt_rows:
+        with preferring_cublaslt():
+            return F.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -70,6 +85,7 @@ class PackedLinear(nn.Linear):
         for param in self.parameters():
             param.weight_loader = self.load_part
         self.skinny_rows: frozenset[int] = frozenset()
+        self.blas_lt_rows: frozenset[int] = frozenset()
         # row buckets where the skinny kernel does the RMSNorm before it itself (forward_normed)
         self.normed_rows: frozenset[int] = frozenset()
         self.takes_normed_input = False   # set by a layer that norms right before: the startup choice tries normed_rows
@@ -82,7 +98,7 @@ class PackedLinear(nn.Linear):
         param.data[start:start + size].copy_(loaded[first:first + size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias, self.skinny_rows)
+        return project(x, self.weight, self.bias, self.skinny_rows, self.blas_lt_rows)
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +122,7 @@ class RowParallelLinear(nn.Linear):
         super().__init__(local, out_features, bias=False)
         self.weight.weight_loader = self.load
         self.skinny_rows: frozenset[int] = frozenset()
+        self.blas_lt_rows: frozenset[int] = frozenset()
         # row buckets where the skinny kernel takes a gated MLP's [gate | up] itself (forward_gated)
         self.gated_rows: frozenset[int] = frozenset()
         self.takes_gated_input = False   # set by a gated MLP: the startup choice then tries gated_rows
@@ -117,7 +134,7 @@ class RowParallelLinear(nn.Linear):
         param.data.copy_(loaded[:, self.first:self.first + param.shape[1]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(project(x, self.weight, None, self.skinny_rows))
+        return self.tp.all_reduce(project(x, self.weight, None, self.skinny_rows, self.blas_lt_rows))
 
     def forward_gated(self, gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """forward(act(gate_up)), act being silu(gate) * up: in one kernel in the gated row buckets."""
