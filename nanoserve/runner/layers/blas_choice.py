@@ -3,9 +3,10 @@ rows, between cuBLAS as torch picks it and cuBLASLt: cuBLASLt only where it meas
 
 Neither wins everywhere. On an H200 (BENCHMARKS.md, `gpu_suite.sh gemm-lt`) the Qwen3-8B `down`
 projection (4096 x 12288) took 56.4 us at 192 rows through cuBLAS and 42.7 through cuBLASLt,
-yet 32.8 against 36.3 at 128 rows; preferring cuBLASLt for the whole process moved the 8B
-workload by 1.2%. Timed as the skinny choice times (skinny_choice.py): graph replay over weight
-copies that overflow L2, cuBLASLt ahead by MARGIN, and giving cuBLAS's product.
+yet 32.8 against 36.3 at 128 rows. Over the 8B workload this choice gained 0.7% (11,391 ->
+11,466 tok/s warm); it costs a few seconds at startup (4.9 s for 8B at 512 sequences). Timed as
+the skinny choice times (skinny_choice.py): graph replay over weight copies that overflow L2,
+cuBLASLt ahead by MARGIN, and giving cuBLAS's product.
 """
 
 from __future__ import annotations
