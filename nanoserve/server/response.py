@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -18,6 +19,8 @@ from nanoserve.server.logprobs import TOKEN_ID_NAMES, TokenIdNames, TokenTexts, 
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.state import ServerState, engine_error, new_id, off_the_loop_if_long, timed, usage
 from nanoserve.server.wire import DONE, sse_event, whole_json_response
+
+logger = logging.getLogger(__name__)
 
 # (update, its token ids and logprobs since the choice's last chunk) -> the chunk's choice, or None
 # when the update shows nothing yet (its tokens and logprobs then wait for the choice's next chunk)
@@ -161,6 +164,10 @@ class OpenAIResponse:
                 yield sse_event(self.chunk([], self.usage(stream)))
         except (EngineDeadError, RequestFailedError) as exc:
             yield sse_event(engine_error(exc).body())
+        except Exception:   # a fault of this server's, past the status line: the client still learns of it
+            logger.exception("stream %s failed", self.id)
+            yield sse_event(APIError("The server failed while writing this stream; its log has the cause",
+                                     500, code="internal_error").body())
         finally:
             stream.close()
         yield DONE
