@@ -70,8 +70,11 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--profile", action="store_true",
-                        help="also print GPU ops, busy time and span per prefill (torch.profiler)")
+                        help="also print GPU ops, busy time, span and the longest idle gaps per prefill (torch.profiler)")
+    parser.add_argument("--trace", metavar="DIR", help="with --profile: a Chrome trace per length in DIR")
     args = parser.parse_args()
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
     lengths = [int(n) for n in args.lengths.split(",")]
     config = config_from_file(args.config, max_model_len=max(lengths) + 1, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
@@ -100,8 +103,9 @@ def main() -> None:
         floor = prefill_flops(hf, n) / rate
         print(f"{n:>7} {ttft * 1e3:>9.2f} {floor * 1e3:>9.2f} {ttft / floor:>12.2f}x")
         if args.profile:   # a call is one whole prefill, fresh ids each time
+            trace = os.path.join(args.trace, f"prefill-{n}.json") if args.trace else None
             print_gpu_profile(lambda: llm.generate([[rng.randrange(10000) for _ in range(n)]], params,
-                                                   use_tqdm=False), calls=5, top=8)
+                                                   use_tqdm=False), calls=5, top=8, trace=trace, gaps=6)
     llm.close()
 
 

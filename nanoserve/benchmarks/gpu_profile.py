@@ -8,9 +8,11 @@ from collections.abc import Callable
 import torch
 
 
-def print_gpu_profile(fn: Callable[[], object], calls: int = 20, top: int = 14, warmup: int = 3) -> None:
+def print_gpu_profile(fn: Callable[[], object], calls: int = 20, top: int = 14, warmup: int = 3,
+                      trace: str | None = None, gaps: int = 0) -> None:
     """Profile `calls` calls of fn (after `warmup`) and print per call: GPU ops, busy and span
-    microseconds, then the `top` kernels by time."""
+    microseconds, then the `top` kernels by time; then the `gaps` longest stretches where the GPU
+    sat idle inside a call, with the ops on either side. `trace`: a Chrome trace file to write."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -21,6 +23,8 @@ def print_gpu_profile(fn: Callable[[], object], calls: int = 20, top: int = 14, 
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     if not events:
         print("  no GPU work recorded")
@@ -34,3 +38,23 @@ def print_gpu_profile(fn: Callable[[], object], calls: int = 20, top: int = 14, 
           f"of {span:.0f} us per call")
     for name, times in sorted(busy.items(), key=lambda kv: -sum(kv[1]))[:top]:
         print(f"  {sum(times) / calls:8.1f} us/call {len(times) / calls:6.1f}/call  {name}")
+    if gaps:
+        print_idle_gaps(events, calls, gaps)
+
+
+def print_idle_gaps(events: list, calls: int, count: int) -> None:
+    """The `count` longest idle stretches between GPU ops, averaged over calls by the pair of ops
+    around them (the gap between two calls, which the host spends returning and starting the next
+    call, is one of them)."""
+    ordered = sorted(events, key=lambda e: e.time_range.start)
+    by_pair: dict[tuple[str, str], list[float]] = {}
+    end = ordered[0].time_range.end
+    for before, after in zip(ordered, ordered[1:]):
+        end = max(end, before.time_range.end)
+        idle = after.time_range.start - end
+        if idle > 0:
+            by_pair.setdefault((before.name[:50], after.name[:50]), []).append(idle)
+    idle_total = sum(sum(t) for t in by_pair.values()) / calls
+    print(f"  idle between GPU ops: {idle_total:.0f} us per call; longest:")
+    for (before, after), times in sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:count]:
+        print(f"  {sum(times) / calls:8.1f} us/call {len(times) / calls:6.1f}/call  {before} -> {after}")
