@@ -78,6 +78,7 @@ def _encodable(text: str) -> str:
     """Decoded JSON text with each lone surrogate as U+FFFD (a pair was decoded to its character)."""
     return _LONE_SURROGATE.sub("\ufffd", text)
 
+
 # the decoder recurses once per level: a model's thousand-deep brackets are no call it can read
 # whole (as a broken one is not), and the arguments are still shown as far as they are written
 _UNREADABLE = (ValueError, RecursionError)
