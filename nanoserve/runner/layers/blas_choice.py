@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.runner.layers.linear import preferring_cublaslt
-from nanoserve.runner.layers.skinny_choice import (MARGIN, MAX_CHOICE_ROWS, describe, graph_us_per_call,
-                                                   rotated_weights, same_product, skinny_layers)
+from nanoserve.runner.layers.skinny_choice import (MARGIN, MAX_CHOICE_ROWS, describe, faster_than_cublas,
+                                                   shape_rows, skinny_layers)
 
 logger = logging.getLogger(__name__)
 
@@ -36,33 +36,11 @@ def lt_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
 
 
-@torch.inference_mode()
 def choose_blas_lt(weight_shapes: Iterable[tuple[int, int]], row_counts: Iterable[int], device: torch.device,
                    dtype: torch.dtype, margin: float = MARGIN) -> set[tuple[int, int, int]]:
     """The (N, K, rows) where cuBLASLt gives F.linear's result and beats cuBLAS by `margin` on
-    this device. A failure of cuBLASLt there counts as a loss."""
-    wins = set()
-    row_counts = sorted(set(row_counts))
-    for n, k in sorted(set(weight_shapes)):
-        weights = rotated_weights(n, k, dtype, device) if row_counts else []
-        for rows in row_counts:
-            x = torch.randn(rows, k, dtype=dtype, device=device)
-            try:
-                if not same_product(lt_linear(x, weights[0]), F.linear(x, weights[0])):
-                    logger.warning("cuBLASLt disagrees with cuBLAS at %dx%d, %d rows: cuBLAS kept there", n, k, rows)
-                    continue
-                lt = graph_us_per_call(lambda w: lt_linear(x, w), weights)
-            except Exception as exc:  # a cuBLASLt error on this device: no reason to stop
-                logger.warning("cuBLASLt failed at %dx%d, %d rows (%s): cuBLAS kept there", n, k, rows, exc)
-                torch.cuda.synchronize()
-                continue
-            cublas = graph_us_per_call(lambda w: F.linear(x, w), weights)
-            logger.debug("%dx%d rows %d: cuBLAS %.1f us, cuBLASLt %.1f us", n, k, rows, cublas, lt)
-            if lt < (1 - margin) * cublas:
-                wins.add((n, k, rows))
-        weights = []   # freed before the next shape's copies (and before empty_cache below)
-    torch.cuda.empty_cache()
-    return wins
+    this device."""
+    return faster_than_cublas("cuBLASLt", lt_linear, weight_shapes, row_counts, device, dtype, margin)
 
 
 def enable_blas_lt(model: nn.Module, wins: set[tuple[int, int, int]]) -> int:
@@ -70,7 +48,7 @@ def enable_blas_lt(model: nn.Module, wins: set[tuple[int, int, int]]) -> int:
     enabled = 0
     for layer in skinny_layers(model):
         n, k = layer.weight.shape
-        layer.blas_lt_rows = frozenset(rows for wn, wk, rows in wins if (wn, wk) == (n, k))
+        layer.blas_lt_rows = shape_rows(wins, n, k)
         enabled += bool(layer.blas_lt_rows)
     return enabled
 

@@ -5,6 +5,7 @@ Both run the way decode runs them: CUDA-graph replay, which pays kernel time and
 between kernels (the split-K sum kernel's included) but no Python launch cost. Each graph calls
 the layer over copies of the weight that together overflow L2, as a model's layers do; timing one
 weight over and over would measure L2, not HBM. Triton must win by MARGIN: a near tie is noise.
+`faster_than_cublas` times any alternative this way (blas_choice.py's cuBLASLt too).
 """
 
 from __future__ import annotations
@@ -82,36 +83,45 @@ def same_product(got: torch.Tensor, want: torch.Tensor, tolerance: float = 2**-6
 
 
 @torch.inference_mode()
+def faster_than_cublas(name: str, product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                       weight_shapes: Iterable[tuple[int, int]], row_counts: Iterable[int], device: torch.device,
+                       dtype: torch.dtype, margin: float = MARGIN) -> set[tuple[int, int, int]]:
+    """The (N, K, rows) where product(x, weight) gives F.linear's result and beats it by `margin`
+    on this device. A failure of `product` there (a build or launch error) counts as a loss."""
+    wins = set()
+    row_counts = sorted(set(row_counts))
+    for n, k in sorted(set(weight_shapes)):
+        weights = rotated_weights(n, k, dtype, device) if row_counts else []
+        for rows in row_counts:
+            x = torch.randn(rows, k, dtype=dtype, device=device)
+            try:
+                if not agrees_with_cublas(product, x, weights[0]):
+                    logger.warning("%s disagrees with cuBLAS at %dx%d, %d rows, on this device: cuBLAS kept there",
+                                   name, n, k, rows)
+                    continue
+                alternative = graph_us_per_call(lambda w: product(x, w), weights)
+            except Exception as exc:  # an error of the alternative on this device: no reason to stop
+                logger.warning("%s failed at %dx%d, %d rows, on this device (%s): cuBLAS kept there",
+                               name, n, k, rows, exc)
+                torch.cuda.synchronize()
+                continue
+            cublas = graph_us_per_call(lambda w: F.linear(x, w), weights)
+            logger.debug("%dx%d rows %d: cuBLAS %.1f us, %s %.1f us", n, k, rows, cublas, name, alternative)
+            if alternative < (1 - margin) * cublas:
+                wins.add((n, k, rows))
+        weights = []   # freed before the next shape's copies (and before empty_cache below)
+    torch.cuda.empty_cache()   # the copies and graph pools: give them back before sizing the KV cache
+    return wins
+
+
 def choose_skinny(weight_shapes: Iterable[tuple[int, int]], max_rows: int, device: torch.device,
                   dtype: torch.dtype, margin: float = MARGIN) -> set[tuple[int, int, int]]:
     """The (N, K, row bucket) where skinny_linear gives F.linear's result and beats it by `margin`
     on this device."""
     from nanoserve.runner.layers.small_gemm import skinny_linear
 
-    wins = set()
-    for n, k in sorted(set(weight_shapes)):
-        weights = rotated_weights(n, k, dtype, device)
-        for rows in row_buckets(max_rows):
-            x = torch.randn(rows, k, dtype=dtype, device=device)
-            try:
-                agrees = agrees_with_cublas(skinny_linear, x, weights[0])
-                triton = graph_us_per_call(lambda w: skinny_linear(x, w), weights) if agrees else 0.0
-            except Exception as exc:  # a Triton build or launch failure on this device: no reason to stop
-                logger.warning("skinny GEMM failed at %dx%d, %d rows, on this device (%s): cuBLAS kept there",
-                               n, k, rows, exc)
-                torch.cuda.synchronize()
-                continue
-            if not agrees:
-                logger.warning("skinny GEMM disagrees with cuBLAS at %dx%d, %d rows, on this device: "
-                               "cuBLAS kept there", n, k, rows)
-                continue
-            cublas = graph_us_per_call(lambda w: F.linear(x, w), weights)
-            logger.debug("%dx%d rows %d: cuBLAS %.1f us, Triton %.1f us", n, k, rows, cublas, triton)
-            if triton < (1 - margin) * cublas:
-                wins.add((n, k, rows))
-        del weights
-    torch.cuda.empty_cache()   # the copies and graph pools: give them back before sizing the KV cache
-    return wins
+    return faster_than_cublas("skinny GEMM", skinny_linear, weight_shapes, row_buckets(max_rows), device, dtype,
+                              margin)
 
 
 def fused_beats_apart(what: str, n: int, k: int, rows: int, weights: list[torch.Tensor], agrees: Callable[[], bool],
@@ -145,7 +155,7 @@ def choose_gated(wins: set[tuple[int, int, int]], gated_shapes: Iterable[tuple[i
 
     chosen = set()
     for n, k in sorted(set(gated_shapes)):
-        won = sorted(rows for wn, wk, rows in wins if (wn, wk) == (n, k))
+        won = sorted(shape_rows(wins, n, k))
         weights = rotated_weights(n, k, dtype, device) if won else []
         for rows in won:
             gate_up = torch.randn(rows, 2 * k, dtype=dtype, device=device)
@@ -203,6 +213,11 @@ def skinny_layers(model: nn.Module) -> list[PackedLinear | RowParallelLinear]:
     return [m for m in model.modules() if isinstance(m, (PackedLinear, RowParallelLinear))]
 
 
+def shape_rows(chosen: set[tuple[int, int, int]], n: int, k: int) -> frozenset[int]:
+    """The rows chosen for weight shape N x K, out of (N, K, rows) triples."""
+    return frozenset(rows for wn, wk, rows in chosen if (wn, wk) == (n, k))
+
+
 def enable_skinny_gemm(model: nn.Module, wins: set[tuple[int, int, int]],
                        gated: set[tuple[int, int, int]] = frozenset(),
                        normed: set[tuple[int, int, int]] = frozenset()) -> int:
@@ -211,11 +226,11 @@ def enable_skinny_gemm(model: nn.Module, wins: set[tuple[int, int, int]],
     enabled = 0
     for layer in skinny_layers(model):
         n, k = layer.weight.shape
-        layer.skinny_rows = frozenset(rows for wn, wk, rows in wins if (wn, wk) == (n, k))
+        layer.skinny_rows = shape_rows(wins, n, k)
         if getattr(layer, "takes_gated_input", False):
-            layer.gated_rows = frozenset(rows for wn, wk, rows in gated if (wn, wk) == (n, k)) & layer.skinny_rows
+            layer.gated_rows = shape_rows(gated, n, k) & layer.skinny_rows
         if getattr(layer, "takes_normed_input", False):
-            layer.normed_rows = frozenset(rows for wn, wk, rows in normed if (wn, wk) == (n, k))
+            layer.normed_rows = shape_rows(normed, n, k)
         enabled += bool(layer.skinny_rows or getattr(layer, "normed_rows", None))
     return enabled
 
