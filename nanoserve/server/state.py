@@ -74,22 +74,28 @@ class ServerState:
             raise APIError(str(exc), param=param) from None
 
     def check_prompt_length(self, num_tokens: int) -> None:
+        """The engine's own check of a prompt's length, made as soon as the prompt is tokenized."""
         try:
             check_prompt_length(num_tokens, self.engine.config.max_model_len)
         except RequestRefused as exc:
-            raise APIError(str(exc), param=exc.param, code=exc.code) from None
+            raise refusal(exc) from None
 
     def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
         """Queue the request, turning engine refusals into OpenAI errors."""
         try:
             return self.engine.add_request(request_id, prompts, params)
         except RequestRefused as exc:
-            raise APIError(str(exc), param=exc.param, code=exc.code) from None
+            raise refusal(exc) from None
         except QueueFullError as exc:
             raise APIError(f"The server is overloaded: {exc}", 503, code="queue_full",
                            headers={"Retry-After": str(exc.retry_after_s)}) from None
         except EngineDeadError as exc:
             raise engine_error(exc) from None
+
+
+def refusal(exc: RequestRefused) -> APIError:
+    """The 400 for a request the engine refuses, with the field and code it names."""
+    return APIError(str(exc), param=exc.param, code=exc.code)
 
 
 def engine_error(exc: EngineDeadError | RequestFailedError) -> APIError:
