@@ -157,9 +157,10 @@ def test_version_and_python_dash_m_nanoserve():
 
 @pytest.mark.parametrize("command", [["serve", "--help"], ["generate", "--help"], ["--help"]])
 def test_help_answers_in_under_a_second_without_importing_torch(command):
-    code = ("import sys, time; start = time.monotonic(); from nanoserve.cli import main\n"
+    # CPU seconds, not wall seconds: what --help costs, whatever else the machine is running
+    code = ("import sys, time; start = time.process_time(); from nanoserve.cli import main\n"
             f"try: main({command!r})\nexcept SystemExit as e: assert e.code == 0, e.code\n"
-            "print('torch' in sys.modules, 'transformers' in sys.modules, round(time.monotonic() - start, 3))")
+            "print('torch' in sys.modules, 'transformers' in sys.modules, round(time.process_time() - start, 3))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     torch_loaded, transformers_loaded, seconds = result.stdout.strip().splitlines()[-1].split()
     assert (torch_loaded, transformers_loaded) == ("False", "False"), result.stderr
