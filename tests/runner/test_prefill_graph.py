@@ -24,14 +24,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
 
 @pytest.fixture(scope="module")
-def runner():
-    llm = LLM(device="cpu", attention_backend="triton", max_model_len=128, num_kvcache_blocks=64)
+def runner(qwen3_model):
+    # two small layers: the interpreter runs one program per token per layer, and two show what four do
+    llm = LLM(qwen3_model, device="cpu", attention_backend="triton", max_model_len=128, num_kvcache_blocks=64)
     yield llm.engine.runner
     llm.close()
 
 
 def ids(n: int, seed: int) -> list[int]:
-    return torch.randint(1, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(1, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 SEQS = 6   # the buffers' sequences: a step of fewer leaves some empty
