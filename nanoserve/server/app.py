@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from nanoserve import __version__
 from nanoserve.config import EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError
-from nanoserve.server import chat, completions, info
+from nanoserve.server import chat, completions, info, responses
 from nanoserve.server.connections import always_served, uvicorn_options
 from nanoserve.server.errors import APIError, install_handlers
 from nanoserve.server.limits import BodyLimitMiddleware
@@ -87,7 +87,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings,
     app.state.server = ServerState(engine, settings)
     install_handlers(app)
     install_openapi(app, has_api_key=bool(settings.api_key))
-    for module in (completions, chat, info):
+    for module in (completions, chat, responses, info):
         app.include_router(module.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_request_body_bytes)
     if settings.api_key:

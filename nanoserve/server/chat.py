@@ -164,6 +164,16 @@ async def create_chat_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     timer = state.metrics.timer()  # latencies count from arrival, rendering and tokenizing included
     req = await parse_body(request, ChatCompletionRequest)
+    chat, stream = await start_chat(request, state, req, timer)
+    if req.stream:
+        return sse_response(chat.events(stream, timer), stream.close)
+    body = await cancel_on_disconnect(request, chat.collect(stream, timer))
+    return body if body is not None else Response(status_code=499)
+
+
+async def start_chat(request: Request, state: ServerState, req: ChatCompletionRequest,
+                     timer: RequestTimer) -> tuple[ChatCompletion, RequestStream]:
+    """Check, render and start a chat request in the engine: the response's reader and its stream."""
     model = state.model_name(req.model)
     state.settings.limits.check_request(1, req.n, req.stop, req.stop_token_ids)
     if req.top_logprobs is not None and not req.logprobs:
@@ -197,7 +207,4 @@ async def create_chat_completion(request: Request) -> Response:
         raise
     timer.request_id = chat.id
     timer.prompt(sum(chat.prompt_lens))
-    if req.stream:
-        return sse_response(chat.events(stream, timer), stream.close)
-    body = await cancel_on_disconnect(request, chat.collect(stream, timer))
-    return body if body is not None else Response(status_code=499)
+    return chat, stream

@@ -14,12 +14,14 @@ from pydantic.json_schema import models_json_schema
 
 from nanoserve.server.connections import always_served
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from nanoserve.server.responses_protocol import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }

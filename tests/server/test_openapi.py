@@ -8,7 +8,7 @@ import pytest
 from nanoserve.server.openapi import BODIES
 
 BODY_ROUTES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
-               "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
+               "/v1/responses": "ResponsesRequest", "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,7 @@ def test_no_422_anywhere_and_every_error_is_the_openai_object(schema):
 @pytest.mark.parametrize("path, method, statuses", [
     ("/v1/completions", "post", {"400", "404", "413", "500", "503"}),
     ("/v1/chat/completions", "post", {"400", "404", "413", "500", "503"}),
+    ("/v1/responses", "post", {"400", "404", "413", "500", "503"}),
     ("/v1/models/{name}", "get", {"404", "500", "503"}),
     ("/health", "get", {"503"}),
     ("/ping", "post", {"503"}),

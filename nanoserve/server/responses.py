@@ -1,0 +1,244 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat path (the same rendering, constraints
+and tool calls), answered as output items (reasoning, a message, function calls): whole, or as
+the API's typed events."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from nanoserve.server.chat import ChatCompletion, start_chat
+from nanoserve.server.errors import APIError
+from nanoserve.server.metrics import RequestTimer
+from nanoserve.server.responses_protocol import CHAT_TO_RESPONSES_FIELD, ResponsesRequest, as_chat_request
+from nanoserve.server.state import ServerState, engine_error, timed
+from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_body, sse_response
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _typed_event(kind: str, fields: dict) -> bytes:
+    # the event line names the type too, as OpenAI's API sends it (its client reads the data's)
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **fields}) + b"\n\n"
+
+
+class ResponseWriter:
+    """One response's items and envelope, from the chat request that generates it."""
+
+    def __init__(self, state: ServerState, req: ResponsesRequest, chat: ChatCompletion) -> None:
+        self.state, self.req, self.chat = state, req, chat
+        # the client's request id, where it gave one, follows the prefix as in chat's id
+        self.id = "resp_" + chat.id.split("-", 1)[1]
+        self.items: list[dict] = []
+        self.sequence = 0
+        self.reasoning_text = ""
+
+    def envelope(self, status: str, usage: dict | None, finish_reason: str | None = None) -> dict:
+        req = self.req
+        incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.chat.created, "status": status,
+            "background": False, "error": None, "incomplete_details": incomplete,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.chat.model,
+            "output": self.items, "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": None, "store": False, "temperature": req.temperature, "top_p": req.top_p,
+            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
+            "text": {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)
+                     if req.text and req.text.format else {"type": "text"}},
+            "tool_choice": (req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump")
+                            else req.tool_choice or "auto"),
+            "tools": req.tools or [], "truncation": "disabled", "usage": usage, "user": req.user,
+            "metadata": req.metadata or {},
+        }
+
+    def usage(self, stream: RequestStream) -> dict:
+        counts = self.chat.usage(stream)
+        # the tokens of the reasoning as the tokenizer writes its text (the tags around it aside)
+        thought = len(self.state.tokenizer.encode(self.reasoning_text, add_special_tokens=False)) \
+            if self.reasoning_text else 0
+        return {"input_tokens": counts["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"]},
+                "output_tokens": counts["completion_tokens"], "output_tokens_details": {"reasoning_tokens": thought},
+                "total_tokens": counts["total_tokens"]}
+
+    @staticmethod
+    def status(finish_reason: str | None) -> str:
+        return "incomplete" if finish_reason == "length" else "completed"
+
+    # items, whole
+
+    def reasoning_item(self, text: str, status: str) -> dict:
+        self.reasoning_text = text
+        return {"id": _new_id("rs"), "type": "reasoning", "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+    @staticmethod
+    def message_item(text: str, logprobs: list, status: str) -> dict:
+        return {"id": _new_id("msg"), "type": "message", "role": "assistant", "status": status,
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
+
+    @staticmethod
+    def call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
+        return {"id": _new_id("fc"), "type": "function_call", "call_id": call_id, "name": name,
+                "arguments": arguments, "status": status}
+
+    async def collect(self, stream: RequestStream, timer: RequestTimer) -> Response:
+        await self.chat.drain(stream, timer)
+        out = stream.outputs[0]
+        message, finish_reason = self.chat.readers[0].message(out.text, out.finish_reason)
+        status = self.status(finish_reason)
+        if message.get("reasoning") is not None:
+            self.items.append(self.reasoning_item(message["reasoning"], status))
+        calls = message.get("tool_calls") or []
+        if message["content"] or not calls:
+            logprobs = self.chat.logprobs(out.token_ids, out.logprobs)
+            self.items.append(self.message_item(message["content"] or "", logprobs["content"] if logprobs else [],
+                                                status))
+        self.items += [self.call_item(c["id"], c["function"]["name"], c["function"]["arguments"], status)
+                       for c in calls]
+        return json_response(self.envelope(status, self.usage(stream), finish_reason))
+
+    # items, as events
+
+    def event(self, kind: str, **fields) -> bytes:
+        self.sequence += 1
+        return _typed_event(kind, {**fields, "sequence_number": self.sequence - 1})
+
+    def open_item(self, item: dict) -> list[bytes]:
+        self.items.append(item)
+        index = len(self.items) - 1
+        events = [self.event("response.output_item.added", output_index=index, item={**item, "status": "in_progress"})]
+        if item["type"] != "function_call":
+            part = {**item["content"][0], "text": ""}
+            if "logprobs" in part:
+                part["logprobs"] = []
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                     content_index=0, part=part))
+        return events
+
+    def close_item(self, status: str) -> list[bytes]:
+        """The done events of the item opened last, which is whole now."""
+        item, index = self.items[-1], len(self.items) - 1
+        item["status"] = status
+        where = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "function_call":
+            events = [self.event("response.function_call_arguments.done", **where, name=item["name"],
+                                 arguments=item["arguments"])]
+        else:
+            part = item["content"][0]
+            if item["type"] == "message":
+                done = self.event("response.output_text.done", **where, content_index=0, text=part["text"],
+                                  logprobs=part["logprobs"])
+            else:
+                done = self.event("response.reasoning_text.done", **where, content_index=0, text=part["text"])
+            events = [done, self.event("response.content_part.done", **where, content_index=0, part=part)]
+        return events + [self.event("response.output_item.done", output_index=index, item=item)]
+
+    def apply(self, delta: dict, logprobs: list, state: dict) -> list[bytes]:
+        """Events for one chat delta. `state` holds the open item's kind and the call index -> item."""
+        events: list[bytes] = []
+
+        def switch_to(kind: str, item: dict) -> None:
+            if state["open"] is not None:
+                events.extend(self.close_item("completed"))
+            state["open"] = kind
+            events.extend(self.open_item(item))
+
+        if delta.get("reasoning"):
+            if state["open"] != "reasoning":
+                switch_to("reasoning", self.reasoning_item("", "in_progress"))
+            part = self.items[-1]["content"][0]
+            part["text"] += delta["reasoning"]
+            self.reasoning_text = part["text"]
+            events.append(self.event("response.reasoning_text.delta", item_id=self.items[-1]["id"],
+                                     output_index=len(self.items) - 1, content_index=0, delta=delta["reasoning"]))
+        if delta.get("content"):
+            if state["open"] != "message":
+                switch_to("message", self.message_item("", [], "in_progress"))
+            part = self.items[-1]["content"][0]
+            part["text"] += delta["content"]
+            part["logprobs"] += logprobs
+            events.append(self.event("response.output_text.delta", item_id=self.items[-1]["id"],
+                                     output_index=len(self.items) - 1, content_index=0, delta=delta["content"],
+                                     logprobs=logprobs))
+        for entry in delta.get("tool_calls") or ():
+            if "id" in entry:   # a new call, announced by its name
+                switch_to(f"call{entry['index']}", self.call_item(entry["id"], entry["function"]["name"], "",
+                                                                  "in_progress"))
+            fragment = entry["function"].get("arguments")
+            if fragment:
+                self.items[-1]["arguments"] += fragment
+                events.append(self.event("response.function_call_arguments.delta", item_id=self.items[-1]["id"],
+                                         output_index=len(self.items) - 1, delta=fragment))
+        return events
+
+    async def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
+        reader, state = self.chat.readers[0], {"open": None}
+        ids: list[int] = []
+        lps: list = []
+        finish_reason = None
+        try:
+            yield self.event("response.created", response=self.envelope("in_progress", None))
+            yield self.event("response.in_progress", response=self.envelope("in_progress", None))
+            async for u in timed(stream, timer):
+                self.chat.cached[u.index] = u.num_cached_tokens
+                ids.extend(u.token_ids)
+                lps.extend(u.logprobs or [])
+                if not u.text and u.finish_reason is None:
+                    continue
+                delta, finish = reader.delta(u.text, u.finish_reason)
+                finish_reason = finish or finish_reason
+                if not delta and finish is None:
+                    continue   # held back by a parser (a tag, the start of a call)
+                logprobs = self.chat.logprobs(ids, lps)
+                for event in self.apply(delta, logprobs["content"] if logprobs else [], state):
+                    yield event
+                ids, lps = [], []
+            status = self.status(finish_reason)
+            if state["open"] is not None:
+                for event in self.close_item(status):
+                    yield event
+            elif not self.items:   # nothing was written: an empty answer is still a message
+                for event in self.open_item(self.message_item("", [], status)) + self.close_item(status):
+                    yield event
+            kind = "response.incomplete" if status == "incomplete" else "response.completed"
+            yield self.event(kind, response=self.envelope(status, self.usage(stream), finish_reason))
+        except (EngineDeadError, RequestFailedError) as exc:
+            yield self.failed(engine_error(exc))
+        except Exception:   # a fault of this server's, past the status line: the client still learns of it
+            logger.exception("stream %s failed", self.id)
+            yield self.failed(APIError("The server failed while writing this stream; its log has the cause", 500,
+                                       code="internal_error"))
+        finally:
+            stream.close()
+
+    def failed(self, error: APIError) -> bytes:
+        return self.event("error", code=error.code, message=error.message, param=error.param)
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    timer = state.metrics.timer()
+    req = await parse_body(request, ResponsesRequest)
+    try:
+        chat, stream = await start_chat(request, state, as_chat_request(req), timer)
+    except APIError as exc:   # chat's checks name chat's fields: name the ones this request set
+        exc.param = CHAT_TO_RESPONSES_FIELD.get(exc.param, exc.param)
+        raise
+    writer = ResponseWriter(state, req, chat)
+    if req.stream:
+        return sse_response(writer.events(stream, timer), stream.close)
+    body = await cancel_on_disconnect(request, writer.collect(stream, timer))
+    return body if body is not None else Response(status_code=499)

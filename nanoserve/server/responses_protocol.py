@@ -1,0 +1,288 @@
+"""The body of POST /v1/responses (OpenAI's Responses API, as vLLM serves it), and its translation
+into the chat request that this server renders, constrains and generates.
+
+This server keeps no responses: `previous_response_id`, `background` and `conversation` ask it to,
+so they are refused by name; `store` is accepted and changes nothing. Function tools are served;
+OpenAI's hosted tools (web search, file search, code interpreter, ...) run on OpenAI's side and
+are refused by name. Sampling fields keep chat's bounds: they are chat's own field definitions.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+
+from nanoserve.sampling_params import MAX_INT
+from nanoserve.server.errors import APIError
+from nanoserve.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, SamplingFields, Strict,
+                                       StructuredOutputsRequest)
+
+
+def _chat_field(name: str):
+    """A chat request field's definition (type bounds included), for the field of the same meaning here."""
+    return copy.deepcopy(SamplingFields.model_fields[name])
+
+
+class InputText(Strict):
+    """A text part of a message: the user's (input_text) or an earlier answer's (output_text)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None   # an earlier answer's, as the client replays it: unused
+    logprobs: list[Any] | None = None
+
+
+class Refusal(Strict):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class MessageItem(Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText | Refusal]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text if isinstance(p, InputText) else p.refusal for p in self.content)
+
+
+class FunctionCallItem(Strict):
+    """A call the model made earlier, replayed in the input."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(Strict):
+    """What the client's function returned for a call."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "\n".join(p.text for p in self.output)
+
+
+class ReasoningItem(Strict):
+    """An earlier answer's reasoning, replayed: its text goes back to the template with that answer."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        parts = self.content or self.summary
+        return "\n".join(p["text"] for p in parts if isinstance(p.get("text"), str))
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+
+
+class FunctionTool(Strict):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None   # a hint to OpenAI's models: ignored
+
+
+class ReasoningConfig(Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None   # the reasoning comes whole, not summarized
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesRequest(Strict):
+    model: str | None = None
+    input: str | list[InputItem] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    temperature: float | None = _chat_field("temperature")
+    top_p: float | None = _chat_field("top_p")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    include: list[str] | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None   # read by tools(): a hosted tool is refused by its type
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # bounds the hosted tools' turns; a function call ends the response, so one reply is all there is
+    max_tool_calls: int | None = Field(None, ge=1, le=MAX_INT)
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    truncation: Literal["disabled"] | None = None   # "auto" would drop input items to fit: not offered
+    # asks to keep or find responses on the server, which keeps none
+    store: bool | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None   # a stored prompt template on OpenAI's side
+    # bookkeeping, as in chat
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    stream_options: dict[str, Any] | None = None   # OpenAI's include_obfuscation: nothing to obfuscate here
+    # vLLM's sampling extras, with chat's bounds
+    top_k: int | None = _chat_field("top_k")
+    min_p: float | None = _chat_field("min_p")
+    repetition_penalty: float | None = _chat_field("repetition_penalty")
+    presence_penalty: float | None = _chat_field("presence_penalty")
+    frequency_penalty: float | None = _chat_field("frequency_penalty")
+    seed: int | None = _chat_field("seed")
+    stop: str | list[str] | None = _chat_field("stop")
+    ignore_eos: bool = False
+    request_id: str | None = None
+    cache_salt: str | None = _chat_field("cache_salt")
+    priority: int = _chat_field("priority")
+    structured_outputs: StructuredOutputsRequest | None = None   # vLLM's: a regex, grammar, choice or schema
+
+    def check_served(self) -> None:
+        """Refuse by name what asks for state this server does not keep, or work it does not do."""
+        for name, why in (("previous_response_id", "keeps no responses; send the whole conversation in 'input'"),
+                          ("conversation", "keeps no conversations; send the whole conversation in 'input'"),
+                          ("background", "answers every request while the client waits; leave it false"),
+                          ("prompt", "has no stored prompt templates; send the text in 'input'")):
+            if getattr(self, name) not in (None, False):
+                raise APIError(f"This server {why}", param=name, code="unsupported_parameter")
+        for name in self.include or ():
+            if name != "message.output_text.logprobs":
+                raise APIError(f"'include' may name message.output_text.logprobs only, not {name[:80]!r}",
+                               param="include", code="unsupported_parameter")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.include and "message.output_text.logprobs" in self.include) or bool(self.top_logprobs)
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict] | None:
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind is None:
+            raise APIError(f"tools[{i}] needs a 'type' (function)", param=f"tools[{i}].type")
+        if kind != "function":
+            raise APIError(f"tools[{i}] is a {str(kind)[:40]!r} tool, which runs on OpenAI's side; this server "
+                           "calls function tools only", param=f"tools[{i}].type", code="unsupported_parameter")
+        try:
+            spec = FunctionTool.model_validate(tool)
+        except ValidationError as exc:
+            raise APIError(f"tools[{i}]: {exc.errors()[0]['msg']}", param=f"tools[{i}]") from None
+        out.append({"type": "function", "function": spec.model_dump(exclude={"type"}, exclude_none=True)})
+    return out
+
+
+def _chat_messages(req: ResponsesRequest) -> list[dict]:
+    """The input as chat messages: consecutive calls join the assistant turn they belong to, and
+    replayed reasoning goes with the answer after it."""
+    messages: list[dict] = []
+    if req.instructions is not None:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return messages + [{"role": "user", "content": req.input}]
+    thought: str | None = None
+    for item in req.input:
+        if isinstance(item, ReasoningItem):
+            thought = (thought + "\n" if thought else "") + item.text()
+            continue
+        if isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if thought is None and last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)   # one assistant turn: its text, then its calls
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            messages.append({"role": item.role, "content": item.text()})
+        if thought is not None and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning"] = thought
+        thought = None
+    return messages
+
+
+def _response_format(text: TextConfig | None) -> dict | None:
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.schema_ is None:
+        raise APIError("text.format of type json_schema needs a 'schema'", param="text.format.schema")
+    spec = {"name": fmt.name or "response", "schema": fmt.schema_, "description": fmt.description,
+            "strict": fmt.strict}
+    return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
+
+
+def _tool_choice(choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None) -> Any:
+    if isinstance(choice, NamedFunctionChoice):
+        return {"type": "function", "function": {"name": choice.name}}
+    return choice
+
+
+# the chat field that a chat check names -> the field of this request that set it
+CHAT_TO_RESPONSES_FIELD = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+                           "max_tokens": "max_output_tokens", "response_format": "text.format",
+                           "reasoning_effort": "reasoning.effort", "top_logprobs": "top_logprobs"}
+
+
+def as_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request that generates this response (n = 1, streamed when this one is)."""
+    req.check_served()
+    body: dict[str, Any] = {
+        "model": req.model, "messages": _chat_messages(req), "max_completion_tokens": req.max_output_tokens,
+        "tools": _chat_tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
+        "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
+        "logprobs": req.wants_logprobs, "top_logprobs": req.top_logprobs if req.wants_logprobs else None,
+        "stream": req.stream,
+        "structured_outputs": req.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        if req.structured_outputs is not None else None,
+    }
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seed", "stop", "ignore_eos", "request_id", "cache_salt", "priority",
+                 "user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"):
+        body[name] = getattr(req, name)
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as exc:   # a replayed item the chat request cannot hold (e.g. call arguments too deep)
+        raise APIError(f"The input cannot be read as a conversation: {exc.errors()[0]['msg']}",
+                       param="input") from None

@@ -1,0 +1,164 @@
+"""/v1/responses through the openai client: the chat path's text, tool calls, reasoning and
+structured outputs, answered as Responses output items, whole and as typed events; what this
+server cannot do (stored responses, hosted tools) refused by name.
+
+The server runs Qwen3's chat template with the hermes tool parser and the qwen3 reasoning parser,
+as the tool-calling tests do; a regex makes the untrained model write a <think> block."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.server.conftest import ServerProcess
+from tests.server.test_tool_calling import QWEN3_TEMPLATE
+
+MAX_TOKENS = 300
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+                          "required": ["city", "unit"]}}
+THINKING = {"structured_outputs": {"regex": "<think>\nabc def\n</think>\n\nAnswer here"}}
+
+
+class City(BaseModel):
+    name: str = Field(max_length=12)
+    population: int = Field(ge=0, le=10 ** 7)
+
+
+@pytest.fixture(scope="module")
+def responses_server(server_model, tmp_path_factory):
+    with ServerProcess(server_model, tmp_path_factory.mktemp("responses"), "--num-kvcache-blocks", "256",
+                       "--block-size", "16", "--chat-template", str(QWEN3_TEMPLATE), "--enable-auto-tool-choice",
+                       "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(responses_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{responses_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def streamed(client: openai.OpenAI, **kwargs) -> list:
+    events = list(client.responses.create(model="tiny", stream=True, **kwargs))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    final = events[-1].response
+    # every item is announced, then finished, under one id and index, and is the final output's
+    added = {e.output_index: e.item.id for e in events if e.type == "response.output_item.added"}
+    done = {e.output_index: e.item.id for e in events if e.type == "response.output_item.done"}
+    assert added == done == dict(enumerate(item.id for item in final.output))
+    return events
+
+
+def joined(events: list, kind: str) -> str:
+    return "".join(e.delta for e in events if e.type == kind)
+
+
+def test_a_response_says_what_the_same_chat_completion_says(client):
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Be brief."},
+                                                                  {"role": "user", "content": "Name a colour."}],
+                                          max_tokens=12, temperature=0)
+    text, finish = chat.choices[0].message.content, chat.choices[0].finish_reason
+    status = "incomplete" if finish == "length" else "completed"
+    kwargs = dict(instructions="Be brief.", input="Name a colour.", max_output_tokens=12, temperature=0)
+    whole = client.responses.create(model="tiny", **kwargs)
+    assert (whole.output_text, whole.status) == (text, status)
+    assert [item.type for item in whole.output] == ["message"]
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                    chat.usage.completion_tokens)
+    assert (whole.incomplete_details.reason if whole.incomplete_details else None) == \
+        ("max_output_tokens" if finish == "length" else None)
+    events = streamed(client, **kwargs)
+    assert joined(events, "response.output_text.delta") == text
+    assert events[-1].type == f"response.{status}" and events[-1].response.output_text == text
+    # the same conversation given as items, with the instructions as a system message
+    items = client.responses.create(model="tiny", input=[{"role": "system", "content": "Be brief."},
+                                                         {"role": "user", "content": [
+                                                             {"type": "input_text", "text": "Name a colour."}]}],
+                                    max_output_tokens=12, temperature=0)
+    assert items.output_text == text
+
+
+def test_a_function_call_is_an_item_whole_and_streamed_and_its_output_goes_back_in(client, responses_server):
+    kwargs = dict(input="What is the weather in Paris?", tools=[WEATHER], temperature=0, max_output_tokens=MAX_TOKENS,
+                  tool_choice={"type": "function", "name": "get_weather"})
+    whole = client.responses.create(model="tiny", **kwargs)
+    (call,) = whole.output
+    assert (call.type, call.name, whole.status) == ("function_call", "get_weather", "completed")
+    assert set(json.loads(call.arguments)) == {"city", "unit"}
+    events = streamed(client, **kwargs)
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == joined(events, "response.function_call_arguments.delta") == call.arguments
+    assert events[-1].response.output[0].call_id.startswith("call")
+    # the call and its result, replayed, render as the chat conversation with the assistant's call
+    replay = [{"role": "user", "content": "What is the weather in Paris?"},
+              {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+              {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
+    after = client.responses.create(model="tiny", input=replay, tools=[WEATHER], max_output_tokens=4, temperature=0)
+    messages = [replay[0], {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call.call_id, "type": "function",
+                     "function": {"name": call.name, "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}]
+    counted = httpx.post(f"{responses_server.url}/tokenize", json={
+        "messages": messages, "tools": [{"type": "function", "function": {k: v for k, v in WEATHER.items()
+                                                                          if k != "type"}}]}, timeout=60).json()
+    assert after.usage.input_tokens == counted["count"]
+
+
+def test_reasoning_is_an_item_of_its_own_whole_and_streamed(client):
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Think."}],
+                                          max_tokens=60, temperature=0, extra_body=THINKING)
+    reasoning, content = chat.choices[0].message.reasoning, chat.choices[0].message.content
+    assert reasoning and content
+    whole = client.responses.create(model="tiny", input="Think.", max_output_tokens=60, temperature=0,
+                                    extra_body=THINKING)
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert (whole.output[0].content[0].text, whole.output_text) == (reasoning, content)
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens < whole.usage.output_tokens
+    events = streamed(client, input="Think.", max_output_tokens=60, temperature=0, extra_body=THINKING)
+    assert joined(events, "response.reasoning_text.delta") == reasoning
+    assert joined(events, "response.output_text.delta") == content
+
+
+def test_parse_and_the_stream_helper_give_a_validated_object(client):
+    parsed = client.responses.parse(model="tiny", input="A city as JSON.", text_format=City,
+                                    max_output_tokens=MAX_TOKENS, temperature=0)
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, City)
+    with client.responses.stream(model="tiny", input="A city as JSON.", text_format=City,
+                                 max_output_tokens=MAX_TOKENS, temperature=0) as stream:
+        final = stream.get_final_response()
+    assert final.output_parsed == parsed.output_parsed
+
+
+def test_logprobs_come_with_the_text_when_included(client):
+    whole = client.responses.create(model="tiny", input="Hello", max_output_tokens=5, temperature=0,
+                                    include=["message.output_text.logprobs"], top_logprobs=2)
+    logprobs = whole.output[0].content[0].logprobs
+    assert len(logprobs) == whole.usage.output_tokens == 5
+    assert all(len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
+               for entry in logprobs)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"include": ["file_search_call.results"]}, "include"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
+    ({"input": []}, "input"),
+    ({"max_output_tokens": 10 ** 6}, "max_output_tokens"),
+    ({"temperature": 3}, "temperature"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"tool_choice": {"type": "function", "name": "nowhere"}, "tools": [WEATHER]}, "tool_choice"),
+    ({"truncation": "auto"}, "truncation"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_what_cannot_be_served_is_refused_by_name(responses_server, body, param):
+    r = httpx.post(f"{responses_server.url}/v1/responses", json={"model": "tiny", "input": "Hi", **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param), r.text
+    responses_server.wait_idle()
