@@ -238,6 +238,7 @@ async def create_response(request: Request) -> Response:
         exc.param = CHAT_TO_RESPONSES_FIELD.get(exc.param, exc.param)
         raise
     writer = ResponseWriter(state, req, chat)
+    timer.request_id = writer.id   # the log line names the id the client sees
     if req.stream:
         return sse_response(writer.events(stream, timer), stream.close)
     body = await cancel_on_disconnect(request, writer.collect(stream, timer))

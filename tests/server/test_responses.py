@@ -162,3 +162,14 @@ def test_what_cannot_be_served_is_refused_by_name(responses_server, body, param)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(param), r.text
     responses_server.wait_idle()
+
+
+def test_a_client_leaving_mid_stream_frees_its_blocks(responses_server):
+    body = {"model": "tiny", "input": "Count.", "max_output_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{responses_server.url}/v1/responses", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert any("response.output_text.delta" in next(lines) for _ in range(40))
+    responses_server.wait_idle()
+    after = httpx.post(f"{responses_server.url}/v1/responses", json={**body, "stream": False,
+                                                                     "max_output_tokens": 3}, timeout=60)
+    assert after.json()["usage"]["output_tokens"] == 3
