@@ -14,8 +14,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import ServerProcess
-from tests.server.test_tool_calling import QWEN3_TEMPLATE
+# the tool-calling tests' server, started again for this file (module scope)
+from tests.server.test_tool_calling import tool_server  # noqa: F401
 
 MAX_TOKENS = 300
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -31,16 +31,8 @@ class City(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def responses_server(server_model, tmp_path_factory):
-    with ServerProcess(server_model, tmp_path_factory.mktemp("responses"), "--num-kvcache-blocks", "256",
-                       "--block-size", "16", "--chat-template", str(QWEN3_TEMPLATE), "--enable-auto-tool-choice",
-                       "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3") as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def client(responses_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{responses_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+def client(tool_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def streamed(client: openai.OpenAI, **kwargs) -> list:
@@ -84,7 +76,7 @@ def test_a_response_says_what_the_same_chat_completion_says(client):
     assert items.output_text == text
 
 
-def test_a_function_call_is_an_item_whole_and_streamed_and_its_output_goes_back_in(client, responses_server):
+def test_a_function_call_is_an_item_whole_and_streamed_and_its_output_goes_back_in(client, tool_server):
     kwargs = dict(input="What is the weather in Paris?", tools=[WEATHER], temperature=0, max_output_tokens=MAX_TOKENS,
                   tool_choice={"type": "function", "name": "get_weather"})
     whole = client.responses.create(model="tiny", **kwargs)
@@ -104,7 +96,7 @@ def test_a_function_call_is_an_item_whole_and_streamed_and_its_output_goes_back_
                     {"id": call.call_id, "type": "function",
                      "function": {"name": call.name, "arguments": call.arguments}}]},
                 {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}]
-    counted = httpx.post(f"{responses_server.url}/tokenize", json={
+    counted = httpx.post(f"{tool_server.url}/tokenize", json={
         "messages": messages, "tools": [{"type": "function", "function": {k: v for k, v in WEATHER.items()
                                                                           if k != "type"}}]}, timeout=60).json()
     assert after.usage.input_tokens == counted["count"]
@@ -157,19 +149,19 @@ def test_logprobs_come_with_the_text_when_included(client):
     ({"tool_choice": {"type": "function", "name": "nowhere"}, "tools": [WEATHER]}, "tool_choice"),
     ({"truncation": "auto"}, "truncation"),
 ], ids=lambda v: v if isinstance(v, str) else None)
-def test_what_cannot_be_served_is_refused_by_name(responses_server, body, param):
-    r = httpx.post(f"{responses_server.url}/v1/responses", json={"model": "tiny", "input": "Hi", **body}, timeout=60)
+def test_what_cannot_be_served_is_refused_by_name(tool_server, body, param):
+    r = httpx.post(f"{tool_server.url}/v1/responses", json={"model": "tiny", "input": "Hi", **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(param), r.text
-    responses_server.wait_idle()
+    tool_server.wait_idle()
 
 
-def test_a_client_leaving_mid_stream_frees_its_blocks(responses_server):
+def test_a_client_leaving_mid_stream_frees_its_blocks(tool_server):
     body = {"model": "tiny", "input": "Count.", "max_output_tokens": 2000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{responses_server.url}/v1/responses", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{tool_server.url}/v1/responses", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert any("response.output_text.delta" in next(lines) for _ in range(40))
-    responses_server.wait_idle()
-    after = httpx.post(f"{responses_server.url}/v1/responses", json={**body, "stream": False,
+    tool_server.wait_idle()
+    after = httpx.post(f"{tool_server.url}/v1/responses", json={**body, "stream": False,
                                                                      "max_output_tokens": 3}, timeout=60)
     assert after.json()["usage"]["output_tokens"] == 3
