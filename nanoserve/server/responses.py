@@ -215,16 +215,22 @@ class ResponseWriter:
             kind = "response.incomplete" if status == "incomplete" else "response.completed"
             yield self.event(kind, response=self.envelope(status, self.usage(stream), finish_reason))
         except (EngineDeadError, RequestFailedError) as exc:
-            yield self.failed(engine_error(exc))
+            for event in self.failed(engine_error(exc)):
+                yield event
         except Exception:   # a fault of this server's, past the status line: the client still learns of it
             logger.exception("stream %s failed", self.id)
-            yield self.failed(APIError("The server failed while writing this stream; its log has the cause", 500,
-                                       code="internal_error"))
+            for event in self.failed(APIError("The server failed while writing this stream; its log has the cause",
+                                              500, code="internal_error")):
+                yield event
         finally:
             stream.close()
 
-    def failed(self, error: APIError) -> bytes:
-        return self.event("error", code=error.code, message=error.message, param=error.param)
+    def failed(self, error: APIError) -> list[bytes]:
+        """The error event, then the response as failed, as OpenAI's API ends a stream it cannot finish."""
+        body = self.envelope("failed", None)
+        body["error"] = {"code": error.code, "message": error.message}
+        return [self.event("error", code=error.code, message=error.message, param=error.param),
+                self.event("response.failed", response=body)]
 
 
 @router.post("/v1/responses")

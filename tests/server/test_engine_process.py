@@ -16,16 +16,20 @@ from tests.server.conftest import SERVER_ARGS, ServerProcess, engine_process, go
 
 
 def _stream_until_end(url: str, index: int, started: threading.Barrier, ends: dict) -> None:
-    body = {"prompt": f"A list of {index}", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    # every other stream is a Responses API one, whose error is an event of type "error"
+    path, body = (("/v1/responses", {"input": f"A list of {index}", "max_output_tokens": 1500}) if index % 2
+                  else ("/v1/completions", {"prompt": f"A list of {index}", "max_tokens": 1500}))
     last = None
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        with httpx.stream("POST", f"{url}{path}", json={**body, "ignore_eos": True, "stream": True},
+                          timeout=60) as response:
             lines = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
             next(lines)
             started.wait(30)
             for last in lines:
-                if last != "[DONE]" and "error" in json.loads(last):
-                    ends[index] = (time.monotonic(), json.loads(last)["error"])
+                event = json.loads(last) if last != "[DONE]" else {}
+                if "error" in event or event.get("type") == "error":
+                    ends.setdefault(index, (time.monotonic(), event.get("error", event)))
     except httpx.TransportError as exc:
         ends[index] = (time.monotonic(), repr(exc))
     ends.setdefault(index, (time.monotonic(), f"ended without an error, last event {last!r}"))
