@@ -135,6 +135,9 @@ class SamplingParams:
     # vLLM's: the token that would complete one of these words (as it starts a text or follows a
     # space) is never sampled; see engine/bad_words.py
     bad_words: list[str] = field(default_factory=list)
+    # their token sequences (engine/bad_words.py), tokenized once where the request is queued, so
+    # that the engine core, its n choices and its prompts never tokenize them again
+    bad_words_token_ids: list[list[int]] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None

@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.bad_words import with_bad_words_token_ids
 from nanoserve.engine.core import EngineCore, run_engine_process
 from nanoserve.engine.llm_engine import LLMEngine, load_tokenizer
 from nanoserve.engine.messages import (AbortRequests, AddRequest, EngineDied, EngineOutputs, EngineReady, EngineStats,
@@ -186,6 +187,7 @@ class AsyncEngine:
             raise RequestRefused(f"Request id {request_id!r} is already in use")
         # past what the server ever holds, the request is too large by n, or by its prompts
         self._admit(len(ids), "n" if len(prompts) == 1 else "prompt")
+        params = with_bad_words_token_ids(params, self.tokenizer)   # here, once, not per choice in the core
         try:  # encoded before anything is registered: a request the core cannot receive leaves no trace
             frames = [input_encoder.encode(AddRequest(ids[p * n], list(prompt), params, ids[p * n + 1:(p + 1) * n]))
                       for p, prompt in enumerate(prompts)]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.bad_words import BadWords, bad_words_token_ids
+from nanoserve.engine.bad_words import BadWords, with_bad_words_token_ids
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.messages import EngineStats, StepOutput
 from nanoserve.engine.scheduler import Scheduler
@@ -105,6 +105,8 @@ class LLMEngine:
 
     def _enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  front: bool = False) -> None:
+        # the front end tokenized them already; an offline request's here, and its forks share them
+        params = with_bad_words_token_ids(params, self.tokenizer)
         seq = Sequence(request_id, prompt_token_ids, params, next(self._arrivals))
         room = self.config.max_model_len - len(prompt_token_ids)
         seq.max_tokens = room if seq.max_tokens is None else min(seq.max_tokens, room)
@@ -112,7 +114,7 @@ class LLMEngine:
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         self.sequences[request_id] = seq
         if params.bad_words:
-            seq.bad_words = BadWords(bad_words_token_ids(self.tokenizer, params.bad_words), self.vocab_size)
+            seq.bad_words = BadWords(params.bad_words_token_ids, self.vocab_size)
         if params.structured_outputs is not None:
             future = self.grammars.compile(params.structured_outputs)
             if not future.done():  # forks find their parent's grammar compiled and keep their place

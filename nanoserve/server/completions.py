@@ -226,7 +226,7 @@ async def create_completion(request: Request) -> Response:
     except ValueError as exc:
         raise sampling_error(exc) from None
     params = await constrain(state.specs, params, requested_spec(req))
-    stream = state.start(completion.engine_id, completion.prompts, params)
+    stream = await state.start(completion.engine_id, completion.prompts, params)
     timer.request_id = completion.id
     timer.prompt(sum(completion.prompt_lens))
     if req.stream:

@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from nanoserve.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError,
                                           RequestStream, RequestUpdate)
+from nanoserve.engine.bad_words import with_bad_words_token_ids
 from nanoserve.engine.validation import RequestRefused, check_prompt_length
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.defaults import sampling_defaults
@@ -80,8 +81,11 @@ class ServerState:
         except RequestRefused as exc:
             raise refusal(exc) from None
 
-    def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
+    async def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
         """Queue the request, turning engine refusals into OpenAI errors."""
+        # the engine client would tokenize the bad words on the event loop (~65 ms for 128 long ones)
+        params = await off_the_loop_if_long(sum(map(len, params.bad_words)), with_bad_words_token_ids, params,
+                                            self.tokenizer)
         try:
             return self.engine.add_request(request_id, prompts, params)
         except RequestRefused as exc:
