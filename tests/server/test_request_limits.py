@@ -83,7 +83,8 @@ def test_a_5_mb_prompt_is_refused_before_tokenizing(server):
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == param and "max_model_len" in error["message"]
-        assert elapsed < 1.0, f"{path} took {elapsed:.2f}s: was the prompt tokenized?"
+        # tokenizing it takes ~4 s on a 2-core CPU; refusing it, a fraction of one (2 s leaves room for a busy machine)
+        assert elapsed < 2.0, f"{path} took {elapsed:.2f}s: was the prompt tokenized?"
     # tokenizing 5 MB peaks near a gigabyte; parsing it costs a few times its size
     assert peak_rss_mb(server) - before < 100
 
