@@ -93,7 +93,9 @@ async def tokenize(request: Request) -> Response:
         tokens = await run_in_threadpool(render_chat, state, req.messages, messages_length(req.messages),
                                          req.add_generation_prompt, req.tools, req.chat_template_kwargs,
                                          req.continue_final_message)
-    token_strs = state.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
+    # a Python call per token: 570k of them held the event loop, and every stream, for 0.35 s
+    token_strs = (await off_the_loop_if_long(len(tokens), state.tokenizer.convert_ids_to_tokens, tokens)
+                  if req.return_token_strs else None)
     return json_response({"count": len(tokens), "max_model_len": state.engine.config.max_model_len,
                           "tokens": tokens, "token_strs": token_strs})
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
 import pytest
+import uvicorn
 
 from nanoserve import SamplingParams
 from nanoserve.server.logprobs import TokenTexts
+from tests.server.conftest import DEVICE, free_port
 
 COMPLETION_KEYS = {"id", "object", "created", "model", "choices", "usage"}
 USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
@@ -231,6 +234,35 @@ def test_tokenize_takes_vllms_token_strings_and_continued_final_message(http, of
     assert offline.tokenizer.decode(cont["tokens"]).endswith("A dict is")
     r = http.post("/tokenize", json={**body, "add_generation_prompt": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_token_strings_of_a_long_prompt_are_named_off_the_event_loop(server_model):
+    """A Python call per token: 570k of them on the event loop held every stream for 0.35 s."""
+    from nanoserve import EngineConfig
+    from nanoserve.engine.async_engine import AsyncEngine
+    from nanoserve.server.app import build_app
+    from nanoserve.server.state import ServerSettings
+
+    engine = AsyncEngine(EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=128, block_size=16))
+    named_on = []
+    convert = engine.tokenizer.convert_ids_to_tokens
+    engine.tokenizer.convert_ids_to_tokens = lambda ids: named_on.append(threading.current_thread()) or convert(ids)
+    app = build_app(engine, ServerSettings(served_model_names=["tiny"]))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    loop_thread = threading.Thread(target=server.run, daemon=True)
+    loop_thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        r = httpx.post(f"http://127.0.0.1:{server.config.port}/tokenize",
+                       json={"prompt": "a b " * 5000, "return_token_strs": True}, timeout=60)
+    finally:
+        server.should_exit = True
+        loop_thread.join(30)
+    assert r.status_code == 200, r.text[:300]
+    body = r.json()
+    assert len(body["token_strs"]) == body["count"] > 8192 and body["token_strs"][:2] == convert(body["tokens"][:2])
+    assert named_on and loop_thread not in named_on
 
 
 def test_cors_is_off_by_default(http):
