@@ -189,16 +189,15 @@ class AsyncEngine:
         self._admit(len(ids), "n" if len(prompts) == 1 else "prompt")
         params = with_bad_words_token_ids(params, self.tokenizer)   # here, once, not per choice in the core
         try:  # encoded before anything is registered: a request the core cannot receive leaves no trace
-            frames = [input_encoder.encode(AddRequest(ids[p * n], list(prompt), params, ids[p * n + 1:(p + 1) * n]))
-                      for p, prompt in enumerate(prompts)]
+            frame = input_encoder.encode(AddRequest(ids[::n], [list(p) for p in prompts], params,
+                                                    [ids[p * n + 1:(p + 1) * n] for p in range(len(prompts))]))
         except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
             raise RequestRefused(f"The request cannot be passed to the engine: {exc}") from None
         states = [RequestState(self.tokenizer, prompts[c // n], params, c) for c in range(len(ids))]
         stream = RequestStream(ids, states, self.abort)
         for rid in ids:
             self._streams[rid] = stream
-        for frame in frames:
-            self._send_frame(frame)
+        self._send_frame(frame)
         return stream
 
     def _admit(self, num_seqs: int, param: str) -> None:

@@ -108,11 +108,11 @@ class EngineCore:
                 logger.exception("Dropped a message the engine core could not decode")
                 continue
             if isinstance(message, AddRequest):
-                try:
-                    self.engine.add_request(message.request_id, message.prompt_token_ids, message.params,
-                                            message.fork_ids)
-                except ValueError as exc:  # this request alone is bad; the engine is fine
-                    failed.append(RequestFailed([message.request_id, *message.fork_ids], str(exc)))
+                for request_id, prompt, fork_ids in zip(message.request_ids, message.prompts, message.fork_ids):
+                    try:
+                        self.engine.add_request(request_id, prompt, message.params, fork_ids)
+                    except ValueError as exc:  # this prompt alone is bad; the engine is fine
+                        failed.append(RequestFailed([request_id, *fork_ids], str(exc)))
             elif isinstance(message, AbortRequests):
                 for request_id in message.request_ids:
                     self.engine.abort_request(request_id)

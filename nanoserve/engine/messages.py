@@ -57,12 +57,15 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
 # ---- front end -> engine core
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    """Queue one prompt; `fork_ids` are its n-1 siblings, started once its prompt is cached."""
+    """Queue a request's prompts: `prompts[p]` as `request_ids[p]`, with `fork_ids[p]`, its n-1
+    siblings, started once its prompt is cached. One message per request, so that its params are
+    decoded once, not once per prompt (a batch of 256 prompts with a logit_bias over a 150k
+    vocabulary took 20 s of the engine's loop and 400 MB of messages)."""
 
-    request_id: str
-    prompt_token_ids: list[int]
+    request_ids: list[str]
+    prompts: list[list[int]]
     params: SamplingParams
-    fork_ids: list[str] = []
+    fork_ids: list[list[str]]
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

@@ -158,7 +158,7 @@ def test_a_prefix_cache_hit_gives_the_same_constrained_output(llm):
 def test_the_spec_travels_to_the_engine_process_in_its_add_message(spec):
     from nanoserve.engine.messages import AddRequest, input_decoder, input_encoder
 
-    sent = AddRequest("r1", [1, 2, 3], SamplingParams(max_tokens=5, structured_outputs=spec))
+    sent = AddRequest(["r1"], [[1, 2, 3]], SamplingParams(max_tokens=5, structured_outputs=spec), [[]])
     received = input_decoder.decode(input_encoder.encode(sent))
     assert received.params.structured_outputs == spec and received.params.structured_outputs.key == spec.key
 
