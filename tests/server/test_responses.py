@@ -165,3 +165,19 @@ def test_a_client_leaving_mid_stream_frees_its_blocks(tool_server):
     after = httpx.post(f"{tool_server.url}/v1/responses", json={**body, "stream": False,
                                                                      "max_output_tokens": 3}, timeout=60)
     assert after.json()["usage"]["output_tokens"] == 3
+
+
+def test_langchain_on_the_responses_api_answers_calls_and_parses(tool_server):
+    from langchain_openai import ChatOpenAI
+
+    def model_of(max_tokens: int) -> ChatOpenAI:
+        return ChatOpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", model="tiny", use_responses_api=True,
+                          temperature=0, max_tokens=max_tokens, max_retries=0)
+
+    model, short = model_of(MAX_TOKENS), model_of(6)
+    whole = short.invoke("Hello")
+    assert whole.text and whole.usage_metadata["output_tokens"] == 6
+    assert "".join(chunk.text for chunk in short.stream("Hello")) == whole.text
+    (call,) = model.bind_tools([City], tool_choice="City").invoke("Describe a city.").tool_calls
+    assert call["name"] == "City" and City.model_validate(call["args"])
+    assert isinstance(model.with_structured_output(City, method="json_schema").invoke("A city."), City)
