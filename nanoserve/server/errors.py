@@ -100,7 +100,7 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        message = {404: "Not found: no such route; see /v1/completions, /v1/chat/completions, /v1/models",
+        message = {404: "Not found: no such route; see /v1/completions, /v1/chat/completions, /v1/responses, /v1/models",
                    405: "Method not allowed on this route"}.get(exc.status_code, str(exc.detail))
         return APIError(message, exc.status_code, code=code, headers=exc.headers).response()
 

@@ -55,7 +55,7 @@ def error_statuses(path: str, has_api_key: bool) -> list[int]:
         statuses.append(401)
     if path in BODIES:
         statuses += [400, 404, 413]
-    elif path == "/v1/models/{name}":
+    elif path == "/v1/models/{name}" or path.startswith("/v1/responses/"):
         statuses.append(404)
     return sorted(statuses)
 

@@ -249,3 +249,11 @@ async def create_response(request: Request) -> Response:
         return sse_response(writer.events(stream, timer), stream.close)
     body = await cancel_on_disconnect(request, writer.collect(stream, timer))
     return body if body is not None else Response(status_code=499)
+
+
+@router.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+@router.api_route("/v1/responses/{response_id}/{action}", methods=["GET", "POST"])
+async def stored_response(response_id: str) -> Response:
+    """Retrieve, delete, cancel, input_items: OpenAI's calls on a stored response, of which there are none."""
+    raise APIError(f"No response found with id {response_id[:80]!r}: this server keeps no responses, so it "
+                   "cannot retrieve, delete or cancel one", 404, param="response_id", code="not_found")

@@ -57,6 +57,7 @@ def test_no_422_anywhere_and_every_error_is_the_openai_object(schema):
     ("/v1/completions", "post", {"400", "404", "413", "500", "503"}),
     ("/v1/chat/completions", "post", {"400", "404", "413", "500", "503"}),
     ("/v1/responses", "post", {"400", "404", "413", "500", "503"}),
+    ("/v1/responses/{response_id}", "get", {"404", "500", "503"}),
     ("/v1/models/{name}", "get", {"404", "500", "503"}),
     ("/health", "get", {"503"}),
     ("/ping", "post", {"503"}),

@@ -181,3 +181,11 @@ def test_langchain_on_the_responses_api_answers_calls_and_parses(tool_server):
     (call,) = model.bind_tools([City], tool_choice="City").invoke("Describe a city.").tool_calls
     assert call["name"] == "City" and City.model_validate(call["args"])
     assert isinstance(model.with_structured_output(City, method="json_schema").invoke("A city."), City)
+
+
+def test_a_stored_response_is_not_found_by_any_of_the_clients_calls(client):
+    for call in (lambda: client.responses.retrieve("resp_abc"), lambda: client.responses.delete("resp_abc"),
+                 lambda: client.responses.cancel("resp_abc"), lambda: client.responses.input_items.list("resp_abc")):
+        with pytest.raises(openai.NotFoundError) as caught:
+            call()
+        assert "keeps no responses" in caught.value.body["message"]
