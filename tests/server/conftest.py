@@ -118,6 +118,19 @@ def gone_within(pids: list[int], seconds: float) -> bool:
     return not any(alive(pid) for pid in pids)
 
 
+def _wait_until_admitted(url: str, requests: int, timeout: float = 30.0) -> None:
+    """Until the server runs or queues `requests` requests (its /metrics gauges)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        gauges = {line.split(" ")[0]: float(line.split(" ")[1]) for line in
+                  httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+                  if line.startswith(("nanoserve:num_requests_running ", "nanoserve:num_requests_waiting "))}
+        if sum(gauges.values()) >= requests:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the server did not admit {requests} requests in {timeout}s")
+
+
 def interrupt_a_stream(url: str, body: dict, interrupt: Callable[[], None]) -> tuple[dict, list[str], httpx.Response]:
     """Stream `body` from /v1/completions beside the same request unstreamed; call `interrupt` once
     the first event is in. The first event, every event after it, and the unstreamed response."""
@@ -128,6 +141,7 @@ def interrupt_a_stream(url: str, body: dict, interrupt: Callable[[], None]) -> t
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
         data = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
         first = json.loads(next(data))
+        _wait_until_admitted(url, 2)   # the unstreamed twin too, or an interrupt may come before it connects
         interrupt()
         rest = list(data)
     waiter.join(60)
