@@ -11,7 +11,8 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -116,6 +117,25 @@ def gone_within(pids: list[int], seconds: float) -> bool:
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     return not any(alive(pid) for pid in pids)
+
+
+@contextmanager
+def in_process_server(app) -> Iterator[tuple[str, threading.Thread]]:
+    """uvicorn serving `app` (an ASGI app) on 127.0.0.1 in a thread of this process: its URL and
+    the thread its event loop runs on, for tests that patch the engine or wrap the app."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning",
+                                           lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{server.config.port}", thread
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def _wait_until_admitted(url: str, requests: int, timeout: float = 30.0) -> None:

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 from nanoserve import EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.app import build_app
 from nanoserve.server.state import ServerSettings
-from tests.server.conftest import DEVICE, free_port
+from tests.server.conftest import DEVICE, in_process_server
 
 SLOW_WRITE_S = [0.03]   # set per test from the measured token rate
 
@@ -45,16 +43,8 @@ def slow_writes(app):
 def url(server_model):
     config = EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=256, block_size=16)
     engine = AsyncEngine(config, engine=LLMEngine(config))
-    app = slow_writes(build_app(engine, ServerSettings(served_model_names=["tiny"])))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning",
-                                           lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{server.config.port}"
-    server.should_exit = True
-    thread.join(30)
+    with in_process_server(slow_writes(build_app(engine, ServerSettings(served_model_names=["tiny"])))) as (url, _):
+        yield url
 
 
 def events(url: str, slow: bool) -> list[dict]:

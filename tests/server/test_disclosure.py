@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import logging
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
-from tests.server.conftest import DEVICE, ServerProcess, free_port
+from tests.server.conftest import DEVICE, ServerProcess, in_process_server
 
 
 def test_models_show_the_served_name_and_no_path(server, server_model):
@@ -33,18 +30,9 @@ def test_an_unexpected_error_is_logged_with_an_id_and_answered_without_its_text(
         raise RuntimeError("secret detail: /srv/private/weights/shard-3.safetensors is corrupt")
 
     engine.tokenizer.encode = broken_encode
-    app = build_app(engine, ServerSettings(served_model_names=["tiny"]))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.05)
+    with in_process_server(build_app(engine, ServerSettings(served_model_names=["tiny"]))) as (url, _):
         with caplog.at_level(logging.ERROR, logger="nanoserve.server.errors"):
-            r = httpx.post(f"http://127.0.0.1:{server.config.port}/tokenize", json={"prompt": "hi"}, timeout=30)
-    finally:
-        server.should_exit = True
-        thread.join(30)
+            r = httpx.post(f"{url}/tokenize", json={"prompt": "hi"}, timeout=30)
     assert r.status_code == 500
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == "internal_error"

@@ -8,11 +8,10 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 
 from nanoserve import SamplingParams
 from nanoserve.server.logprobs import TokenTexts
-from tests.server.conftest import DEVICE, free_port
+from tests.server.conftest import DEVICE, in_process_server
 
 COMPLETION_KEYS = {"id", "object", "created", "model", "choices", "usage"}
 USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
@@ -247,18 +246,8 @@ def test_token_strings_of_a_long_prompt_are_named_off_the_event_loop(server_mode
     named_on = []
     convert = engine.tokenizer.convert_ids_to_tokens
     engine.tokenizer.convert_ids_to_tokens = lambda ids: named_on.append(threading.current_thread()) or convert(ids)
-    app = build_app(engine, ServerSettings(served_model_names=["tiny"]))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    loop_thread = threading.Thread(target=server.run, daemon=True)
-    loop_thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.05)
-        r = httpx.post(f"http://127.0.0.1:{server.config.port}/tokenize",
-                       json={"prompt": "a b " * 5000, "return_token_strs": True}, timeout=60)
-    finally:
-        server.should_exit = True
-        loop_thread.join(30)
+    with in_process_server(build_app(engine, ServerSettings(served_model_names=["tiny"]))) as (url, loop_thread):
+        r = httpx.post(f"{url}/tokenize", json={"prompt": "a b " * 5000, "return_token_strs": True}, timeout=60)
     assert r.status_code == 200, r.text[:300]
     body = r.json()
     assert len(body["token_strs"]) == body["count"] > 8192 and body["token_strs"][:2] == convert(body["tokens"][:2])
