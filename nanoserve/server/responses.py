@@ -42,7 +42,7 @@ class ResponseWriter:
         self.id = "resp_" + chat.id.split("-", 1)[1]
         self.items: list[dict] = []
         self.sequence = 0
-        self.reasoning_text = ""
+        self.open: str | None = None   # streamed: the kind of the item still being written
 
     def envelope(self, status: str, usage: dict | None, finish_reason: str | None = None) -> dict:
         req = self.req
@@ -65,8 +65,8 @@ class ResponseWriter:
     def usage(self, stream: RequestStream) -> dict:
         counts = self.chat.usage(stream)
         # the tokens of the reasoning as the tokenizer writes its text (the tags around it aside)
-        thought = len(self.state.tokenizer.encode(self.reasoning_text, add_special_tokens=False)) \
-            if self.reasoning_text else 0
+        reasoning = "".join(item["content"][0]["text"] for item in self.items if item["type"] == "reasoning")
+        thought = len(self.state.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
         return {"input_tokens": counts["prompt_tokens"],
                 "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"]},
                 "output_tokens": counts["completion_tokens"], "output_tokens_details": {"reasoning_tokens": thought},
@@ -78,8 +78,8 @@ class ResponseWriter:
 
     # items, whole
 
-    def reasoning_item(self, text: str, status: str) -> dict:
-        self.reasoning_text = text
+    @staticmethod
+    def reasoning_item(text: str, status: str) -> dict:
         return {"id": _new_id("rs"), "type": "reasoning", "summary": [],
                 "content": [{"type": "reasoning_text", "text": text}], "status": status}
 
@@ -145,26 +145,25 @@ class ResponseWriter:
             events = [done, self.event("response.content_part.done", **where, content_index=0, part=part)]
         return events + [self.event("response.output_item.done", output_index=index, item=item)]
 
-    def apply(self, delta: dict, logprobs: list, state: dict) -> list[bytes]:
-        """Events for one chat delta. `state` holds the open item's kind and the call index -> item."""
+    def apply(self, delta: dict, logprobs: list) -> list[bytes]:
+        """Events for one chat delta: it may finish the open item and open the next."""
         events: list[bytes] = []
 
         def switch_to(kind: str, item: dict) -> None:
-            if state["open"] is not None:
+            if self.open is not None:
                 events.extend(self.close_item("completed"))
-            state["open"] = kind
+            self.open = kind
             events.extend(self.open_item(item))
 
         if delta.get("reasoning"):
-            if state["open"] != "reasoning":
+            if self.open != "reasoning":
                 switch_to("reasoning", self.reasoning_item("", "in_progress"))
             part = self.items[-1]["content"][0]
             part["text"] += delta["reasoning"]
-            self.reasoning_text = part["text"]
             events.append(self.event("response.reasoning_text.delta", item_id=self.items[-1]["id"],
                                      output_index=len(self.items) - 1, content_index=0, delta=delta["reasoning"]))
         if delta.get("content"):
-            if state["open"] != "message":
+            if self.open != "message":
                 switch_to("message", self.message_item("", [], "in_progress"))
             part = self.items[-1]["content"][0]
             part["text"] += delta["content"]
@@ -184,7 +183,7 @@ class ResponseWriter:
         return events
 
     async def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
-        reader, state = self.chat.readers[0], {"open": None}
+        reader = self.chat.readers[0]
         ids: list[int] = []
         lps: list = []
         finish_reason = None
@@ -202,11 +201,11 @@ class ResponseWriter:
                 if not delta and finish is None:
                     continue   # held back by a parser (a tag, the start of a call)
                 logprobs = self.chat.logprobs(ids, lps)
-                for event in self.apply(delta, logprobs["content"] if logprobs else [], state):
+                for event in self.apply(delta, logprobs["content"] if logprobs else []):
                     yield event
                 ids, lps = [], []
             status = self.status(finish_reason)
-            if state["open"] is not None:
+            if self.open is not None:
                 for event in self.close_item(status):
                     yield event
             elif not self.items:   # nothing was written: an empty answer is still a message

@@ -261,7 +261,7 @@ def _tool_choice(choice: Literal["none", "auto", "required"] | NamedFunctionChoi
 # the chat field that a chat check names -> the field of this request that set it
 CHAT_TO_RESPONSES_FIELD = {"messages": "input", "max_completion_tokens": "max_output_tokens",
                            "max_tokens": "max_output_tokens", "response_format": "text.format",
-                           "reasoning_effort": "reasoning.effort", "top_logprobs": "top_logprobs"}
+                           "reasoning_effort": "reasoning.effort"}
 
 
 def as_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
