@@ -138,14 +138,22 @@ def in_process_server(app) -> Iterator[tuple[str, threading.Thread]]:
         thread.join(30)
 
 
+def read_metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """The unlabelled samples of the server's /metrics by name."""
+    samples = {}
+    for line in httpx.get(f"{url}/metrics", headers=headers, timeout=10).text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
 def _wait_until_admitted(url: str, requests: int, timeout: float = 30.0) -> None:
     """Until the server runs or queues `requests` requests (its /metrics gauges)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        gauges = {line.split(" ")[0]: float(line.split(" ")[1]) for line in
-                  httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-                  if line.startswith(("nanoserve:num_requests_running ", "nanoserve:num_requests_waiting "))}
-        if sum(gauges.values()) >= requests:
+        m = read_metrics(url)
+        if m["nanoserve:num_requests_running"] + m["nanoserve:num_requests_waiting"] >= requests:
             return
         time.sleep(0.02)
     raise AssertionError(f"the server did not admit {requests} requests in {timeout}s")
@@ -235,14 +243,7 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def metrics(self) -> dict[str, float]:
-        """The unlabelled samples of /metrics by name."""
-        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#") and "{" not in line:
-                name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
-        return samples
+        return read_metrics(self.url, self.headers)
 
     def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
         """Until nothing runs, waits, or holds a KV block; returns the last metrics."""
