@@ -25,7 +25,12 @@ def print_gpu_profile(fn: Callable[[], object], calls: int = 20, top: int = 14, 
         torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(trace)
-    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    print_gpu_events([e for e in prof.events() if e.device_type == DeviceType.CUDA], calls, top, gaps)
+
+
+def print_gpu_events(events: list, calls: int, top: int = 14, gaps: int = 0) -> None:
+    """Per call: GPU ops, busy and span microseconds, the `top` kernels by time and the `gaps`
+    longest idle stretches (events: a profile's CUDA events over `calls` calls)."""
     if not events:
         print("  no GPU work recorded")
         return
