@@ -58,6 +58,37 @@ def prefill_flops(hf, tokens: int) -> float:
     return linear + attention
 
 
+def print_host_split(llm: LLM, fn, calls: int = 30) -> None:
+    """Host microseconds per call of fn spent staging a prefill graph's inputs and inside its
+    launch call (CUDAGraph.replay); the device is idle in both when the prompt arrives alone."""
+    graphs = llm.engine.runner.prefill_graphs
+    if graphs is None:
+        print("  no prefill graphs")
+        return
+    spent = {"stage": 0.0, "launch": 0.0}
+    replay, run = torch.cuda.CUDAGraph.replay, type(graphs).run
+
+    def timed_replay(graph):
+        start = time.perf_counter()
+        replay(graph)
+        spent["launch"] += time.perf_counter() - start
+
+    def timed_run(self, *a, **kw):
+        start, launched = time.perf_counter(), spent["launch"]
+        out = run(self, *a, **kw)
+        spent["stage"] += time.perf_counter() - start - (spent["launch"] - launched)
+        return out
+
+    torch.cuda.CUDAGraph.replay, type(graphs).run = timed_replay, timed_run
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        torch.cuda.CUDAGraph.replay, type(graphs).run = replay, run
+    print(f"  host per prefill: staging {1e6 * spent['stage'] / calls:.0f} us, graph launch call "
+          f"{1e6 * spent['launch'] / calls:.0f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="bench/configs/qwen3-0.6b.json")
@@ -72,6 +103,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also print GPU ops, busy time, span and the longest idle gaps per prefill (torch.profiler)")
     parser.add_argument("--trace", metavar="DIR", help="with --profile: a Chrome trace per length in DIR")
+    parser.add_argument("--host", action="store_true",
+                        help="also print the host's time per prefill: staging the graph's inputs, the graph launch call")
     args = parser.parse_args()
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
@@ -102,6 +135,9 @@ def main() -> None:
         ttft = statistics.median(times)
         floor = prefill_flops(hf, n) / rate
         print(f"{n:>7} {ttft * 1e3:>9.2f} {floor * 1e3:>9.2f} {ttft / floor:>12.2f}x")
+        if args.host:
+            print_host_split(llm, lambda: llm.generate([[rng.randrange(10000) for _ in range(n)]], params,
+                                                       use_tqdm=False))
         if args.profile:   # a call is one whole prefill, fresh ids each time
             trace = os.path.join(args.trace, f"prefill-{n}.json") if args.trace else None
             print_gpu_profile(lambda: llm.generate([[rng.randrange(10000) for _ in range(n)]], params,

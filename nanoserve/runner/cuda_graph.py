@@ -15,7 +15,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.runner.attention.triton_decode import longest_first_enabled
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
 from nanoserve.runner.layers.linear import building_graphs
-from nanoserve.runner.inputs import decode_columns, fill_pending_tokens, write_block_tables
+from nanoserve.runner.inputs import PinnedSet, decode_columns, fill_pending_tokens, write_block_tables
 from nanoserve.runner.sampling_kernel import gumbel_argmax_scaled, inverse_temperature
 
 MAX_GRAPH_BATCH = 512
@@ -34,22 +34,15 @@ def logits_buffer_bytes(config: EngineConfig, vocab_size: int) -> int:
     return graph_batch_sizes(config.max_num_seqs)[-1] * vocab_size * config.dtype.itemsize
 
 
-class HostStaging:
-    """One pinned copy of the step inputs on the host, and the event after its last upload.
-
-    A launch may be queued behind the step in flight, so its upload can still be pending when the
-    host stages the next step: each set is rewritten only after its previous upload has run."""
+class HostStaging(PinnedSet):
+    """One pinned copy of a decode step's inputs on the host."""
 
     def __init__(self, n: int, max_blocks: int, pin: bool) -> None:
+        super().__init__(pin)
         self.i64 = torch.zeros((4, n), dtype=torch.int64, pin_memory=pin)
         i32 = torch.zeros(n * (2 + max_blocks), dtype=torch.int32, pin_memory=pin)
         self.lens_order, self.tables = i32[:2 * n].view(2, n), i32[2 * n:].view(n, max_blocks)
         self.inv_temp = torch.zeros(n, dtype=torch.float32, pin_memory=pin)
-        self.uploaded = torch.cuda.Event() if pin else None
-
-    def wait_until_free(self) -> None:
-        if self.uploaded is not None:
-            self.uploaded.synchronize()  # a never-recorded event returns at once
 
 
 class DecodeBuffers:
@@ -122,8 +115,7 @@ class DecodeBuffers:
         if self.longest_first:   # two contiguous rows: a strided [2, batch] slice would not copy asynchronously
             self.dev_lens_order[1, :batch].copy_(host.lens_order[1, :batch], non_blocking=True)
         self.dev_tables[:batch].copy_(host.tables[:batch], non_blocking=True)
-        if host.uploaded is not None:
-            host.uploaded.record()
+        host.mark_uploaded()
         fill_pending_tokens(self.dev_i64[0], work, None, prev_tokens)
 
     def reset_for_capture(self) -> None:

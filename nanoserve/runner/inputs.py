@@ -33,6 +33,25 @@ class StepInputs:
     prompt_logprob_rows: PromptLogprobRows | None = None
 
 
+class PinnedSet:
+    """A set of pinned host buffers behind a graph's static inputs, and the event after their last
+    upload. A launch may be queued behind the step in flight, so its upload can still be pending
+    when the host stages the next step: a set is rewritten only after its previous upload has run
+    (callers keep two and use them in turn, so that wait is rare)."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.uploaded = torch.cuda.Event() if pin else None
+
+    def wait_until_free(self) -> None:
+        if self.uploaded is not None:
+            self.uploaded.synchronize()  # a never-recorded event returns at once
+
+    def mark_uploaded(self) -> None:
+        if self.uploaded is not None:
+            self.uploaded.record()
+
+
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     tensor = torch.from_numpy(array)
     if device.type == "cuda":

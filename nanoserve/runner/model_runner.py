@@ -215,8 +215,7 @@ class ModelRunner:
                 return StepLogits(out, work, None, drawn)
             hidden, rows = out, work
         elif self.prefill_graphs is not None and self.prefill_graphs.fits(work):
-            hidden, inputs = self.prefill_graphs.run(work, self.prev_tokens)
-            hidden, rows = hidden[inputs.logits_indices], inputs.sample_rows
+            hidden, rows = self.prefill_graphs.run(work, self.prev_tokens)
         else:
             hidden, rows, prompt = self._forward_eager(work)
         # every rank: the LM head gathers across ranks

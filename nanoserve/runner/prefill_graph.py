@@ -27,6 +27,8 @@ prompt from 4.03 to 4.68 ms on an H200).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 from torch import nn
@@ -35,7 +37,7 @@ from tqdm import tqdm
 from nanoserve.config import EngineConfig
 from nanoserve.runner.attention.triton_prefill import prefill_block_q, prefill_tiles
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
-from nanoserve.runner.inputs import StepInputs, build_inputs, to_device
+from nanoserve.runner.inputs import PinnedSet, fill_pending_tokens, write_block_tables
 from nanoserve.runner.layers.linear import building_graphs
 from nanoserve.runner.models.decoder import head_dim_of
 
@@ -75,23 +77,43 @@ def fits_prefill_graph(work: list[SequenceWork], max_tokens: int, max_seqs: int)
             and all(w.prompt_logprobs is None for w in work))
 
 
+class PrefillStaging(PinnedSet):
+    """One pinned copy of a prefill step's inputs on the host, laid out as the device buffers are."""
+
+    def __init__(self, tokens: int, int32s: int, pin: bool) -> None:
+        super().__init__(pin)
+        self.i64 = torch.zeros((4, tokens), dtype=torch.int64, pin_memory=pin)
+        self.i32 = torch.zeros(int32s, dtype=torch.int32, pin_memory=pin)
+
+
 class PrefillBuffers:
     """The static inputs of the prefill graphs: token rows for the largest bucket, max_seqs
-    sequences of up to max_model_len keys, and the attention kernel's program list."""
+    sequences of up to max_model_len keys, and the attention kernel's program list; and the
+    pinned host copies a step is written into, so that staging is a handful of uploads."""
 
     def __init__(self, max_tokens: int, max_blocks: int, device: torch.device, max_seqs: int,
-                 block_q: int, max_model_len: int) -> None:
+                 block_q: int, max_model_len: int, block_size: int) -> None:
         """block_q: the prefill kernel's query tokens per program (prefill_block_q), which the
         staged program list counts in."""
         n, s = max_tokens, max_seqs
-        self.block_q = block_q
+        self.block_q, self.block_size = block_q, block_size
+        self.max_seqs, self.max_blocks = s, max_blocks
         self.max_model_len = max_model_len
-        self.i64 = torch.zeros((3, n), dtype=torch.int64, device=device)   # ids, positions, slots
-        self.query_start = torch.zeros(s + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((s, max_blocks), dtype=torch.int32, device=device)
-        self.tiles = torch.full((self.num_tiles(n, s),), -1, dtype=torch.int32, device=device)
-        self.host_tiles = np.empty(self.num_tiles(n, s), dtype=np.int32)
+        # ids, positions, slots; then the sampling rows (each sampling sequence's last query row)
+        self.i64 = torch.zeros((4, n), dtype=torch.int64, device=device)
+        # int32 in one tensor, so one upload covers all but the tables: query starts, seq lens,
+        # the kernel's programs, then the block tables
+        self.int32s = torch.zeros(2 * s + 1 + self.num_tiles(n, s) + s * max_blocks, dtype=torch.int32, device=device)
+        self.query_start, self.seq_lens, self.tiles, self.block_tables = self._int32_views(self.int32s)
+        self.tiles.fill_(-1)
+        # two host sets, used in turn, so staging a step rarely waits for the one in flight
+        self.staging = [PrefillStaging(n, self.int32s.shape[0], device.type == "cuda") for _ in range(2)]
+        self.turn = 0
+
+    def _int32_views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        s, tiles = self.max_seqs, self.num_tiles(self.i64.shape[1], self.max_seqs)
+        return (flat[:s + 1], flat[s + 1:2 * s + 1], flat[2 * s + 1:2 * s + 1 + tiles],
+                flat[2 * s + 1 + tiles:].view(s, self.max_blocks))
 
     def num_tiles(self, bucket: int, seqs: int) -> int:
         """Programs a bucket's step over `seqs` sequences may need: each one's last tile may be partial."""
@@ -124,24 +146,49 @@ class PrefillBuffers:
         self.seq_lens.zero_()
         self.tiles.fill_(-1)
 
-    def stage(self, inputs: StepInputs, bucket: int, graph_seqs: int) -> None:
-        """Copy a step's packed inputs (already on the device) into the first rows, padding the rest,
-        for the graph of `graph_seqs` sequences."""
-        n, seqs = inputs.input_ids.shape[0], inputs.meta.seq_lens.shape[0]
-        self.i64[0, :n].copy_(inputs.input_ids)
-        self.i64[1, :n].copy_(inputs.positions)
-        self.i64[2, :n].copy_(inputs.meta.slot_mapping)
-        if n < bucket:
-            self._pad_rows(n, bucket)
-        self.query_start[:seqs + 1].copy_(inputs.meta.query_start_loc)
-        self.query_start[seqs + 1:].fill_(n)
-        self.seq_lens[:seqs].copy_(inputs.meta.seq_lens)
-        self.seq_lens[seqs:].zero_()
-        tables = inputs.meta.block_tables
-        self.block_tables[:seqs, :tables.shape[1]].copy_(tables)
-        count = self.num_tiles(bucket, graph_seqs)
-        prefill_tiles(inputs.meta.query_lens_host, self.block_q, self.host_tiles[:count])
-        self.tiles[:count].copy_(to_device(self.host_tiles[:count], self.tiles.device))
+    def stage(self, work: list[SequenceWork], bucket: int, seqs: int, prev_tokens: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, list[SequenceWork]]:
+        """Write a step of len(work) <= seqs sequences into the first rows, padding the rest, for the
+        graph of `seqs` sequences over `bucket` tokens; `prev_tokens` fill pending ids. Returns the
+        device indices of the sampling rows and their sequences."""
+        host = self.staging[self.turn]
+        self.turn ^= 1
+        host.wait_until_free()
+        count, num = self.num_tiles(bucket, seqs), len(work)
+        i64 = host.i64.numpy()
+        host_i32 = self._int32_views(host.i32)
+        query_start, seq_lens, tiles, tables = (v.numpy() for v in host_i32)
+        lens = np.fromiter((w.num_new for w in work), dtype=np.int64, count=num)
+        starts = np.fromiter((w.start for w in work), dtype=np.int64, count=num)
+        query_start[0] = 0
+        np.cumsum(lens, out=query_start[1:num + 1])
+        n = int(query_start[num])
+        query_start[num + 1:seqs + 1] = n
+        seq_lens[:num] = starts + lens
+        seq_lens[num:seqs] = 0
+        write_block_tables(tables, work)
+        owner = np.repeat(np.arange(num), lens)
+        positions = np.arange(n) - np.repeat(query_start[:num], lens) + np.repeat(starts, lens)
+        i64[0, :n] = np.fromiter(itertools.chain.from_iterable(w.token_ids[w.start:w.start + w.num_new] for w in work),
+                                 dtype=np.int64, count=n)
+        i64[1, :n] = positions
+        i64[2, :n] = tables[owner, positions // self.block_size].astype(np.int64) * self.block_size \
+            + positions % self.block_size
+        i64[:2, n:bucket] = 0     # padding: id 0 at position 0, stored nowhere
+        i64[2, n:bucket] = -1
+        sampling = [w for w in work if w.params is not None]
+        rows = query_start[1:num + 1][np.fromiter((w.params is not None for w in work), dtype=bool, count=num)] - 1
+        i64[3, :len(rows)] = rows
+        prefill_tiles(lens, self.block_q, tiles[:count])
+        for r in range(3):
+            self.i64[r, :bucket].copy_(host.i64[r, :bucket], non_blocking=True)
+        self.i64[3, :len(rows)].copy_(host.i64[3, :len(rows)], non_blocking=True)
+        head = 2 * self.max_seqs + 1 + count   # query starts, seq lens and this bucket's programs
+        self.int32s[:head].copy_(host.i32[:head], non_blocking=True)
+        self.block_tables[:num].copy_(host_i32[3][:num], non_blocking=True)
+        host.mark_uploaded()
+        fill_pending_tokens(self.i64[0], work, query_start, prev_tokens)
+        return self.i64[3, :len(rows)], sampling
 
 
 class PrefillGraphs:
@@ -158,7 +205,7 @@ class PrefillGraphs:
         block_q = prefill_block_q(hf.num_attention_heads, hf.num_key_value_heads, head_dim_of(hf), config.dtype,
                                   self.device, config.kv_cache_dtype == "fp8")
         self.buffers = PrefillBuffers(self.max_tokens, -(-config.max_model_len // config.block_size), self.device,
-                                      self.max_seqs, block_q, config.max_model_len)
+                                      self.max_seqs, block_q, config.max_model_len, config.block_size)
         self.prompt_seqs = min(self.max_seqs, PROMPT_GRAPH_SEQS)
         # keyed by (bucket, prompts only)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
@@ -194,15 +241,14 @@ class PrefillGraphs:
         return fits_prefill_graph(work, self.max_tokens, self.max_seqs)
 
     def run(self, work: list[SequenceWork], prev_tokens: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, StepInputs]:
-        """The step's last hidden states (a view of the bucket's static output: read it before the
-        next replay of that bucket, as stream order does) and its packed inputs."""
-        inputs = build_inputs(work, self.block_size, self.device, prev_tokens)
-        bucket = self.bucket(inputs.input_ids.shape[0])
-        prompts_only = len(work) <= self.prompt_seqs and inputs.meta.num_decode_rows == 0
-        self.buffers.stage(inputs, bucket, self.graph_seqs(prompts_only))
+            ) -> tuple[torch.Tensor, list[SequenceWork]]:
+        """The sampling rows' last hidden states (gathered from the bucket's static output, in
+        stream order before its next replay) and their sequences."""
+        bucket = self.bucket(sum(w.num_new for w in work))
+        prompts_only = len(work) <= self.prompt_seqs and all(w.num_new > 1 for w in work)
+        rows, sampling = self.buffers.stage(work, bucket, self.graph_seqs(prompts_only), prev_tokens)
         self.graphs[bucket, prompts_only].replay()
-        return self.outputs[bucket, prompts_only][:inputs.input_ids.shape[0]], inputs
+        return self.outputs[bucket, prompts_only][rows], sampling
 
     def bucket(self, tokens: int) -> int:
         return next(s for s in self.sizes if s >= tokens)

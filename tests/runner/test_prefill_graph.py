@@ -5,6 +5,8 @@ list, which steps fit, and the flag combinations refused up front."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -42,15 +44,19 @@ def make_buffers(runner) -> PrefillBuffers:
     hf = runner.model.config
     block_q = prefill_block_q(hf.num_attention_heads, hf.num_key_value_heads, head_dim_of(hf), torch.float32,
                               runner.device, False)
-    return PrefillBuffers(128, 128 // runner.block_size, runner.device, SEQS, block_q, 128)
+    return PrefillBuffers(128, 128 // runner.block_size, runner.device, SEQS, block_q, 128, runner.block_size)
 
 
 def padded_forward(runner, work: list[SequenceWork], buffers: PrefillBuffers, bucket: int,
                    seqs: int = SEQS, prompts_only: bool = False) -> torch.Tensor:
-    inputs = build_inputs(work, runner.block_size, runner.device)
-    buffers.stage(inputs, bucket, seqs)
+    rows, sampling = buffers.stage(work, bucket, seqs)
+    n = sum(w.num_new for w in work)
+    # each sampling sequence's last query row, as the eager step picks them
+    ends = list(itertools.accumulate(w.num_new for w in work))
+    assert rows.tolist() == [end - 1 for end, w in zip(ends, work) if w.params is not None]
+    assert sampling == [w for w in work if w.params is not None]
     hidden = runner.model(buffers.i64[0, :bucket], buffers.i64[1, :bucket], buffers.meta(bucket, seqs, prompts_only))
-    return hidden[:inputs.input_ids.shape[0]]
+    return hidden[:n]
 
 
 @torch.inference_mode()
@@ -119,7 +125,8 @@ def test_a_prompts_only_graph_over_fewer_sequences_gives_the_eager_hidden_states
     # an earlier mixed step over every sequence leaves stale sequences and programs past the first two
     big = [SequenceWork(ids(20, 60 + i), 20, 0, 20, [20 + 2 * i, 21 + 2 * i], None) for i in range(SEQS)]
     padded_forward(runner, big, buffers, 128)
-    work = [SequenceWork(ids(30, 70), 30, 0, 30, [0, 1], GREEDY), SequenceWork(ids(17, 71), 17, 0, 17, [2, 3], GREEDY)]
+    # the second is a prompt's first chunk: it samples nothing
+    work = [SequenceWork(ids(30, 70), 30, 0, 30, [0, 1], GREEDY), SequenceWork(ids(17, 71), 17, 0, 10, [2, 3], None)]
     got = padded_forward(runner, work, buffers, 64, seqs=2, prompts_only=True)
     meta = buffers.meta(64, 2, prompts_only=True)
     assert meta.seq_lens.shape[0] == 2 and meta.prefill_tiles.shape[0] == buffers.num_tiles(64, 2)
@@ -167,3 +174,18 @@ def test_flag_combinations_that_rule_prefill_graphs_out_are_refused(kwargs, why)
                                     dict(attention_backend="torch")])
 def test_prefill_graphs_by_default_turn_off_quietly_where_they_cannot_run(kwargs) -> None:
     assert EngineConfig(device="cpu", **kwargs).prefill_cuda_graphs is False
+
+
+def test_staging_puts_the_previous_launchs_ids_where_the_host_had_placeholders(runner) -> None:
+    # pipelined scheduling: a decode row's input is the id the last launch sampled, still on the device
+    buffers = make_buffers(runner)
+    prev = torch.tensor([501, 502, 503])
+    prompt, history = ids(12, 90), ids(7, 91) + [-1]
+    work = [SequenceWork(prompt, 12, 0, 12, [0], GREEDY),
+            SequenceWork(history, 7, 7, 1, [1], GREEDY, prev_row=2)]
+    for _ in range(3):   # both host sets, and a set used again
+        rows, _ = buffers.stage(work, 32, SEQS, prev)
+        assert buffers.i64[0, :13].tolist() == prompt + [503]
+        assert buffers.i64[1, :13].tolist() == list(range(12)) + [7]
+        assert buffers.i64[2, :13].tolist() == list(range(12)) + [runner.block_size + 7]
+        assert rows.tolist() == [11, 12]
