@@ -80,9 +80,9 @@ def fits_prefill_graph(work: list[SequenceWork], max_tokens: int, max_seqs: int)
 class PrefillStaging(PinnedSet):
     """One pinned copy of a prefill step's inputs on the host, laid out as the device buffers are."""
 
-    def __init__(self, tokens: int, int32s: int, pin: bool) -> None:
+    def __init__(self, int64s: int, int32s: int, pin: bool) -> None:
         super().__init__(pin)
-        self.i64 = torch.zeros((4, tokens), dtype=torch.int64, pin_memory=pin)
+        self.i64 = torch.zeros(int64s, dtype=torch.int64, pin_memory=pin)
         self.i32 = torch.zeros(int32s, dtype=torch.int32, pin_memory=pin)
 
 
@@ -99,21 +99,29 @@ class PrefillBuffers:
         self.block_q, self.block_size = block_q, block_size
         self.max_seqs, self.max_blocks = s, max_blocks
         self.max_model_len = max_model_len
-        # ids, positions, slots; then the sampling rows (each sampling sequence's last query row)
-        self.i64 = torch.zeros((4, n), dtype=torch.int64, device=device)
+        # int64, for a bucket of b tokens: ids, positions and cache slots in rows of b (token_rows),
+        # then the sampling rows (each sampling sequence's last query row): one upload
+        self.i64 = torch.zeros(3 * n + s, dtype=torch.int64, device=device)
         # int32 in one tensor, so one upload covers all but the tables: query starts, seq lens,
         # the kernel's programs, then the block tables
         self.int32s = torch.zeros(2 * s + 1 + self.num_tiles(n, s) + s * max_blocks, dtype=torch.int32, device=device)
         self.query_start, self.seq_lens, self.tiles, self.block_tables = self._int32_views(self.int32s)
         self.tiles.fill_(-1)
         # two host sets, used in turn, so staging a step rarely waits for the one in flight
-        self.staging = [PrefillStaging(n, self.int32s.shape[0], device.type == "cuda") for _ in range(2)]
+        self.staging = [PrefillStaging(self.i64.shape[0], self.int32s.shape[0], device.type == "cuda")
+                        for _ in range(2)]
         self.turn = 0
 
     def _int32_views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        s, tiles = self.max_seqs, self.num_tiles(self.i64.shape[1], self.max_seqs)
+        s = self.max_seqs
+        tiles = self.num_tiles((self.i64.shape[0] - s) // 3, s)
         return (flat[:s + 1], flat[s + 1:2 * s + 1], flat[2 * s + 1:2 * s + 1 + tiles],
                 flat[2 * s + 1 + tiles:].view(s, self.max_blocks))
+
+    def token_rows(self, bucket: int, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """[3, bucket]: the ids, positions and cache slots a bucket's graph reads (of `flat`, a
+        host copy, when given)."""
+        return (self.i64 if flat is None else flat)[:3 * bucket].view(3, bucket)
 
     def num_tiles(self, bucket: int, seqs: int) -> int:
         """Programs a bucket's step over `seqs` sequences may need: each one's last tile may be partial."""
@@ -122,7 +130,7 @@ class PrefillBuffers:
     def meta(self, bucket: int, seqs: int, prompts_only: bool = False) -> AttentionMetadata:
         """The graph's view of the first `seqs` sequences; `prompts_only`: no decode launch."""
         return AttentionMetadata(
-            slot_mapping=self.i64[2, :bucket],
+            slot_mapping=self.token_rows(bucket)[2],
             query_start_loc=self.query_start[:seqs + 1],
             seq_lens=self.seq_lens[:seqs],
             block_tables=self.block_tables[:seqs],
@@ -135,13 +143,11 @@ class PrefillBuffers:
             split_decode_rows=not prompts_only,
         )
 
-    def _pad_rows(self, start: int, end: int) -> None:
-        self.i64[:2, start:end].zero_()      # id 0 at position 0
-        self.i64[2, start:end].fill_(-1)     # stored nowhere
-
     def clear(self, bucket: int) -> None:
         """Every row padding, every sequence empty: what capture runs over (it stores nothing)."""
-        self._pad_rows(0, bucket)
+        rows = self.token_rows(bucket)
+        rows[:2].zero_()      # id 0 at position 0
+        rows[2].fill_(-1)     # stored nowhere
         self.query_start.zero_()
         self.seq_lens.zero_()
         self.tiles.fill_(-1)
@@ -155,7 +161,7 @@ class PrefillBuffers:
         self.turn ^= 1
         host.wait_until_free()
         count, num = self.num_tiles(bucket, seqs), len(work)
-        i64 = host.i64.numpy()
+        ids, host_positions, slots = self.token_rows(bucket, host.i64).numpy()
         host_i32 = self._int32_views(host.i32)
         query_start, seq_lens, tiles, tables = (v.numpy() for v in host_i32)
         lens = np.fromiter((w.num_new for w in work), dtype=np.int64, count=num)
@@ -169,26 +175,24 @@ class PrefillBuffers:
         write_block_tables(tables, work)
         owner = np.repeat(np.arange(num), lens)
         positions = np.arange(n) - np.repeat(query_start[:num], lens) + np.repeat(starts, lens)
-        i64[0, :n] = np.fromiter(itertools.chain.from_iterable(w.token_ids[w.start:w.start + w.num_new] for w in work),
-                                 dtype=np.int64, count=n)
-        i64[1, :n] = positions
-        i64[2, :n] = tables[owner, positions // self.block_size].astype(np.int64) * self.block_size \
+        ids[:n] = np.fromiter(itertools.chain.from_iterable(w.token_ids[w.start:w.start + w.num_new] for w in work),
+                              dtype=np.int64, count=n)
+        host_positions[:n] = positions
+        slots[:n] = tables[owner, positions // self.block_size].astype(np.int64) * self.block_size \
             + positions % self.block_size
-        i64[:2, n:bucket] = 0     # padding: id 0 at position 0, stored nowhere
-        i64[2, n:bucket] = -1
+        ids[n:], host_positions[n:], slots[n:] = 0, 0, -1   # padding: id 0 at position 0, stored nowhere
         sampling = [w for w in work if w.params is not None]
-        rows = query_start[1:num + 1][np.fromiter((w.params is not None for w in work), dtype=bool, count=num)] - 1
-        i64[3, :len(rows)] = rows
+        last_rows = query_start[1:num + 1][np.fromiter((w.params is not None for w in work), dtype=bool, count=num)] - 1
+        uploaded = 3 * bucket + len(last_rows)
+        host.i64.numpy()[3 * bucket:uploaded] = last_rows
         prefill_tiles(lens, self.block_q, tiles[:count])
-        for r in range(3):
-            self.i64[r, :bucket].copy_(host.i64[r, :bucket], non_blocking=True)
-        self.i64[3, :len(rows)].copy_(host.i64[3, :len(rows)], non_blocking=True)
+        self.i64[:uploaded].copy_(host.i64[:uploaded], non_blocking=True)
         head = 2 * self.max_seqs + 1 + count   # query starts, seq lens and this bucket's programs
         self.int32s[:head].copy_(host.i32[:head], non_blocking=True)
         self.block_tables[:num].copy_(host_i32[3][:num], non_blocking=True)
         host.mark_uploaded()
-        fill_pending_tokens(self.i64[0], work, query_start, prev_tokens)
-        return self.i64[3, :len(rows)], sampling
+        fill_pending_tokens(self.token_rows(bucket)[0], work, query_start, prev_tokens)
+        return self.i64[3 * bucket:uploaded], sampling
 
 
 class PrefillGraphs:
@@ -218,7 +222,8 @@ class PrefillGraphs:
 
     def _step(self, bucket: int, prompts_only: bool) -> torch.Tensor:
         b = self.buffers
-        return self.model(b.i64[0, :bucket], b.i64[1, :bucket],
+        ids, positions, _ = b.token_rows(bucket)
+        return self.model(ids, positions,
                           b.meta(bucket, self.graph_seqs(prompts_only), prompts_only))
 
     @torch.inference_mode()

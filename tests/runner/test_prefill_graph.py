@@ -55,7 +55,8 @@ def padded_forward(runner, work: list[SequenceWork], buffers: PrefillBuffers, bu
     ends = list(itertools.accumulate(w.num_new for w in work))
     assert rows.tolist() == [end - 1 for end, w in zip(ends, work) if w.params is not None]
     assert sampling == [w for w in work if w.params is not None]
-    hidden = runner.model(buffers.i64[0, :bucket], buffers.i64[1, :bucket], buffers.meta(bucket, seqs, prompts_only))
+    ids, positions, _ = buffers.token_rows(bucket)
+    hidden = runner.model(ids, positions, buffers.meta(bucket, seqs, prompts_only))
     return hidden[:n]
 
 
@@ -83,7 +84,8 @@ def test_a_padded_step_gives_the_eager_hidden_states_and_stores_only_its_own_slo
     assert buffers.seq_lens[len(work):].tolist() == [0] * (SEQS - len(work))
     tiles = buffers.tiles[:buffers.num_tiles(64, SEQS)].tolist()
     assert sorted({t >> 16 for t in tiles if t >= 0}) == [0, 1] and tiles[-1] == -1   # c's decode row: none
-    assert buffers.i64[2, n:64].eq(-1).all() and buffers.i64[:2, n:64].eq(0).all()
+    rows = buffers.token_rows(64)
+    assert rows[2, n:].eq(-1).all() and rows[:2, n:].eq(0).all()
     stored = cache.clone()
     want = runner.model(*(lambda i: (i.input_ids, i.positions, i.meta))(build_inputs(work, bs, runner.device)))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -185,7 +187,8 @@ def test_staging_puts_the_previous_launchs_ids_where_the_host_had_placeholders(r
             SequenceWork(history, 7, 7, 1, [1], GREEDY, prev_row=2)]
     for _ in range(3):   # both host sets, and a set used again
         rows, _ = buffers.stage(work, 32, SEQS, prev)
-        assert buffers.i64[0, :13].tolist() == prompt + [503]
-        assert buffers.i64[1, :13].tolist() == list(range(12)) + [7]
-        assert buffers.i64[2, :13].tolist() == list(range(12)) + [runner.block_size + 7]
+        token_ids, positions, slots = buffers.token_rows(32)[:, :13].tolist()
+        assert token_ids == prompt + [503]
+        assert positions == list(range(12)) + [7]
+        assert slots == list(range(12)) + [runner.block_size + 7]
         assert rows.tolist() == [11, 12]
