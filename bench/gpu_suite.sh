@@ -144,7 +144,7 @@ from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--
            python3 bench/prefill.py --lengths 128,1024,4096 $flag 2>&1 | tee -a "$out/prefill-graphs.log" | grep -vE "it/s|Capturing"
          done
          python3 bench/throughput.py --num-seqs 256 --no-prefill-cuda-graphs 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
-    prefill) python3 bench/prefill.py --profile --trace "$out/prefill-trace" 2>&1 | tee "$out/prefill.log" | grep -vE "it/s|Capturing"
+    prefill) python3 bench/prefill.py --host --profile --trace "$out/prefill-trace" 2>&1 | tee "$out/prefill.log" | grep -vE "it/s|Capturing"
              python3 bench/prefill.py --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/prefill.log" | grep -vE "it/s|Capturing" ;;
     decode) python3 bench/decode_step.py 2>&1 | tee "$out/decode_step.log" | grep -vE "it/s|Capturing" ;;
     kernels) # kernels per decode step and GPU time by kernel, batch 1 and 256 at context 1k
