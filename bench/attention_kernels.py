@@ -224,7 +224,10 @@ def ragged_sweep() -> None:
     print("\nragged decode (TB/s of K+V read), contexts uniform in 100..2,048; "
           "s<n>: n even splits, k<n>: splits of n keys; L: longest first")
     for dtype, configs in ((DTYPE, [None]),
-                           (FP8_DTYPE, [None, dict(BLOCK_N=32), dict(num_warps=2), dict(BLOCK_N=128, num_warps=4)])):
+                           (FP8_DTYPE, [None, dict(BLOCK_N=32), dict(num_warps=2), dict(BLOCK_N=128, num_warps=4),
+                                        # one warp with its loads pipelined: the tail of a ragged
+                                        # batch is a few programs each waiting on memory
+                                        dict(num_stages=2), dict(BLOCK_N=32, num_stages=3)])):
         caches = Caches(256 * 2048, dtype)
         for batch in (64, 128, 256):
             seq_lens = torch.randint(100, 2049, (batch,), generator=gen, device="cuda", dtype=torch.int32)
