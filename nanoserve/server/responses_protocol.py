@@ -216,10 +216,11 @@ def _chat_messages(req: ResponsesRequest) -> list[dict]:
         messages.append({"role": "system", "content": req.instructions})
     if isinstance(req.input, str):
         return messages + [{"role": "user", "content": req.input}]
-    thought: str | None = None
+    thoughts: list[str] = []   # reasoning since the last message, joined once: added up item by
+    # item, 20,000 items took 77 s (a copy of the whole text per item)
     for item in req.input:
         if isinstance(item, ReasoningItem):
-            thought = (thought + "\n" if thought else "") + item.text()
+            thoughts.append(item.text())
             continue
         if isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
@@ -227,15 +228,15 @@ def _chat_messages(req: ResponsesRequest) -> list[dict]:
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
-            if thought is None and last is not None and last["role"] == "assistant":
+            if not thoughts and last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)   # one assistant turn: its text, then its calls
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
             messages.append({"role": item.role, "content": item.text()})
-        if thought is not None and messages[-1]["role"] == "assistant":
-            messages[-1]["reasoning"] = thought
-        thought = None
+        if thoughts and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning"] = "\n".join(t for t in thoughts if t)
+        thoughts = []
     return messages
 
 

@@ -8,12 +8,15 @@ as the tool-calling tests do; a regex makes the untrained model write a <think> 
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.server.conftest import DEVICE, in_process_server
 # the tool-calling tests' server, started again for this file (module scope)
 from tests.server.test_tool_calling import tool_server  # noqa: F401
 
@@ -189,3 +192,40 @@ def test_a_stored_response_is_not_found_by_any_of_the_clients_calls(client):
         with pytest.raises(openai.NotFoundError) as caught:
             call()
         assert "keeps no responses" in caught.value.body["message"]
+
+
+def test_replayed_reasoning_joins_in_time_linear_in_its_items() -> None:
+    # added up item by item, 20,000 items of 1,000 characters took 77 s on the event loop
+    from nanoserve.server.responses_protocol import ResponsesRequest, as_chat_request
+
+    texts = [f"step {i} " + "x" * 1000 for i in range(20_000)]
+    items = [{"role": "user", "content": "q"}, *({"type": "reasoning", "summary": [{"text": t}]} for t in texts),
+             {"type": "reasoning", "summary": []}, {"role": "assistant", "content": "a"}]
+    start = time.process_time()
+    chat = as_chat_request(ResponsesRequest.model_validate({"model": "tiny", "input": items}))
+    assert time.process_time() - start < 5.0
+    assert chat.messages[1].reasoning == "\n".join(texts) and chat.messages[1].content == "a"
+
+
+def test_a_large_input_becomes_a_chat_request_off_the_event_loop(server_model, monkeypatch) -> None:
+    # 240,000 items took 4 s to convert, and every stream waited while they did
+    from nanoserve import EngineConfig
+    from nanoserve.engine.async_engine import AsyncEngine
+    from nanoserve.server import responses
+    from nanoserve.server.app import build_app
+    from nanoserve.server.state import ServerSettings
+
+    converted_on = []
+    convert = responses.as_chat_request
+    monkeypatch.setattr(responses, "as_chat_request",
+                        lambda req: converted_on.append(threading.current_thread()) or convert(req))
+    engine = AsyncEngine(EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=128, block_size=16))
+    with in_process_server(build_app(engine, ServerSettings(served_model_names=["tiny"]))) as (url, loop_thread):
+        for thought in ("short", "x" * 20_000):   # an earlier turn's reasoning, which the template drops
+            items = [{"role": "user", "content": "q"}, {"type": "reasoning", "summary": [{"text": thought}]},
+                     {"role": "assistant", "content": "a"}, {"role": "user", "content": "hello there"}]
+            r = httpx.post(f"{url}/v1/responses", json={"model": "tiny", "input": items, "max_output_tokens": 2},
+                           timeout=60)
+            assert r.status_code == 200, r.text[:300]
+    small, large = converted_on
+    assert small is loop_thread and large is not loop_thread
