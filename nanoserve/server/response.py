@@ -29,6 +29,8 @@ RenderChoice = Callable[[RequestUpdate, list[int], list], dict | None]
 
 # a client's id is sent back in every chunk and written in the log line: uuids and trace ids fit
 MAX_REQUEST_ID_CHARS = 256
+# an SSE event this large took ~1 ms or more to build: the event loop gets a turn after it
+LARGE_EVENT_BYTES = 64 * 1024
 
 
 def client_request_id(header: str | None, field: str | None) -> str | None:
@@ -159,7 +161,12 @@ class OpenAIResponse:
                 if choice is None:
                     continue
                 del pending[u.index]
-                yield sse_event(self.chunk([choice], self.usage(stream) if self.req.continuous_usage else None))
+                event = sse_event(self.chunk([choice], self.usage(stream) if self.req.continuous_usage else None))
+                yield event
+                if len(event) > LARGE_EVENT_BYTES:
+                    # queued updates pass without a pause: 128 choices each opening with 2k echoed
+                    # tokens of logprobs, built back to back, held every other stream for 6.5 s
+                    await asyncio.sleep(0)
             if self.req.include_usage:
                 yield sse_event(self.chunk([], self.usage(stream)))
         except (EngineDeadError, RequestFailedError) as exc:

@@ -269,3 +269,33 @@ def test_each_finished_request_leaves_one_log_line(http, server):
         time.sleep(0.05)
     (line,) = [line for line in server.log_tail(200_000).splitlines() if body["id"] in line]
     assert "2 prompt + 5 generated tokens" in line and "TTFT" in line and "finish length" in line
+
+
+def test_a_stream_of_large_chunks_gives_the_event_loop_a_turn_after_each(server_model, monkeypatch):
+    """Updates already queued pass without a pause: 128 choices, each opening with 2k echoed
+    tokens of logprobs, were built back to back and held every other request for 6.5 s."""
+    import asyncio
+    import types
+
+    from nanoserve import EngineConfig
+    from nanoserve.engine.async_engine import AsyncEngine
+    from nanoserve.server import response
+    from nanoserve.server.app import build_app
+    from nanoserve.server.state import ServerSettings
+
+    pauses = []
+
+    async def counted_sleep(delay, *args):
+        pauses.append(delay)
+        return await asyncio.sleep(delay, *args)
+
+    monkeypatch.setattr(response, "asyncio", types.SimpleNamespace(**{**vars(asyncio), "sleep": counted_sleep}))
+    engine = AsyncEngine(EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=256, block_size=16))
+    body = {"model": "tiny", "prompt": [100 + (7 * i) % 3000 for i in range(600)], "max_tokens": 1, "n": 3,
+            "echo": True, "logprobs": 20, "stream": True}
+    with in_process_server(build_app(engine, ServerSettings(served_model_names=["tiny"]))) as (url, _):
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: {")]
+    large = [e for e in events if len(e) > response.LARGE_EVENT_BYTES]
+    assert len(large) == 3   # each choice opens with its echoed prompt's logprobs
+    assert pauses.count(0) >= len(large)
