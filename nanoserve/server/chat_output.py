@@ -7,7 +7,7 @@ import logging
 
 from nanoserve.server.reasoning import Qwen3ReasoningParser
 from nanoserve.server.tool_parsers import Parsed, PartialCall
-from nanoserve.server.tool_parsers.base import scan_call_list
+from nanoserve.server.tool_parsers.base import scan_call_list, scan_calls
 from nanoserve.server.tools import ToolPlan, tool_call_id
 
 logger = logging.getLogger(__name__)
@@ -23,6 +23,8 @@ class ChoiceReader:
         self.sent_reasoning, self.sent_content = 0, 0
         self.ids: list[str] = []       # per streamed call: its id, sent with its name
         self.sent_args: list[str] = []
+        # a required call list as far as its calls are closed: (its text to there, those calls)
+        self.closed_calls: tuple[str, list[PartialCall]] = ("", [])
 
     def parse(self, text: str, final: bool) -> tuple[str | None, str, Parsed]:
         """(reasoning or None, the text after it, its content and calls)."""
@@ -44,9 +46,20 @@ class ChoiceReader:
             return Parsed("", [PartialCall(self.plan.function, content, final)])
         if mode == "required":
             body = content.lstrip()
-            calls = scan_call_list(body[1:] if body.startswith("[") else "")
-            return Parsed("", calls)
+            return Parsed("", self._required_calls(body[1:] if body.startswith("[") else "", final))
         return Parsed(content)
+
+    def _required_calls(self, body: str, final: bool) -> list[PartialCall]:
+        """The calls of a required list. Streamed, its closed calls are read once: read again at
+        every update, 300 of them took 3.6 s of the event loop over one choice."""
+        if final:
+            return scan_call_list(body)
+        seen, closed = self.closed_calls
+        if not body.startswith(seen):   # the text is not the last one grown: read it all
+            seen, closed = "", []
+        calls, end, count = scan_calls(body, len(seen), after_call=bool(closed))
+        self.closed_calls = (body[:end], closed + calls[:count])
+        return closed + calls
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The whole message and the finish reason ("tool_calls" when the model called)."""

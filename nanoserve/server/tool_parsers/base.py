@@ -84,11 +84,14 @@ def _encodable(text: str) -> str:
 _UNREADABLE = (ValueError, RecursionError)
 
 
-def scan_call(text: str) -> tuple[PartialCall, int | None]:
-    """A call object `{"name": ..., "arguments": {...}}` at the start of `text` (after whitespace),
-    as far as it is written; and the index just past it once it is closed, else None."""
+_WHITESPACE = re.compile(r"\s*")
+
+
+def scan_call(text: str, pos: int = 0) -> tuple[PartialCall, int | None]:
+    """A call object `{"name": ..., "arguments": {...}}` at `pos` in `text` (after whitespace), as
+    far as it is written; and the index just past it once it is closed, else None."""
     call = PartialCall()
-    start = len(text) - len(text.lstrip())
+    start = _WHITESPACE.match(text, pos).end()
     try:
         obj, end = _decoder.raw_decode(text, start)
     except _UNREADABLE:
@@ -134,16 +137,27 @@ def _partial_arguments(tail: str) -> str:
 
 def scan_call_list(text: str, separator: str = ",") -> list[PartialCall]:
     """Call objects one after another (`{...}, {...}` or `{...}; {...}`), up to what is not one."""
+    return scan_calls(text, 0, separator)[0]
+
+
+def scan_calls(text: str, pos: int, separator: str = ",", after_call: bool = False
+               ) -> tuple[list[PartialCall], int, int]:
+    """scan_call_list from `pos` (`after_call`: a closed call ends there, so a separator may come
+    first). Returns the calls, the index just past the last closed one (`pos` when none closed)
+    and how many closed: a stream resumes there at its next update instead of reading every
+    closed call again."""
     calls: list[PartialCall] = []
-    pos = 0
+    closed_at, closed = pos, 0
     while True:
-        rest = text[pos:].lstrip()
-        if rest.startswith(separator) and calls:
-            rest = rest[len(separator):].lstrip()
-        if not rest.startswith("{"):
-            return calls
-        call, end = scan_call(rest)
+        # by index, never a copy of the rest: a stream parses its text again at every update
+        pos = _WHITESPACE.match(text, pos).end()
+        if (calls or after_call) and text.startswith(separator, pos):
+            pos = _WHITESPACE.match(text, pos + len(separator)).end()
+        if not text.startswith("{", pos):
+            return calls, closed_at, closed
+        call, end = scan_call(text, pos)
         calls.append(call)
         if end is None:
-            return calls
-        pos = len(text) - len(rest) + end
+            return calls, closed_at, closed
+        pos = closed_at = end
+        closed += 1
