@@ -15,7 +15,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.runner.attention.triton_decode import longest_first_enabled
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
 from nanoserve.runner.layers.linear import building_graphs
-from nanoserve.runner.inputs import PinnedSet, decode_columns, fill_pending_tokens, write_block_tables
+from nanoserve.runner.inputs import PinnedSet, PinnedSets, decode_columns, fill_pending_tokens, write_block_tables
 from nanoserve.runner.sampling_kernel import gumbel_argmax_scaled, inverse_temperature
 
 MAX_GRAPH_BATCH = 512
@@ -59,8 +59,7 @@ class DecodeBuffers:
         self.max_model_len = max_model_len
         n = max_batch
         # two host sets, used in turn, so staging a step never waits for the one in flight
-        self.staging = [HostStaging(n, max_blocks, device.type == "cuda") for _ in range(2)]
-        self.turn = 0
+        self.staging = PinnedSets(lambda: HostStaging(n, max_blocks, device.type == "cuda"))
         # int64 rows: token ids, positions, slots, and the draw's noise seeds
         self.dev_i64 = torch.zeros((4, n), dtype=torch.int64, device=device)
         self.dev_inv_temp = torch.zeros(n, dtype=torch.float32, device=device)
@@ -89,9 +88,7 @@ class DecodeBuffers:
 
     def stage(self, work: list[SequenceWork], batch: int, prev_tokens: torch.Tensor | None) -> None:
         """Write one decode step of len(work) <= batch sequences into the first `batch` rows."""
-        host = self.staging[self.turn]
-        self.turn ^= 1
-        host.wait_until_free()
+        host = self.staging.next_free()
         n = len(work)
         i64, lens = host.i64.numpy(), host.lens_order[0].numpy()
         i64[0, :n], i64[1, :n], i64[2, :n] = decode_columns(work, self.block_size)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
 
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
+
+S = TypeVar("S", bound="PinnedSet")
 
 
 @dataclass
@@ -34,22 +38,31 @@ class StepInputs:
 
 
 class PinnedSet:
-    """A set of pinned host buffers behind a graph's static inputs, and the event after their last
-    upload. A launch may be queued behind the step in flight, so its upload can still be pending
-    when the host stages the next step: a set is rewritten only after its previous upload has run
-    (callers keep two and use them in turn, so that wait is rare)."""
+    """A set of pinned host buffers behind a graph's static inputs, and the event after their last upload."""
 
     def __init__(self, pin: bool) -> None:
-        self.pin = pin
         self.uploaded = torch.cuda.Event() if pin else None
-
-    def wait_until_free(self) -> None:
-        if self.uploaded is not None:
-            self.uploaded.synchronize()  # a never-recorded event returns at once
 
     def mark_uploaded(self) -> None:
         if self.uploaded is not None:
             self.uploaded.record()
+
+
+class PinnedSets(Generic[S]):
+    """Two pinned sets, used in turn. A launch may be queued behind the step in flight, so its
+    upload can still be pending when the host stages the next step: a set is handed out again only
+    after its previous upload has run (with two, that wait is rare)."""
+
+    def __init__(self, make: Callable[[], S]) -> None:
+        self.sets = (make(), make())
+        self.turn = 0
+
+    def next_free(self) -> S:
+        host = self.sets[self.turn]
+        self.turn ^= 1
+        if host.uploaded is not None:
+            host.uploaded.synchronize()  # a never-recorded event returns at once
+        return host
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

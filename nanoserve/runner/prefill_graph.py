@@ -37,7 +37,7 @@ from tqdm import tqdm
 from nanoserve.config import EngineConfig
 from nanoserve.runner.attention.triton_prefill import prefill_block_q, prefill_tiles
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
-from nanoserve.runner.inputs import PinnedSet, fill_pending_tokens, write_block_tables
+from nanoserve.runner.inputs import PinnedSet, PinnedSets, fill_pending_tokens, write_block_tables
 from nanoserve.runner.layers.linear import building_graphs
 from nanoserve.runner.models.decoder import head_dim_of
 
@@ -104,17 +104,15 @@ class PrefillBuffers:
         self.i64 = torch.zeros(3 * n + s, dtype=torch.int64, device=device)
         # int32 in one tensor, so one upload covers all but the tables: query starts, seq lens,
         # the kernel's programs, then the block tables
-        self.int32s = torch.zeros(2 * s + 1 + self.num_tiles(n, s) + s * max_blocks, dtype=torch.int32, device=device)
+        self.max_tiles = self.num_tiles(n, s)
+        self.int32s = torch.zeros(2 * s + 1 + self.max_tiles + s * max_blocks, dtype=torch.int32, device=device)
         self.query_start, self.seq_lens, self.tiles, self.block_tables = self._int32_views(self.int32s)
         self.tiles.fill_(-1)
-        # two host sets, used in turn, so staging a step rarely waits for the one in flight
-        self.staging = [PrefillStaging(self.i64.shape[0], self.int32s.shape[0], device.type == "cuda")
-                        for _ in range(2)]
-        self.turn = 0
+        pin = device.type == "cuda"
+        self.staging = PinnedSets(lambda: PrefillStaging(self.i64.shape[0], self.int32s.shape[0], pin))
 
     def _int32_views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        s = self.max_seqs
-        tiles = self.num_tiles((self.i64.shape[0] - s) // 3, s)
+        s, tiles = self.max_seqs, self.max_tiles
         return (flat[:s + 1], flat[s + 1:2 * s + 1], flat[2 * s + 1:2 * s + 1 + tiles],
                 flat[2 * s + 1 + tiles:].view(s, self.max_blocks))
 
@@ -157,9 +155,7 @@ class PrefillBuffers:
         """Write a step of len(work) <= seqs sequences into the first rows, padding the rest, for the
         graph of `seqs` sequences over `bucket` tokens; `prev_tokens` fill pending ids. Returns the
         device indices of the sampling rows and their sequences."""
-        host = self.staging[self.turn]
-        self.turn ^= 1
-        host.wait_until_free()
+        host = self.staging.next_free()
         count, num = self.num_tiles(bucket, seqs), len(work)
         ids, host_positions, slots = self.token_rows(bucket, host.i64).numpy()
         host_i32 = self._int32_views(host.i32)
@@ -181,8 +177,9 @@ class PrefillBuffers:
         slots[:n] = tables[owner, positions // self.block_size].astype(np.int64) * self.block_size \
             + positions % self.block_size
         ids[n:], host_positions[n:], slots[n:] = 0, 0, -1   # padding: id 0 at position 0, stored nowhere
-        sampling = [w for w in work if w.params is not None]
-        last_rows = query_start[1:num + 1][np.fromiter((w.params is not None for w in work), dtype=bool, count=num)] - 1
+        samples = np.fromiter((w.params is not None for w in work), dtype=bool, count=num)
+        sampling = [w for w, sample in zip(work, samples) if sample]
+        last_rows = query_start[1:num + 1][samples] - 1
         uploaded = 3 * bucket + len(last_rows)
         host.i64.numpy()[3 * bucket:uploaded] = last_rows
         prefill_tiles(lens, self.block_q, tiles[:count])
