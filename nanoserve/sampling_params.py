@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -238,6 +239,18 @@ class SamplingParams:
             if min(self.allowed_token_ids) < 0 or max(self.allowed_token_ids) > MAX_INT:
                 bad = next(t for t in self.allowed_token_ids if not 0 <= t <= MAX_INT)
                 _check_int("allowed_token_ids", bad, 0, MAX_INT)
+
+    def derived(self, **fields: Any) -> SamplingParams:
+        """A copy with `fields` set and not checked again: for what the engine derives from params
+        already checked (a fork's seed, the bad words' token ids, prompt logprobs dropped), where
+        a new check only repeats the first; over a logit_bias of a 150k vocabulary it took ~25 ms."""
+        unknown = fields.keys() - self.__dataclass_fields__.keys()
+        if unknown:
+            raise TypeError(f"SamplingParams has no field {sorted(unknown)}")
+        out = copy.copy(self)
+        for name, value in fields.items():
+            setattr(out, name, value)
+        return out
 
     @property
     def greedy(self) -> bool:

@@ -9,7 +9,6 @@ generated tokens count, as in vLLM: a prompt that ends inside a bad word does no
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
@@ -39,7 +38,7 @@ def with_bad_words_token_ids(params: SamplingParams, tokenizer: PreTrainedTokeni
     held the engine's loop, and every other stream, for 8 s."""
     if not params.bad_words or params.bad_words_token_ids is not None:
         return params
-    return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(tokenizer, params.bad_words))
+    return params.derived(bad_words_token_ids=bad_words_token_ids(tokenizer, params.bad_words))
 
 
 class BadWords:

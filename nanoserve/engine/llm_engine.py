@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import copy
-import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -176,16 +174,14 @@ class LLMEngine:
         if shared.prompt_logprobs is not None and forks:
             # the prompt's logprobs are the parent's: scoring it again would skip the prefix
             # cache and prefill the whole prompt once per choice (n=128 of 2k tokens: 217 s)
-            shared = dataclasses.replace(shared, prompt_logprobs=None)
+            shared = shared.derived(prompt_logprobs=None)
         for index in reversed(range(len(forks))):
             params = shared
             if params.seed is not None:
                 # one seed for all n choices would draw n equal completions (vLLM offsets it too);
-                # past the top of the seed range the offset wraps around to its bottom. A copy, not
-                # dataclasses.replace: checking the params again per fork re-walks a logit_bias
-                # (~25 ms over a 150k vocabulary, for each of up to 128 choices, in the engine's loop)
-                params = copy.copy(shared)
-                params.seed = fork_seed(shared.seed, index + 1)
+                # past the top of the seed range the offset wraps around to its bottom. Derived,
+                # not checked again per fork (up to 128 of them, in the engine's loop)
+                params = shared.derived(seed=fork_seed(shared.seed, index + 1))
             self._enqueue(forks[index], parent.prompt_token_ids, params, front=True)
 
     def abort_request(self, request_id: str) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from nanoserve import SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
@@ -25,4 +27,12 @@ def test_forks_share_the_checked_params_and_differ_only_in_their_seeds(qwen3_mod
     started = [engine.sequences[f].params for f in forks]
     assert [p.seed for p in started] == [fork_seed(11, i) for i in (1, 2, 3)]
     assert all(p.logit_bias is params.logit_bias and p.prompt_logprobs is None for p in started)
-    assert len(checks) == 1   # the copy without prompt_logprobs, once for all forks
+    assert checks == []   # the copy without prompt_logprobs and each seed are derived, not checked again
+
+
+def test_derived_params_name_only_their_own_fields():
+    params = SamplingParams(seed=3, logit_bias={1: 1.0})
+    derived = params.derived(seed=4, prompt_logprobs=None)
+    assert (derived.seed, params.seed) == (4, 3) and derived.logit_bias is params.logit_bias
+    with pytest.raises(TypeError, match="sed"):
+        params.derived(sed=4)
