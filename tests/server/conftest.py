@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from nanoserve.config import DEFAULT_MODEL
@@ -275,3 +276,19 @@ def offline(server_model):
     from nanoserve import LLM
 
     return LLM(server_model, device=DEVICE, num_kvcache_blocks=512, block_size=16, max_num_seqs=64)
+
+
+# below the server's keep-alive timeout (5 s): a pooled connection the client reuses just as the
+# server closes it for idling is "Server disconnected without sending a response", which these
+# clients (no retries, so that no failure is hidden) would report as the test's failure
+CLIENT_KEEPALIVE_S = 2.0
+
+
+def openai_client(url: str, timeout: float = 120) -> openai.OpenAI:
+    """The official client against a test server: no retries, idle connections dropped first by the client."""
+    # the client's own transport's Limits (openai's, which need not be this httpx)
+    limits = type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=100, max_keepalive_connections=20,
+                                                    keepalive_expiry=CLIENT_KEEPALIVE_S)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout,
+                         http_client=openai.DefaultHttpxClient(limits=limits, timeout=timeout))
+

@@ -8,11 +8,12 @@ import random
 import httpx
 import openai
 import pytest
+from tests.server.conftest import openai_client
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server.url, timeout=120)
 
 
 def fresh_prompt(offline) -> list[int]:

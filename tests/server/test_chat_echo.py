@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from tests.server.conftest import openai_client
 
 CONTINUE = {"add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True}
 PREFILLED = [{"role": "user", "content": "What is a list?"}, {"role": "assistant", "content": "A list is"}]
@@ -13,7 +14,7 @@ PREFILLED = [{"role": "user", "content": "What is a list?"}, {"role": "assistant
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server.url, timeout=120)
 
 
 def reply(client: openai.OpenAI, messages: list[dict], **extra) -> tuple[str, str, list[str]]:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import openai
 import pytest
+from tests.server.conftest import openai_client
 
 MESSAGES = [{"role": "user", "content": "What is a dict?"}]
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server.url, timeout=120)
 
 
 def test_min_tokens_past_what_the_context_leaves_is_a_400_without_max_tokens(client, server):

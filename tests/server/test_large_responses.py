@@ -9,6 +9,7 @@ import json
 import httpx
 import openai
 import pytest
+from tests.server.conftest import openai_client
 
 PROMPT = [100 + (7 * i) % 3000 for i in range(400)]
 # ~0.8 MB a choice: the echoed prompt's 20 alternatives and its prompt_logprobs
@@ -18,7 +19,7 @@ BIG = {"model": "tiny", "prompt": PROMPT, "n": 8, "max_tokens": 1, "echo": True,
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server.url, timeout=120)
 
 
 def test_a_large_completion_is_sent_as_its_choices_are_written(server):

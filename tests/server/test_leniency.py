@@ -12,6 +12,7 @@ from nanoserve import SamplingParams
 from nanoserve.server.conversation import template_inputs
 from nanoserve.server.defaults import sampling_defaults
 from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from tests.server.conftest import openai_client
 
 PROMPT = "A list is"
 MESSAGES = [{"role": "user", "content": "What is a dict?"}]
@@ -21,7 +22,7 @@ BOOKKEEPING = {"metadata": {"team": "a"}, "store": False, "service_tier": "auto"
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server.url, timeout=120)
 
 
 def test_openai_client_passing_none_everywhere_gets_the_defaults(client, offline):

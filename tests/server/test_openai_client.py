@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from nanoserve import SamplingParams
+from tests.server.conftest import openai_client
 
 PROMPTS = ["The function returns", "A list is", "In Python, a class"]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is a dict?"}]
@@ -15,7 +16,7 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server.url, timeout=120)
 
 
 @pytest.fixture(scope="module")

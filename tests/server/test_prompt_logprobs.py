@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from nanoserve import SamplingParams
+from tests.server.conftest import openai_client
 
 PROMPTS = ["The function returns a list of", "A dict maps keys"]
 CHAT = [{"role": "user", "content": "What is a dict?"}]
@@ -16,7 +17,7 @@ CHAT = [{"role": "user", "content": "What is a dict?"}]
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server.url, timeout=120)
 
 
 def scored(offline, prompt, top: int = 20):

@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from nanoserve import SamplingParams
+from tests.server.conftest import openai_client
 
 PROMPT = "A list is"
 MESSAGES = [{"role": "user", "content": "What is a dict?"}]
@@ -15,7 +16,7 @@ MESSAGES = [{"role": "user", "content": "What is a dict?"}]
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server.url, timeout=120)
 
 
 def test_the_response_id_is_the_clients_request_id_whole_and_streamed(client):

@@ -16,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import DEVICE, in_process_server
+from tests.server.conftest import DEVICE, in_process_server, openai_client
 # the tool-calling tests' server, started again for this file (module scope)
 from tests.server.test_tool_calling import tool_server  # noqa: F401
 
@@ -35,7 +35,7 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def client(tool_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(tool_server.url, timeout=300)
 
 
 def streamed(client: openai.OpenAI, **kwargs) -> list:

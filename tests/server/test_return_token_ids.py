@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from nanoserve import SamplingParams
+from tests.server.conftest import openai_client
 
 PROMPTS = ["A list is", "The function returns"]
 CHAT = [{"role": "user", "content": "What is a dict?"}]
@@ -17,7 +18,7 @@ ASK = {"return_token_ids": True, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server.url, timeout=120)
 
 
 def reference(offline, prompt, max_tokens: int = 8):

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from nanoserve import SamplingParams
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, openai_client
 from tests.server.structured_models import MODELS
 
 MAX_TOKENS = 400  # the longest of these objects takes some 300 tokens of this model's whitespace and words
@@ -34,7 +34,7 @@ def concurrently(fn, items: list) -> list:
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(server.url, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +197,7 @@ def test_text_response_format_is_no_constraint(client, offline):
 
 
 def test_structured_outputs_survive_preemption(tight_server):
-    client = openai.OpenAI(base_url=f"{tight_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    client = openai_client(tight_server.url, timeout=300)
     before = tight_server.metrics()["nanoserve:num_preemptions_total"]
 
     def parse(model):

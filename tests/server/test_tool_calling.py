@@ -16,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, openai_client
 
 QWEN3_TEMPLATE = Path(__file__).resolve().parents[1] / "assets" / "chat_templates" / "qwen3.jinja"
 MAX_TOKENS = 300
@@ -55,7 +55,7 @@ def tool_server(server_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(tool_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(tool_server.url, timeout=300)
 
 
 def streamed_message(chunks) -> tuple[str, list[dict], str | None, str]:
