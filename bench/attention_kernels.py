@@ -11,7 +11,6 @@ graph (as the runner replays decode) and timed with triton.testing.do_bench (med
     python bench/attention_kernels.py --kv-cache-dtype fp8   # an e4m3 cache (no flash-attn column)
     python bench/attention_kernels.py --prefill-sweep --group 2   # prefill tiles for lone prompts
     python bench/attention_kernels.py --ragged   # unequal contexts: split counts and launch order
-    python bench/attention_kernels.py --fp8-dots   # an e4m3 cache read by e4m3 dots, by tile config
 """
 
 from __future__ import annotations
@@ -253,50 +252,6 @@ def ragged_sweep() -> None:
     print("! = differs from the default by more than 2e-2")
 
 
-def fp8_dots_sweep() -> None:
-    """An e4m3 cache's decode with keys (QK) and values too (QKPV) entering the dots as stored,
-    against widening each tile to f16 (-), by tile config: TB/s of K+V read on ragged batches (as
-    the engine launches them: splits of 512 keys, longest first) and uniform ones, and each
-    variant's error against attention over the unquantized cache (norm of the error over the
-    output's norm; the quantized cache alone gives ~0.03)."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    caches = Caches(256 * 2048, FP8_DTYPE)
-    exact_k, exact_v = caches.k.float(), caches.v.float()
-    cases = []
-    for name, batch, lens, split in (("ragged b256", 256, None, dict(split_keys=512)),
-                                     ("ragged b128", 128, None, dict(split_keys=512)),
-                                     ("b256 c1k", 256, 1024, {}), ("b64 c2k", 64, 2048, {}),
-                                     ("b16 c2k", 16, 2048, {}), ("b1 c2k", 1, 2048, {})):
-        seq_lens = (torch.randint(100, 2049, (batch,), generator=gen, device="cuda", dtype=torch.int32)
-                    if lens is None else torch.full((batch,), lens, device="cuda", dtype=torch.int32))
-        per_seq = -(-2048 // BLOCK)
-        tables = torch.randperm(caches.num_blocks, device="cuda")[:batch * per_seq].view(batch, per_seq).int()
-        q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-        order = longest_first(seq_lens) if lens is None else None
-        want = paged_decode(q.float(), exact_k, exact_v, seq_lens, tables, HEAD_DIM ** -0.5, 2048)
-        nbytes = 2 * int(seq_lens.sum()) * KV_HEADS * HEAD_DIM
-        cases.append((name, q, seq_lens, tables, order, split, want, nbytes))
-    print("\nfp8 dots (TB/s of K+V read; err: relative to the unquantized cache's output)")
-    print(f"{'dots BLOCK_N warps stages':>26} " + " ".join(f"{c[0]:>12}" for c in cases) + "   max err")
-    for dots in ("-", "QK", "QKPV"):
-        for block_n, warps, stages in ((64, 1, 1), (64, 1, 2), (32, 1, 2), (128, 1, 1), (64, 2, 2),
-                                       (64, 4, 2), (128, 4, 2), (32, 4, 3)):
-            cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-                       QK_FP8=dots != "-", PV_FP8=dots == "QKPV")
-            cells, worst = [], 0.0
-            try:
-                for name, q, seq_lens, tables, order, split, want, nbytes in cases:
-                    run = (lambda q=q, seq_lens=seq_lens, tables=tables, order=order, split=split:
-                           paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048,
-                                        seq_order=order, config=cfg, **split))
-                    worst = max(worst, ((run().float() - want).norm() / want.norm()).item())
-                    cells.append(f"{nbytes / graph_time_us(run) / 1e6:12.2f}")
-            except Exception as e:   # out of shared memory or registers, or no such dot
-                print(f"{dots:>5} {block_n:4d} {warps} {stages}  failed: {type(e).__name__}: {str(e)[:120]}")
-                continue
-            print(f"{dots:>14} {block_n:5d} {warps:2d} {stages:2d} " + " ".join(cells) + f"   {worst:.4f}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiles", action="store_true", help="also sweep the decode tile config")
@@ -309,8 +264,6 @@ def main() -> None:
                         help="only sweep an e4m3 cache's tiles (no table)")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="only sweep the prefill kernel's tiles for lone prompts (no table)")
-    parser.add_argument("--fp8-dots", action="store_true",
-                        help="only weigh e4m3 dots against widened tiles over an fp8 cache (no table)")
     parser.add_argument("--group", type=int, default=2, help="q heads per kv head (Qwen3-0.6B 2, 8B 4)")
     args = parser.parse_args()
     global Q_HEADS
@@ -323,9 +276,6 @@ def main() -> None:
         return
     if args.ragged:
         ragged_sweep()
-        return
-    if args.fp8_dots:
-        fp8_dots_sweep()
         return
     fp8 = args.kv_cache_dtype == "fp8"
     flash = flash_attn_with_kvcache is not None and not fp8   # flash-attn reads no fp8 cache

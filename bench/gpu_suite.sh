@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [fp8-dots] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,14 +56,6 @@ for part in $parts; do
              | tee -a "$out/fp8-steps.log" | grep -vE "it/s|Capturing"
            python3 bench/throughput.py --num-seqs 256 --runs 1 --kv-cache-dtype $kv --trace "$out/trace-$kv" 2>&1 \
              | tee -a "$out/fp8-steps.log" | grep -vE "it/s|Capturing"
-         done ;;
-    fp8-dots) # e4m3 dots (keys, then values too) against widened tiles: the kernel at GQA groups 2 and 4, then
-         # the 256-sequence workload over an fp8 cache with each
-         for g in 2 4; do python3 bench/attention_kernels.py --fp8-dots --group $g 2>&1 | tee "$out/fp8-dots-g$g.log" | tail -26; done
-         for dots in "" qk qkpv; do
-           echo "NANOSERVE_FP8_DOT=$dots" | tee -a "$out/fp8-dots-ab.log"
-           NANOSERVE_FP8_DOT=$dots python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype fp8 2>&1 \
-             | tee -a "$out/fp8-dots-ab.log" | grep -E "^throughput|Error"
          done ;;
     ragged) # decode over unequal contexts: split counts and longest-first launch order, bf16 and fp8 caches
          python3 bench/attention_kernels.py --ragged 2>&1 | tee "$out/ragged.log" | tail -12 ;;

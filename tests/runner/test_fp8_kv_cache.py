@@ -134,42 +134,6 @@ def test_triton_decode_over_fp8_matches_the_reference(
     assert all(torch.equal(a.float(), b.float()) for a, b in zip(fp8, ref_caches))
 
 
-# e4m3 dots (triton_decode.fp8_dots): q quantized per head row adds about the cache's own error
-# again; measured 0.012-0.025 against the reference over the same cache, 0.032-0.047 against the exact one
-FP8_DOT_TOL = 0.04
-
-
-@pytest.mark.parametrize("dtype,head_dim,group,num_splits,magnitude,k_scale,v_scale,seed",
-                         [c for c in DECODE_CASES if c[0] != torch.float32])
-@pytest.mark.parametrize("dots", [dict(QK_FP8=True, PV_FP8=False), dict(QK_FP8=True, PV_FP8=True)])
-def test_triton_decode_with_fp8_dots_stays_within_the_bound(
-        dtype, head_dim, group, num_splits, magnitude, k_scale, v_scale, seed, dots) -> None:
-    from nanoserve.runner.attention.triton_decode import paged_decode
-    specs = [(1, 70), (1, 0), (1, 33), (1, 5)]
-    q, k, v, fp8, meta, scale, ref, exact_out, _ = fp8_case(
-        specs, dtype, magnitude, k_scale, v_scale, seed, block_size=16, group=group, head_dim=head_dim)
-    store_kvcache(k, v, *fp8, meta.slot_mapping, k_scale, v_scale)
-    out = paged_decode(q, *fp8, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
-                       num_splits=num_splits, k_scale=k_scale, v_scale=v_scale, config=dots)
-    widened = paged_decode(q, *fp8, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
-                           num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
-                           config=dict(QK_FP8=False, PV_FP8=False))
-    assert (out[1] == 0).all(), "a padding row must come back as zeros"
-    assert not torch.equal(out, widened), "the e4m3 dots must be the ones computing"
-    assert rel_err(out, ref) < FP8_DOT_TOL
-    assert rel_err(out, exact_out) < FP8_REL_ERR
-
-
-def test_fp8_dots_are_chosen_for_half_precision_queries_only(monkeypatch) -> None:
-    from nanoserve.runner.attention import triton_decode
-    for asked, want in (("", (False, False)), ("qk", (True, False)), ("qkpv", (True, True))):
-        monkeypatch.setattr(triton_decode, "_fp8_dots_asked", lambda asked=asked: asked)
-        for dtype in (torch.bfloat16, torch.float16):
-            assert tuple(triton_decode.fp8_dots(True, dtype).values()) == want
-        assert tuple(triton_decode.fp8_dots(True, torch.float32).values()) == (False, False)
-        assert tuple(triton_decode.fp8_dots(False, torch.bfloat16).values()) == (False, False)
-
-
 PREFILL_CASES = [
     # dtype, block_size, head_dim, group, magnitude, k_scale, v_scale, seed
     (torch.float32, 16, 64, 2, 1.0, 1.0, 1.0, 21),

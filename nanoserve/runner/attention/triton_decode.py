@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
-from nanoserve.runner.attention.triton_fp8 import FP8_LIMIT, to_fp8
 from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
@@ -75,7 +74,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
-    QK_FP8: tl.constexpr, PV_FP8: tl.constexpr, ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, USE_PDL: tl.constexpr,
+    ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # lengths, order, query starts and block tables are staged by the host, never written by a
     # kernel of the step: they may be read before waiting on the kernel ahead (PDL); q and the cache may not
@@ -103,19 +102,10 @@ def _decode_kernel(
     mask_h = offs_h < GROUP
     q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None], other=0.0)
-    # the dtype an fp8 tile widens to: e4m3 goes to f16 in one instruction per pair (to bf16 it
-    # takes several); a bf16 q loses no mantissa in f16, and queries stay far inside its range
-    wide = tl.float16 if FP8_VIA_F16 else q.dtype
-    row_scale = tl.full([BLOCK_H], 1.0, tl.float32) * scale_log2
-    if KV_FP8 and QK_FP8:
-        # q in e4m3 with a scale per head row, so that keys enter the dot as stored, unwidened:
-        # widening every key was the fp8 kernel's main cost (BENCHMARKS.md)
-        q_amax = tl.max(tl.abs(q.to(tl.float32)), 1)
-        q_scale = tl.where(q_amax > 0, q_amax / FP8_LIMIT, 1.0)
-        q = to_fp8(q, 1.0 / q_scale[:, None], k_cache_ptr.dtype.element_ty)
-        row_scale = row_scale * q_scale
-    elif KV_FP8:
-        q = q.to(wide)
+    if KV_FP8 and FP8_VIA_F16:
+        # e4m3 widens to f16 in one instruction per pair (to bf16 it takes several); a bf16 q
+        # loses no mantissa in f16, and attention queries stay far inside f16's range
+        q = q.to(tl.float16)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -126,14 +116,12 @@ def _decode_kernel(
         mask_n = offs_n < end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
-        if KV_FP8 and not QK_FP8:
-            k = k.to(wide)
-        if KV_FP8 and not PV_FP8:
-            v = v.to(wide)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * row_scale[:, None]
+        if KV_FP8:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         # every tile holds at least one key of this split
-        m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION, KV_FP8 and PV_FP8)
+        m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
 
     has_keys = l > 0
     l = tl.where(has_keys, l, 1.0)
@@ -224,19 +212,6 @@ def decode_split_count(batch: int, kv_heads: int, max_seq_len: int, device: torc
     return num_decode_splits(batch, kv_heads, max_seq_len, num_sms(device))
 
 
-@functools.lru_cache(maxsize=None)
-def _fp8_dots_asked() -> str:
-    return os.environ.get("NANOSERVE_FP8_DOT", "")   # read once: attention asks every layer
-
-
-def fp8_dots(fp8_cache: bool, dtype: torch.dtype) -> dict:
-    """Which dots of the decode kernel take e4m3 operands over an fp8 cache: QK_FP8 (q quantized
-    per head row, keys as stored) and PV_FP8 (probabilities in e4m3, values as stored).
-    NANOSERVE_FP8_DOT=qk|qkpv chooses; float32 queries keep both dots wide."""
-    asked = _fp8_dots_asked() if fp8_cache and dtype != torch.float32 else ""
-    return dict(QK_FP8=asked in ("qk", "qkpv"), PV_FP8=asked == "qkpv")
-
-
 def decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = torch.bfloat16,
                    head_dim: int = 128) -> dict:
     if device.type != "cuda":   # interpreter: small tiles keep masked work (and CPU time) low
@@ -295,8 +270,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cfg = {**decode_config(q.device, fp8, q.dtype, head_dim), **(config or {})}
     # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
     cfg.setdefault("FP8_VIA_F16", fp8 and q.dtype == torch.bfloat16)
-    for key, value in fp8_dots(fp8, q.dtype).items():
-        cfg.setdefault(key, value)
     span = split_span(split_keys, cfg["BLOCK_N"])
     split_tiles = span // cfg["BLOCK_N"]   # 0: the kernels' flag for even division
     if num_splits is None:

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import FP8_MAX
 
-FP8_LIMIT = tl.constexpr(FP8_MAX)   # for kernels: a plain float global is not visible to @triton.jit
+_FP8_MAX = tl.constexpr(FP8_MAX)
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) casts to fp8 wrongly; on a GPU the
 # hardware's own cast (round to nearest even, saturating) is what torch's cast does too
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -24,7 +24,7 @@ def to_fp8(x, inv_scale, dtype: tl.constexpr):
     first, so that the cast rounds nothing; on the GPU that emulation gave other bits than
     torch's cast for some values, so it serves the interpreter only."""
     x = x.to(tl.float32) * inv_scale
-    x = tl.minimum(tl.maximum(x, -FP8_LIMIT), FP8_LIMIT)
+    x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
     if _INTERPRETED:
         # normal e4m3 keeps 3 of float32's 23 mantissa bits: round the other 20 away, ties to even
         bits = x.to(tl.int32, bitcast=True)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nanoserve.runner.attention.triton_fp8 import to_fp8
-
 
 @triton.jit
 def load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
@@ -24,21 +22,12 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_
 
 
 @triton.jit
-def online_softmax_step(qk, v, m, l, acc, PRECISION: tl.constexpr, P_FP8: tl.constexpr = False):
+def online_softmax_step(qk, v, m, l, acc, PRECISION: tl.constexpr):
     """Fold one tile of base-2 scores (masked ones -inf) and its values into (m, l, acc).
-    Each row must see at least one unmasked key per tile, so m stays finite.
-
-    P_FP8 (v an e4m3 tile): the probabilities enter the dot in e4m3 too, so v is read as stored.
-    They are taken times 2**8, which keeps the small ones clear of e4m3's subnormals; l carries
-    the same factor, so acc / l is unchanged."""
+    Each row must see at least one unmasked key per tile, so m stays finite."""
     m_new = tl.maximum(m, tl.max(qk, 1))
     alpha = tl.exp2(m - m_new)
-    if P_FP8:
-        p = tl.exp2(qk - m_new[:, None] + 8.0)
-        pv = tl.dot(to_fp8(p, 1.0, v.dtype), v)
-    else:
-        p = tl.exp2(qk - m_new[:, None])
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    p = tl.exp2(qk - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + pv
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l, acc
