@@ -11,6 +11,7 @@ graph (as the runner replays decode) and timed with triton.testing.do_bench (med
     python bench/attention_kernels.py --kv-cache-dtype fp8   # an e4m3 cache (no flash-attn column)
     python bench/attention_kernels.py --prefill-sweep --group 2   # prefill tiles for lone prompts
     python bench/attention_kernels.py --ragged   # unequal contexts: split counts and launch order
+    python bench/attention_kernels.py --launch-order   # a sequence's kv heads side by side, or head by head
 """
 
 from __future__ import annotations
@@ -252,6 +253,47 @@ def ragged_sweep() -> None:
     print("! = differs from the default by more than 2e-2")
 
 
+def launch_order_sweep() -> None:
+    """Decode programs launched sequence by sequence with a sequence's kv heads side by side
+    (H: they share each token's cache row) against head by head (-: the default), for both
+    caches and a few tiles: TB/s of K+V read on ragged batches (as the engine launches them:
+    longest first; an fp8 cache in splits of 512 keys) and uniform ones."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = []
+    for name, batch, lens in (("ragged b256", 256, None), ("ragged b128", 128, None), ("b256 c1k", 256, 1024),
+                              ("b64 c2k", 64, 2048), ("b16 c2k", 16, 2048), ("b1 c2k", 1, 2048)):
+        seq_lens = (torch.randint(100, 2049, (batch,), generator=gen, device="cuda", dtype=torch.int32)
+                    if lens is None else torch.full((batch,), lens, device="cuda", dtype=torch.int32))
+        q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        shapes.append((name, batch, q, seq_lens, longest_first(seq_lens) if lens is None else None))
+    print("\nlaunch order (TB/s of K+V read); H: a sequence's kv heads side by side")
+    print(f"{'cache BLOCK_N warps stages order':>34} " + " ".join(f"{c[0]:>12}" for c in shapes))
+    for dtype, tiles in ((DTYPE, ((64, 4, 3), (64, 2, 2), (32, 4, 3))),
+                         (FP8_DTYPE, ((64, 1, 1), (64, 2, 2), (32, 1, 2), (64, 1, 2)))):
+        caches = Caches(256 * 2048, dtype)
+        cases = []
+        for name, batch, q, seq_lens, order in shapes:
+            per_seq = -(-2048 // BLOCK)
+            tables = torch.randperm(caches.num_blocks, device="cuda")[:batch * per_seq].view(batch, per_seq).int()
+            split = dict(split_keys=512) if order is not None and dtype == FP8_DTYPE else {}
+            nbytes = 2 * int(seq_lens.sum()) * KV_HEADS * HEAD_DIM * caches.k.element_size()
+            want = paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048, seq_order=order, **split)
+            cases.append((q, seq_lens, tables, order, split, want, nbytes))
+        for block_n, warps, stages in tiles:
+            for heads_fast in (False, True):
+                cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, HEADS_FAST=heads_fast)
+                cells = []
+                for q, seq_lens, tables, order, split, want, nbytes in cases:
+                    run = (lambda q=q, seq_lens=seq_lens, tables=tables, order=order, split=split:
+                           paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048,
+                                        seq_order=order, config=dict(cfg), **split))
+                    err = (run().float() - want.float()).abs().max().item()
+                    cells.append(f"{nbytes / graph_time_us(run) / 1e6:11.2f}{'!' if err > 2e-2 else ' '}")
+                label = f"{str(dtype).split('.')[-1][:8]} {block_n:4d} {warps} {stages} {'H' if heads_fast else '-'}"
+                print(f"{label:>34} " + " ".join(cells))
+    print("! = differs from the default by more than 2e-2")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiles", action="store_true", help="also sweep the decode tile config")
@@ -264,6 +306,8 @@ def main() -> None:
                         help="only sweep an e4m3 cache's tiles (no table)")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="only sweep the prefill kernel's tiles for lone prompts (no table)")
+    parser.add_argument("--launch-order", action="store_true",
+                        help="only weigh a sequence's kv heads side by side against head by head (no table)")
     parser.add_argument("--group", type=int, default=2, help="q heads per kv head (Qwen3-0.6B 2, 8B 4)")
     args = parser.parse_args()
     global Q_HEADS
@@ -276,6 +320,9 @@ def main() -> None:
         return
     if args.ragged:
         ragged_sweep()
+        return
+    if args.launch_order:
+        launch_order_sweep()
         return
     fp8 = args.kv_cache_dtype == "fp8"
     flash = flash_attn_with_kvcache is not None and not fp8   # flash-attn reads no fp8 cache

@@ -74,15 +74,17 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
-    ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, USE_PDL: tl.constexpr,
+    ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, HEADS_FAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # lengths, order, query starts and block tables are staged by the host, never written by a
     # kernel of the step: they may be read before waiting on the kernel ahead (PDL); q and the cache may not
-    seq = tl.program_id(0)
+    if HEADS_FAST:   # grid (kv heads, sequences, splits): a sequence's heads start side by side
+        kv_head, seq, kv_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+    else:
+        seq, kv_head, kv_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     if ORDERED:   # programs start in launch order: the longest sequences first leave no long tail
         seq = tl.load(seq_order_ptr + seq)
     q_row = _query_row(query_start_ptr, seq, PACKED_Q)
-    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
     # splits start on tile bounds; the last one ends at seq_len, however long the context
@@ -129,7 +131,7 @@ def _decode_kernel(
     if KV_FP8:
         o = o * v_scale   # the merge of splits is linear in o: scaling each partial suffices
     if SPLIT:
-        row = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split
+        row = (seq * kv_heads * GROUP + heads) * num_splits + split
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
                  mask=mask_h[:, None])
         tl.store(part_lse_ptr + row, tl.where(has_keys, m + tl.log2(l), float("-inf")),
@@ -283,7 +285,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_lse = out   # unused
-    _decode_kernel[(batch, kv_heads, num_splits)](
+    heads_fast = cfg.pop("HEADS_FAST", heads_fast_enabled())
+    grid = (kv_heads, batch, num_splits) if heads_fast else (batch, kv_heads, num_splits)
+    _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens,
         seq_order if seq_order is not None else seq_lens,   # unread unless ORDERED
         query_start_loc if packed else seq_lens,            # unread unless PACKED_Q
@@ -295,7 +299,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
-        ORDERED=seq_order is not None, PACKED_Q=packed, **cfg, **pdl_launch(q.device),
+        ORDERED=seq_order is not None, PACKED_Q=packed, HEADS_FAST=heads_fast, **cfg, **pdl_launch(q.device),
     )
     if split:
         splits_pow2 = triton.next_power_of_2(num_splits)
@@ -333,6 +337,13 @@ def engine_split_keys(batch: int, kv_heads: int, max_seq_len: int, device: torch
     if not keys or num_decode_splits(batch, kv_heads, max_seq_len, num_sms(device)) > 1:
         return None
     return keys
+
+
+@functools.lru_cache(maxsize=None)
+def heads_fast_enabled() -> bool:
+    """Whether a sequence's kv heads are launched side by side (NANOSERVE_DECODE_HEADS_FAST=1):
+    they read the same cache rows, each its own head's share."""
+    return os.environ.get("NANOSERVE_DECODE_HEADS_FAST", "0") == "1"
 
 
 def longest_first_enabled(fp8_cache: bool) -> bool:
