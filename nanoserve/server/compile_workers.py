@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import multiprocessing
 import os
+from collections import OrderedDict
 from multiprocessing.connection import Connection
 
 from nanoserve.sampling_params import StructuredOutputsParams
 
 _START_TIMEOUT_S = 300.0  # importing xgrammar (and torch) and building the tokenizer info; not the spec's time
+_VERDICTS = 4096  # specs whose verdict a worker remembers
 
 
 class CompileTimeout(Exception):
@@ -32,20 +35,29 @@ def _serve(conn: Connection, tokenizer_info_json: str, parent_pid: int) -> None:
     die_with_parent(parent_pid)
     import xgrammar as xgr
 
-    from nanoserve.engine.grammar import compile_spec
+    from nanoserve.engine.grammar import compile_spec, compiler_for
 
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info_json), max_threads=2)
+    compiler = compiler_for(xgr.TokenizerInfo.deserialize_json(tokenizer_info_json))
+    # a spec checked again is answered from here: only its verdict is kept, never its grammar
+    # (~34 MB for a 128 KiB spec), and under a digest of the spec rather than its text
+    verdicts: OrderedDict[bytes, str | None] = OrderedDict()
     conn.send(None)
     while True:
         try:
             spec = conn.recv()
         except EOFError:  # the front end is gone
             return
-        try:
-            compile_spec(compiler, spec)
-            conn.send(None)
-        except ValueError as exc:
-            conn.send(str(exc)[:2000])
+        key = hashlib.blake2b(repr(spec.key).encode(), digest_size=16).digest()
+        if key not in verdicts:
+            try:
+                compile_spec(compiler, spec)
+                verdicts[key] = None
+            except ValueError as exc:
+                verdicts[key] = str(exc)[:2000]
+            if len(verdicts) > _VERDICTS:
+                verdicts.popitem(last=False)
+        verdicts.move_to_end(key)
+        conn.send(verdicts[key])
 
 
 class _Worker:

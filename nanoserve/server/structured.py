@@ -1,7 +1,7 @@
 """Structured outputs on the HTTP side: which grammar a request asks for, checked before it is queued.
 
 A request may ask through OpenAI's `response_format`, vLLM's `structured_outputs` object, or vLLM's
-older `guided_*` fields; at most one of them. The spec is compiled here once (cached by xgrammar),
+older `guided_*` fields; at most one of them. The spec is compiled here once (its verdict remembered),
 so that a schema xgrammar cannot compile, or not in time, is a 400 naming the problem, not a
 failed or stalled request later.
 """
@@ -54,9 +54,8 @@ def requested_spec(req: SamplingFields) -> tuple[str, StructuredOutputsParams] |
 
 class SpecChecker:
     """Compiles specs in worker processes of the front end's own (server/compile_workers.py), which
-    are killed when a spec takes longer than `timeout_s`; each worker's compiler caches its
-    results, so a spec checked again costs a cache lookup and the one-row check that it admits a
-    first token."""
+    are killed when a spec takes longer than `timeout_s`; each worker remembers its verdicts, so a
+    spec checked again costs a lookup."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, timeout_s: float) -> None:
         self.tokenizer, self.vocab_size, self.timeout_s = tokenizer, vocab_size, timeout_s
