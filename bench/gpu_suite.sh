@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +56,16 @@ for part in $parts; do
              | tee -a "$out/fp8-steps.log" | grep -vE "it/s|Capturing"
            python3 bench/throughput.py --num-seqs 256 --runs 1 --kv-cache-dtype $kv --trace "$out/trace-$kv" 2>&1 \
              | tee -a "$out/fp8-steps.log" | grep -vE "it/s|Capturing"
+         done ;;
+    launch-order) # decode programs with a sequence's kv heads side by side (the default) against head by head,
+         # the kernel for both caches, then the 256-sequence workload each way
+         python3 bench/attention_kernels.py --launch-order 2>&1 | tee "$out/launch-order.log" | tail -16
+         for kv in fp8 auto; do
+           for hf in 0 1; do
+             echo "kv $kv NANOSERVE_DECODE_HEADS_FAST=$hf" | tee -a "$out/launch-order-ab.log"
+             NANOSERVE_DECODE_HEADS_FAST=$hf python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype $kv 2>&1 \
+               | tee -a "$out/launch-order-ab.log" | grep -E "^throughput|Error"
+           done
          done ;;
     ragged) # decode over unequal contexts: split counts and longest-first launch order, bf16 and fp8 caches
          python3 bench/attention_kernels.py --ragged 2>&1 | tee "$out/ragged.log" | tail -12 ;;

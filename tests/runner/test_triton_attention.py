@@ -108,8 +108,9 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("dtype,block_size,head_dim,group,seed", DECODE_CASES)
 @pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("heads_fast", [True, False])   # the launch grid: a sequence's kv heads side by side, or not
 def test_decode_matches_reference_with_gqa_split_k_and_padding(
-        dtype, block_size, head_dim, group, seed, num_splits) -> None:
+        dtype, block_size, head_dim, group, seed, num_splits, heads_fast) -> None:
     torch.manual_seed(seed)
     # a padding row (seq_len 0, slot -1) sits between real rows; one row fits in one tile
     specs = [(1, 70), (1, 0), (1, 33), (1, 5)]
@@ -120,7 +121,7 @@ def test_decode_matches_reference_with_gqa_split_k_and_padding(
     ref_out, ref_k, ref_v = reference(q, k, v, k_cache, v_cache, meta, scale)
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     out = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
-                       meta.max_seq_len, num_splits=num_splits)
+                       meta.max_seq_len, num_splits=num_splits, config=dict(HEADS_FAST=heads_fast))
     assert (out[1] == 0).all(), "a padding row must come back as zeros"
     assert_close(out, ref_out, dtype)
     assert torch.equal(k_cache.float(), ref_k) and torch.equal(v_cache.float(), ref_v)
@@ -315,7 +316,8 @@ def test_fixed_size_splits_apply_over_an_fp8_cache_or_where_asked_and_only_where
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_over_a_mixed_steps_packed_rows_fills_only_its_decode_rows(num_splits) -> None:
+@pytest.mark.parametrize("heads_fast", [True, False])
+def test_decode_over_a_mixed_steps_packed_rows_fills_only_its_decode_rows(num_splits, heads_fast) -> None:
     specs = [(1, 38), (23, 23), (1, 0), (9, 49), (1, 70), (1, 5)]   # a padding row among them
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
                                                 dtype=torch.float32, seed=50 + num_splits)
@@ -323,7 +325,8 @@ def test_decode_over_a_mixed_steps_packed_rows_fills_only_its_decode_rows(num_sp
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.full_like(q, POISON)
     paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.125, meta.max_seq_len,
-                 num_splits=num_splits, query_start_loc=meta.query_start_loc, out=out)
+                 num_splits=num_splits, query_start_loc=meta.query_start_loc, out=out,
+                 config=dict(HEADS_FAST=heads_fast))
     starts = meta.query_start_loc.tolist()
     decode_rows = [starts[i] for i, (q_len, seq_len) in enumerate(specs) if q_len == 1 and seq_len > 0]
     prompt_rows = [r for i, (q_len, _) in enumerate(specs) if q_len > 1 for r in range(starts[i], starts[i + 1])]

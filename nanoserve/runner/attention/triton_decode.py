@@ -341,9 +341,12 @@ def engine_split_keys(batch: int, kv_heads: int, max_seq_len: int, device: torch
 
 @functools.lru_cache(maxsize=None)
 def heads_fast_enabled() -> bool:
-    """Whether a sequence's kv heads are launched side by side (NANOSERVE_DECODE_HEADS_FAST=1):
-    they read the same cache rows, each its own head's share."""
-    return os.environ.get("NANOSERVE_DECODE_HEADS_FAST", "0") == "1"
+    """Whether a sequence's kv heads are launched side by side (NANOSERVE_DECODE_HEADS_FAST=0 to
+    launch head by head). They read the same cache rows, each its own head's share; head by head,
+    the programs running at once each took one head's 128-256 bytes of every 1-2 KB row. On an
+    H200 over ragged contexts: 3.84 -> 4.16 TB/s (bf16), 2.49 -> 2.74 (fp8) at batch 256;
+    3.18 -> 3.91 (bf16) at 128 (BENCHMARKS.md, launch order)."""
+    return os.environ.get("NANOSERVE_DECODE_HEADS_FAST", "1") == "1"
 
 
 def longest_first_enabled(fp8_cache: bool) -> bool:
