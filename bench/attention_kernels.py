@@ -12,6 +12,7 @@ graph (as the runner replays decode) and timed with triton.testing.do_bench (med
     python bench/attention_kernels.py --prefill-sweep --group 2   # prefill tiles for lone prompts
     python bench/attention_kernels.py --ragged   # unequal contexts: split counts and launch order
     python bench/attention_kernels.py --launch-order   # a sequence's kv heads side by side, or head by head
+    python bench/attention_kernels.py --rows --group 2   # the whole-row decode kernel's tiles
 """
 
 from __future__ import annotations
@@ -294,6 +295,55 @@ def launch_order_sweep() -> None:
     print("! = differs from the default by more than 2e-2")
 
 
+def whole_rows_sweep() -> None:
+    """The whole-row kernel (one program per sequence and split reads every kv head's share of a
+    tile of tokens: contiguous rows) by tile config, against the per-head kernel's defaults, both
+    caches: TB/s of K+V read. Ragged cases run unsplit (s1) and in splits of 512 keys (k512),
+    longest first; uniform ones in the default split count."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = []
+    for name, batch, lens, split in (("ragged b256 s1", 256, None, dict(num_splits=1)),
+                                     ("ragged b256 k512", 256, None, dict(split_keys=512)),
+                                     ("ragged b128 k512", 128, None, dict(split_keys=512)),
+                                     ("b256 c1k", 256, 1024, {}), ("b64 c2k", 64, 2048, {}),
+                                     ("b16 c2k", 16, 2048, {}), ("b1 c2k", 1, 2048, {})):
+        seq_lens = (torch.randint(100, 2049, (batch,), generator=gen, device="cuda", dtype=torch.int32)
+                    if lens is None else torch.full((batch,), lens, device="cuda", dtype=torch.int32))
+        q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        shapes.append((name, batch, q, seq_lens, longest_first(seq_lens) if lens is None else None, split))
+    print(f"\nwhole-row decode, {Q_HEADS} q heads over {KV_HEADS} kv heads (TB/s of K+V read); "
+          "tokens per tile x kv heads = a tile's rows")
+    print(f"{'cache kernel tokens warps stages':>34} " + " ".join(f"{c[0]:>16}" for c in shapes))
+    for dtype in (DTYPE, FP8_DTYPE):
+        caches = Caches(256 * 2048, dtype)
+        cases = []
+        for name, batch, q, seq_lens, order, split in shapes:
+            per_seq = -(-2048 // BLOCK)
+            tables = torch.randperm(caches.num_blocks, device="cuda")[:batch * per_seq].view(batch, per_seq).int()
+            nbytes = 2 * int(seq_lens.sum()) * KV_HEADS * HEAD_DIM * caches.k.element_size()
+            want = paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048, seq_order=order)
+            cases.append((q, seq_lens, tables, order, split, want, nbytes))
+        configs = [("per head", dict(WHOLE_ROWS=False))] + [
+            ("rows", dict(WHOLE_ROWS=True, BLOCK_N=tokens, num_warps=warps, num_stages=stages))
+            for tokens in (8, 16, 32) for warps, stages in ((2, 2), (4, 2), (4, 3), (8, 2))]
+        for kernel, cfg in configs:
+            label = f"{str(dtype).split('.')[-1][:8]} {kernel:>8} " + (
+                f"{cfg['BLOCK_N']:3d} {cfg['num_warps']} {cfg['num_stages']}" if "BLOCK_N" in cfg else "default")
+            cells = []
+            try:
+                for q, seq_lens, tables, order, split, want, nbytes in cases:
+                    run = (lambda q=q, seq_lens=seq_lens, tables=tables, order=order, split=split:
+                           paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048,
+                                        seq_order=order, config=dict(cfg), **split))
+                    err = (run().float() - want.float()).abs().max().item()
+                    cells.append(f"{nbytes / graph_time_us(run) / 1e6:15.2f}{'!' if err > 2e-2 else ' '}")
+            except Exception as e:   # out of shared memory or registers
+                print(f"{label:>34}  failed: {type(e).__name__}: {str(e)[:100]}")
+                continue
+            print(f"{label:>34} " + " ".join(cells))
+    print("! = differs from the per-head kernel by more than 2e-2")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiles", action="store_true", help="also sweep the decode tile config")
@@ -308,6 +358,8 @@ def main() -> None:
                         help="only sweep the prefill kernel's tiles for lone prompts (no table)")
     parser.add_argument("--launch-order", action="store_true",
                         help="only weigh a sequence's kv heads side by side against head by head (no table)")
+    parser.add_argument("--rows", action="store_true",
+                        help="only sweep the whole-row decode kernel's tiles against the per-head kernel (no table)")
     parser.add_argument("--group", type=int, default=2, help="q heads per kv head (Qwen3-0.6B 2, 8B 4)")
     args = parser.parse_args()
     global Q_HEADS
@@ -323,6 +375,9 @@ def main() -> None:
         return
     if args.launch_order:
         launch_order_sweep()
+        return
+    if args.rows:
+        whole_rows_sweep()
         return
     fp8 = args.kv_cache_dtype == "fp8"
     flash = flash_attn_with_kvcache is not None and not fp8   # flash-attn reads no fp8 cache

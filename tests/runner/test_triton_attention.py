@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanoserve.runner.attention import TorchBackend, select_backend
-from nanoserve.runner.attention.triton_decode import (MIN_TOKENS_PER_SPLIT, longest_first, num_decode_splits,
+from nanoserve.runner.attention.triton_decode import (MIN_TOKENS_PER_SPLIT, decode_tiles, longest_first, num_decode_splits,
                                                       paged_decode)
 from nanoserve.runner.attention.triton_kernels import TritonBackend, store_kvcache
 from nanoserve.runner.attention.triton_prefill import paged_prefill
@@ -97,6 +97,11 @@ def test_store_writes_each_token_to_its_slot_and_skips_padding() -> None:
     assert (flat_k[untouched] == POISON).all() and (flat_v[untouched] == POISON).all()
 
 
+# the decode kernels: one program per (sequence, kv head, split), launched with a sequence's kv heads
+# side by side or head by head, and the whole-row kernel (one per sequence and split, every head)
+KERNELS = [dict(HEADS_FAST=True, WHOLE_ROWS=False), dict(HEADS_FAST=False, WHOLE_ROWS=False), dict(WHOLE_ROWS=True)]
+KERNEL_IDS = ["heads-side-by-side", "head-by-head", "whole-rows"]
+
 DECODE_CASES = [
     # dtype, block_size, head_dim, group, seed
     (torch.float32, 16, 64, 2, 1),
@@ -108,9 +113,9 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("dtype,block_size,head_dim,group,seed", DECODE_CASES)
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("heads_fast", [True, False])   # the launch grid: a sequence's kv heads side by side, or not
+@pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
 def test_decode_matches_reference_with_gqa_split_k_and_padding(
-        dtype, block_size, head_dim, group, seed, num_splits, heads_fast) -> None:
+        dtype, block_size, head_dim, group, seed, num_splits, kernel) -> None:
     torch.manual_seed(seed)
     # a padding row (seq_len 0, slot -1) sits between real rows; one row fits in one tile
     specs = [(1, 70), (1, 0), (1, 33), (1, 5)]
@@ -121,7 +126,7 @@ def test_decode_matches_reference_with_gqa_split_k_and_padding(
     ref_out, ref_k, ref_v = reference(q, k, v, k_cache, v_cache, meta, scale)
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     out = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
-                       meta.max_seq_len, num_splits=num_splits, config=dict(HEADS_FAST=heads_fast))
+                       meta.max_seq_len, num_splits=num_splits, config=kernel)
     assert (out[1] == 0).all(), "a padding row must come back as zeros"
     assert_close(out, ref_out, dtype)
     assert torch.equal(k_cache.float(), ref_k) and torch.equal(v_cache.float(), ref_v)
@@ -171,7 +176,8 @@ def test_merge_programs_of_several_heads_cover_every_head_once(tile, monkeypatch
 
 
 @pytest.mark.parametrize("split_keys,max_seq_len", [(16, 4096), (32, 4096), (16, 32), (40, 200)])
-def test_decode_with_fixed_size_splits_matches_reference(split_keys, max_seq_len, monkeypatch) -> None:
+@pytest.mark.parametrize("kernel", KERNELS[::2], ids=KERNEL_IDS[::2])
+def test_decode_with_fixed_size_splits_matches_reference(split_keys, max_seq_len, kernel, monkeypatch) -> None:
     """Splits of split_keys keys, the last taking the rest: also when a context outgrows the split
     count sized for max_seq_len (70 keys over 2 splits of 16)."""
     import nanoserve.runner.attention.triton_decode as triton_decode
@@ -182,12 +188,24 @@ def test_decode_with_fixed_size_splits_matches_reference(split_keys, max_seq_len
     ref_out, _, _ = reference(q, k, v, k_cache, v_cache, meta, 0.125)
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     out = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.125, max_seq_len,
-                       split_keys=split_keys)
+                       split_keys=split_keys, config=kernel)
     assert (out[1] == 0).all(), "a padding row must come back as zeros"
     assert_close(out, ref_out, torch.float32)
     ordered = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.125, max_seq_len,
-                           split_keys=split_keys, seq_order=longest_first(meta.seq_lens))
+                           split_keys=split_keys, seq_order=longest_first(meta.seq_lens), config=kernel)
     assert torch.equal(ordered, out)
+
+
+def test_the_whole_row_kernel_is_taken_where_the_kv_heads_fit_an_arange(monkeypatch) -> None:
+    from nanoserve.runner.attention import triton_decode
+    cpu = torch.device("cpu")
+    assert not decode_tiles(cpu, False, torch.float32, 64, 2)["WHOLE_ROWS"], "off unless asked"
+    assert decode_tiles(cpu, False, torch.float32, 64, 2, dict(WHOLE_ROWS=True))["WHOLE_ROWS"]
+    assert not decode_tiles(cpu, False, torch.float32, 64, 3, dict(WHOLE_ROWS=True))["WHOLE_ROWS"]
+    monkeypatch.setattr(triton_decode, "whole_rows_enabled", lambda: True)
+    tiles = decode_tiles(cpu, True, torch.bfloat16, 64, 4)
+    assert tiles["WHOLE_ROWS"] and tiles["BLOCK_N"] * 4 == 16 and tiles["FP8_VIA_F16"]
+    assert decode_tiles(cpu, False, torch.float32, 64, 6)["BLOCK_N"] == 16, "6 kv heads: the per-head kernel's tiles"
 
 
 PREFILL_CASES = [
@@ -316,8 +334,8 @@ def test_fixed_size_splits_apply_over_an_fp8_cache_or_where_asked_and_only_where
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("heads_fast", [True, False])
-def test_decode_over_a_mixed_steps_packed_rows_fills_only_its_decode_rows(num_splits, heads_fast) -> None:
+@pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
+def test_decode_over_a_mixed_steps_packed_rows_fills_only_its_decode_rows(num_splits, kernel) -> None:
     specs = [(1, 38), (23, 23), (1, 0), (9, 49), (1, 70), (1, 5)]   # a padding row among them
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
                                                 dtype=torch.float32, seed=50 + num_splits)
@@ -326,7 +344,7 @@ def test_decode_over_a_mixed_steps_packed_rows_fills_only_its_decode_rows(num_sp
     out = torch.full_like(q, POISON)
     paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.125, meta.max_seq_len,
                  num_splits=num_splits, query_start_loc=meta.query_start_loc, out=out,
-                 config=dict(HEADS_FAST=heads_fast))
+                 config=kernel)
     starts = meta.query_start_loc.tolist()
     decode_rows = [starts[i] for i, (q_len, seq_len) in enumerate(specs) if q_len == 1 and seq_len > 0]
     prompt_rows = [r for i, (q_len, _) in enumerate(specs) if q_len > 1 for r in range(starts[i], starts[i + 1])]

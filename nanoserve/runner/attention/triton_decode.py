@@ -29,7 +29,9 @@ import triton
 import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
-from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step
+from nanoserve.runner.attention.triton_decode_rows import decode_rows_kernel, rows_config, rows_fit
+from nanoserve.runner.attention.triton_paged import (load_kv_tile, online_softmax_step, query_row, split_range,
+                                                     split_share, write_decode_result)
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 # below this a split costs more in merging than it saves. Eagerly, batch 1 at 1k keys takes 12.4 us
@@ -38,25 +40,6 @@ from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 WAVES = 4                    # programs per SM to aim for before splitting stops paying
-
-
-@triton.jit
-def _query_row(query_start_ptr, seq, PACKED_Q: tl.constexpr):
-    """The q and output row of sequence `seq`: `seq` itself, or in a mixed step's packed rows its
-    query start, and -1 where the sequence has more than one query (a prompt's chunk)."""
-    if PACKED_Q:
-        first = tl.load(query_start_ptr + seq)
-        return tl.where(tl.load(query_start_ptr + seq + 1) - first == 1, first, -1)
-    return seq
-
-
-@triton.jit
-def _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N: tl.constexpr):
-    """(the sequence's tiles of BLOCK_N keys, tiles per split): split_tiles where given, else the
-    tiles divided evenly over num_splits; at least 1."""
-    tiles = tl.cdiv(seq_len, BLOCK_N)
-    per = tl.where(split_tiles > 0, split_tiles, tl.cdiv(tiles, num_splits))
-    return tiles, tl.maximum(per, 1)
 
 
 # Ints that change from step to step are not specialized: Triton would otherwise compile a new
@@ -84,13 +67,10 @@ def _decode_kernel(
         seq, kv_head, kv_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     if ORDERED:   # programs start in launch order: the longest sequences first leave no long tail
         seq = tl.load(seq_order_ptr + seq)
-    q_row = _query_row(query_start_ptr, seq, PACKED_Q)
+    q_row = query_row(query_start_ptr, seq, PACKED_Q)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
-    # splits start on tile bounds; the last one ends at seq_len, however long the context
-    _, per_split = _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N)
-    start = split * per_split * BLOCK_N
-    end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + per_split * BLOCK_N, seq_len))
+    start, end = split_range(seq_len, split, num_splits, split_tiles, BLOCK_N)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     pdl_prologue(USE_PDL)   # every program waits, even one with nothing to do: see pdl.py
     if q_row < 0:   # a prompt's row of a mixed step: the prefill kernel's
@@ -125,20 +105,9 @@ def _decode_kernel(
         # every tile holds at least one key of this split
         m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
 
-    has_keys = l > 0
-    l = tl.where(has_keys, l, 1.0)
-    o = acc / l[:, None]   # no keys: acc is 0, so o is 0
-    if KV_FP8:
-        o = o * v_scale   # the merge of splits is linear in o: scaling each partial suffices
-    if SPLIT:
-        row = (seq * kv_heads * GROUP + heads) * num_splits + split
-        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
-                 mask=mask_h[:, None])
-        tl.store(part_lse_ptr + row, tl.where(has_keys, m + tl.log2(l), float("-inf")),
-                 mask=mask_h)
-    else:
-        tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
+    write_decode_result(acc, m, l, q_row, seq * kv_heads * GROUP + heads, mask_h, split, num_splits, v_scale,
+                        out_ptr, part_acc_ptr, part_lse_ptr, heads, offs_d, stride_ot, stride_oh,
+                        HEAD_DIM, SPLIT, KV_FP8)
 
 
 @triton.jit(do_not_specialize=["num_splits", "split_tiles"])
@@ -152,13 +121,13 @@ def _merge_splits_kernel(
     seq = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     pdl_prologue(USE_PDL)
-    q_row = _query_row(query_start_ptr, seq, PACKED_Q)
+    q_row = query_row(query_start_ptr, seq, PACKED_Q)
     if q_row < 0:
         return
     offs_s = tl.arange(0, SPLITS_POW2)
     offs_d = tl.arange(0, HEAD_DIM)
     # the splits that hold keys, as the decode kernel divided the context
-    tiles, per_split = _split_tiles(tl.load(seq_lens_ptr + seq * stride_sl), num_splits, split_tiles, BLOCK_N)
+    tiles, per_split = split_share(tl.load(seq_lens_ptr + seq * stride_sl), num_splits, split_tiles, BLOCK_N)
     mask_h = offs_h < Q_HEADS
     mask = mask_h[:, None] & (offs_s < tl.minimum(tl.cdiv(tiles, per_split), num_splits))[None, :]
     row = (seq * Q_HEADS + offs_h[:, None]) * num_splits + offs_s[None, :]   # [heads, splits]
@@ -234,6 +203,28 @@ def decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = 
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
+@functools.lru_cache(maxsize=None)
+def whole_rows_enabled() -> bool:
+    """Whether decode reads the cache in whole rows (triton_decode_rows) where the shape allows:
+    NANOSERVE_DECODE_ROWS=1 (off by default until measured faster)."""
+    return os.environ.get("NANOSERVE_DECODE_ROWS", "0") == "1"
+
+
+def decode_tiles(device: torch.device, fp8: bool, dtype: torch.dtype, head_dim: int, kv_heads: int,
+                 config: dict | None = None) -> dict:
+    """The decode launch's config: the kernel (WHOLE_ROWS: the whole-row one) and its tiles, with
+    `config`'s keys over the defaults one by one. WHOLE_ROWS is asked in config or by
+    whole_rows_enabled, and taken where rows_fit allows."""
+    config = dict(config or {})
+    rows = config.pop("WHOLE_ROWS", whole_rows_enabled())
+    base = rows_config(device.type != "cuda", fp8, kv_heads) if rows else {}
+    rows = rows and rows_fit(kv_heads, config.get("BLOCK_N", base.get("BLOCK_N", 0)))
+    cfg = {**(base if rows else decode_config(device, fp8, dtype, head_dim)), **config, "WHOLE_ROWS": rows}
+    # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
+    cfg.setdefault("FP8_VIA_F16", fp8 and dtype == torch.bfloat16)
+    return cfg
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                  max_seq_len: int, num_splits: int | None = None,
@@ -269,9 +260,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"seq_order must be a contiguous int32 permutation of the {batch} rows")
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
-    cfg = {**decode_config(q.device, fp8, q.dtype, head_dim), **(config or {})}
-    # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
-    cfg.setdefault("FP8_VIA_F16", fp8 and q.dtype == torch.bfloat16)
+    cfg = decode_tiles(q.device, fp8, q.dtype, head_dim, kv_heads, config)
+    rows = cfg.pop("WHOLE_ROWS")
     span = split_span(split_keys, cfg["BLOCK_N"])
     split_tiles = span // cfg["BLOCK_N"]   # 0: the kernels' flag for even division
     if num_splits is None:
@@ -285,22 +275,25 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_lse = out   # unused
-    heads_fast = cfg.pop("HEADS_FAST", heads_fast_enabled())
-    grid = (kv_heads, batch, num_splits) if heads_fast else (batch, kv_heads, num_splits)
-    _decode_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens,
-        seq_order if seq_order is not None else seq_lens,   # unread unless ORDERED
-        query_start_loc if packed else seq_lens,            # unread unless PACKED_Q
-        out, part_acc, part_lse,
-        softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale, num_splits, split_tiles,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
-        ORDERED=seq_order is not None, PACKED_Q=packed, HEADS_FAST=heads_fast, **cfg, **pdl_launch(q.device),
-    )
+    args = (q, k_cache, v_cache, block_tables, seq_lens,
+            seq_order if seq_order is not None else seq_lens,   # unread unless ORDERED
+            query_start_loc if packed else seq_lens,            # unread unless PACKED_Q
+            out, part_acc, part_lse,
+            softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale, num_splits, split_tiles,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1))
+    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype),
+                  KV_FP8=fp8, ORDERED=seq_order is not None, PACKED_Q=packed, **cfg, **pdl_launch(q.device))
+    if rows:
+        common.pop("HEADS_FAST", None)   # one program takes every head of a sequence
+        decode_rows_kernel[(batch, num_splits)](*args, KV_HEADS=kv_heads, BLOCK_H=max(16, triton.next_power_of_2(q_heads)),
+                                                **common)
+    else:
+        heads_fast = common.pop("HEADS_FAST", heads_fast_enabled())
+        grid = (kv_heads, batch, num_splits) if heads_fast else (batch, kv_heads, num_splits)
+        _decode_kernel[grid](*args, BLOCK_H=max(16, triton.next_power_of_2(group)), HEADS_FAST=heads_fast, **common)
     if split:
         splits_pow2 = triton.next_power_of_2(num_splits)
         heads = merge_heads_per_program(q_heads, splits_pow2, head_dim)

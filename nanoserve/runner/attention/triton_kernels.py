@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
-from nanoserve.runner.attention.triton_decode import (decode_config, decode_split_count, engine_split_keys,
+from nanoserve.runner.attention.triton_decode import (decode_split_count, decode_tiles, engine_split_keys,
                                                       paged_decode, split_span)
 from nanoserve.runner.attention.triton_fp8 import to_fp8
 from nanoserve.runner.attention.triton_prefill import paged_prefill
@@ -85,7 +85,7 @@ def eager_step_shapes(mixed: bool, max_num_seqs: int, max_num_batched_tokens: in
     prompt, which also brings the prefill kernel that leaves them out) or decode rows alone.
     Captured steps compile theirs at capture; these would otherwise compile (~1 s each) under the
     first such step served."""
-    block_n = decode_config(device, fp8_cache, dtype, head_dim)["BLOCK_N"]   # keys per tile
+    block_n = decode_tiles(device, fp8_cache, dtype, head_dim, kv_heads)["BLOCK_N"]   # keys per tile
     # a power of two falls in every range (a, 2a] of contexts that one merge width takes
     lengths = sorted({1 << i for i in range(max_model_len.bit_length())} | {max_model_len})
     if mixed:   # the decode rows and a prompt of at least two tokens, within the step's token budget
