@@ -27,7 +27,8 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nanoserve.runner.attention.fp8 import FP8_DTYPE  # noqa: E402
-from nanoserve.runner.attention.triton_decode import longest_first, num_decode_splits, paged_decode  # noqa: E402
+from nanoserve.runner.attention.decode_splits import longest_first, num_decode_splits  # noqa: E402
+from nanoserve.runner.attention.triton_decode import paged_decode  # noqa: E402
 from nanoserve.runner.attention.triton_prefill import paged_prefill  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 256

@@ -110,7 +110,7 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/prefill.py', ru
          for min in 64 256; do
            echo "MIN_TOKENS_PER_SPLIT=$min" | tee -a "$out/splits-ab.log"
            python3 -c "import sys; sys.argv = ['decode_step', '--batch-sizes', '1,4,16,64', '--contexts', '1024,4096']
-import nanoserve.runner.attention.triton_decode as d; d.MIN_TOKENS_PER_SPLIT = $min
+import nanoserve.runner.attention.decode_splits as d; d.MIN_TOKENS_PER_SPLIT = $min
 sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
              | tee -a "$out/splits-ab.log" | grep -vE "it/s|Capturing"
          done ;;
@@ -131,11 +131,11 @@ from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--
          for waves in 4 2; do
            echo "WAVES=$waves" | tee -a "$out/waves-ab.log"
            python3 -c "import sys; sys.argv = ['decode_step', '--batch-sizes', '16,32,64', '--contexts', '1024,4096']
-import nanoserve.runner.attention.triton_decode as d; d.WAVES = $waves
+import nanoserve.runner.attention.decode_splits as d; d.WAVES = $waves
 sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
              | tee -a "$out/waves-ab.log" | grep -vE "it/s|Capturing"
            for kv in auto fp8; do
-             python3 -c "import nanoserve.runner.attention.triton_decode as d; d.WAVES = $waves
+             python3 -c "import nanoserve.runner.attention.decode_splits as d; d.WAVES = $waves
 from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--kv-cache-dtype', '$kv'])" 2>&1 \
                | tee -a "$out/waves-ab.log" | grep -E "^throughput|Error"
            done

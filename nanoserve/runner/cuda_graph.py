@@ -12,7 +12,7 @@ from torch import nn
 from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
-from nanoserve.runner.attention.triton_decode import longest_first_enabled
+from nanoserve.runner.attention.decode_splits import longest_first_enabled
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
 from nanoserve.runner.layers.linear import building_graphs
 from nanoserve.runner.inputs import PinnedSet, PinnedSets, decode_columns, fill_pending_tokens, write_block_tables

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from nanoserve.runner.attention import TorchBackend, select_backend
-from nanoserve.runner.attention.triton_decode import longest_first, paged_decode
+from nanoserve.runner.attention.decode_splits import longest_first
+from nanoserve.runner.attention.triton_decode import paged_decode
 from nanoserve.runner.attention.triton_kernels import TritonBackend, store_kvcache
 from nanoserve.runner.batch import AttentionMetadata
 

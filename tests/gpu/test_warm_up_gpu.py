@@ -24,7 +24,7 @@ import json, sys
 import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.benchmarks.compile_watch import triton_compiles
-from nanoserve.runner.attention.triton_decode import num_decode_splits, num_sms
+from nanoserve.runner.attention.decode_splits import num_decode_splits, num_sms
 from tests.conftest import random_prompts
 
 llm = LLM(sys.argv[1], device="cuda", max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=700,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from nanoserve.runner.attention import TorchBackend, select_backend
-from nanoserve.runner.attention.triton_decode import (MIN_TOKENS_PER_SPLIT, decode_tiles, longest_first, num_decode_splits,
-                                                      paged_decode)
+from nanoserve.runner.attention.decode_splits import MIN_TOKENS_PER_SPLIT, longest_first, num_decode_splits
+from nanoserve.runner.attention.triton_decode import decode_tiles, paged_decode
 from nanoserve.runner.attention.triton_kernels import TritonBackend, store_kvcache
 from nanoserve.runner.attention.triton_prefill import paged_prefill
 from nanoserve.runner.batch import AttentionMetadata
@@ -315,9 +315,9 @@ def test_longest_first_order_gives_the_same_bits(group, num_splits) -> None:
 
 
 def test_fixed_size_splits_apply_over_an_fp8_cache_or_where_asked_and_only_where_the_batch_fills_the_gpu(monkeypatch) -> None:
-    from nanoserve.runner.attention.triton_decode import engine_split_keys
+    from nanoserve.runner.attention.decode_splits import engine_split_keys
     cpu = torch.device("cpu")   # 4 SMs under the interpreter: batch 2 x 8 kv heads fills them
-    from nanoserve.runner.attention.triton_decode import _split_keys_asked
+    from nanoserve.runner.attention.decode_splits import _split_keys_asked
     monkeypatch.delenv("NANOSERVE_DECODE_SPLIT_KEYS", raising=False)
     _split_keys_asked.cache_clear()
     assert engine_split_keys(64, 8, 4096, cpu) is None

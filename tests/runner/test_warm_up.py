@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import nanoserve.runner.attention.triton_decode as triton_decode
-from nanoserve.runner.attention.triton_decode import decode_config, decode_split_count, engine_split_keys, split_span
+import nanoserve.runner.attention.decode_splits as decode_splits
+from nanoserve.runner.attention.decode_splits import decode_split_count, engine_split_keys, split_span
+from nanoserve.runner.attention.triton_decode import decode_config
 from nanoserve.runner.attention.triton_kernels import MIXED_MIN_DECODE_ROWS, eager_step_shapes
 from nanoserve.runner.inputs import build_inputs
 from nanoserve.runner.warm_up import warm_up_work
@@ -18,7 +19,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def h200_sms(monkeypatch):
-    monkeypatch.setattr(triton_decode, "num_sms", lambda device: 132)
+    monkeypatch.setattr(decode_splits, "num_sms", lambda device: 132)
 
 
 def widths(mixed: bool, seqs: int, length: int, fp8: bool) -> int:

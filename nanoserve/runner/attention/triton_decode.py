@@ -5,6 +5,8 @@ context once and attends all the query heads of its group to it. With one split 
 output directly; with several it writes a partial (normalized acc, log-sum-exp) per split to a
 float32 workspace, and stage 2 merges the splits of each (sequence, head). (Merging in the last
 split program to finish, counted with an atomic, was slower on an H200: BENCHMARKS.md.)
+The whole-row kernel (triton_decode_rows) may take stage 1 instead: one program per (sequence,
+split) for every head. How contexts are split, and the engine's choices, are decode_splits'.
 
 CUDA-graph safe: the number of splits and the workspace size depend only on host values that
 are fixed for a captured graph (batch, heads, the caller's max_seq_len, the device). Each
@@ -28,19 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.runner.attention.decode_splits import decode_split_count, split_span
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.triton_decode_rows import decode_rows_kernel, rows_config, rows_fit
 from nanoserve.runner.attention.triton_paged import (load_kv_tile, online_softmax_step, query_row, split_range,
                                                      split_share, write_decode_result)
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
-
-# below this a split costs more in merging than it saves. Eagerly, batch 1 at 1k keys takes 12.4 us
-# a layer in 16 splits of 64 keys against 17.7 in 4 of 256; yet in the decode graphs (PDL) the
-# step was no faster with 64: 0.952 against 0.935 ms pipelined (BENCHMARKS.md, split counts)
-MIN_TOKENS_PER_SPLIT = 256
-MAX_SPLITS = 64
-WAVES = 4                    # programs per SM to aim for before splitting stops paying
-
 
 # Ints that change from step to step are not specialized: Triton would otherwise compile a new
 # variant when one equals 1 or turns a multiple of 16 (a block-table width of 1 in a short warm-up,
@@ -150,37 +145,6 @@ MERGE_TILE = 8192   # float32 partials a merge program holds: 64 a thread on 4 w
 def merge_heads_per_program(q_heads: int, splits_pow2: int, head_dim: int) -> int:
     """Heads one merge program takes: as many as MERGE_TILE holds at this split width, at least one."""
     return max(1, min(triton.next_power_of_2(q_heads), MERGE_TILE // (splits_pow2 * head_dim)))
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4   # the interpreter: a small number keeps split counts (and CPU time) small
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def num_decode_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Splits per (sequence, kv head): enough programs to fill the GPU, none shorter than
-    MIN_TOKENS_PER_SPLIT. A function of host values only, so a captured graph keeps it.
-
-    The count is rounded up to a power of two: on an H200, batch 16 x 8 kv heads at 8k context
-    took 179 us with 5 splits (640 programs, a ragged last wave) and 142 us with 8."""
-    want = triton.next_power_of_2(-(-WAVES * num_sms // max(batch * kv_heads, 1)))
-    by_len = -(-max_seq_len // MIN_TOKENS_PER_SPLIT)
-    return max(1, min(want, by_len, MAX_SPLITS))
-
-
-def split_span(split_keys: int | None, block_n: int) -> int:
-    """Keys of each fixed-size split: split_keys rounded up to whole tiles; 0 for even splits."""
-    return max(1, -(-split_keys // block_n)) * block_n if split_keys is not None else 0
-
-
-def decode_split_count(batch: int, kv_heads: int, max_seq_len: int, device: torch.device, span: int = 0) -> int:
-    """The splits paged_decode launches: enough `span`-key splits to cover max_seq_len, or
-    num_decode_splits' even division when span is 0."""
-    if span:
-        return min(MAX_SPLITS, max(1, -(-max_seq_len // span)))
-    return num_decode_splits(batch, kv_heads, max_seq_len, num_sms(device))
 
 
 def decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = torch.bfloat16,
@@ -306,32 +270,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-# An fp8 cache's one-warp programs all fit in about one wave, so over ragged contexts the longest
-# ones set the kernel's end: splits of 512 keys, launched longest first, took the 256-sequence
-# workload from 27,571 to 30,379 tok/s on an H200 (BENCHMARKS.md). A bf16 cache lost ~1% with them.
-FP8_SPLIT_KEYS = 512
-
-
-@functools.lru_cache(maxsize=None)
-def _split_keys_asked() -> int | None:
-    value = os.environ.get("NANOSERVE_DECODE_SPLIT_KEYS")   # read once: attention asks every layer
-    return int(value) if value else None
-
-
-def engine_split_keys(batch: int, kv_heads: int, max_seq_len: int, device: torch.device,
-                      fp8_cache: bool = False) -> int | None:
-    """paged_decode's split_keys for the engine at batches that fill the GPU with one split per
-    (sequence, kv head), where a ragged batch's longest contexts still set the kernel's end:
-    FP8_SPLIT_KEYS over an fp8 cache, NANOSERVE_DECODE_SPLIT_KEYS=n to choose (0: even splits);
-    None (even splits) elsewhere."""
-    keys = _split_keys_asked()
-    if keys is None:
-        keys = FP8_SPLIT_KEYS if fp8_cache else 0
-    if not keys or num_decode_splits(batch, kv_heads, max_seq_len, num_sms(device)) > 1:
-        return None
-    return keys
-
-
 @functools.lru_cache(maxsize=None)
 def heads_fast_enabled() -> bool:
     """Whether a sequence's kv heads are launched side by side (NANOSERVE_DECODE_HEADS_FAST=0 to
@@ -340,19 +278,6 @@ def heads_fast_enabled() -> bool:
     H200 over ragged contexts: 3.84 -> 4.16 TB/s (bf16), 2.49 -> 2.74 (fp8) at batch 256;
     3.18 -> 3.91 (bf16) at 128 (BENCHMARKS.md, launch order)."""
     return os.environ.get("NANOSERVE_DECODE_HEADS_FAST", "1") == "1"
-
-
-def longest_first_enabled(fp8_cache: bool) -> bool:
-    """Whether decode graphs launch each step's rows longest first (see paged_decode's seq_order):
-    over an fp8 cache, unless NANOSERVE_LONGEST_FIRST says otherwise (1 on, 0 off)."""
-    asked = os.environ.get("NANOSERVE_LONGEST_FIRST")
-    return fp8_cache if asked is None else asked == "1"
-
-
-def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
-    """The rows by falling length, for paged_decode's seq_order, on the device (the decode graphs
-    stage theirs from the host instead, beside the lengths)."""
-    return torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
 
 
 def softmax_scale_log2(scale: float, k_scale: float) -> float:

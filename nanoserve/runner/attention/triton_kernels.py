@@ -8,8 +8,8 @@ import triton
 import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
-from nanoserve.runner.attention.triton_decode import (decode_split_count, decode_tiles, engine_split_keys,
-                                                      paged_decode, split_span)
+from nanoserve.runner.attention.decode_splits import decode_split_count, engine_split_keys, split_span
+from nanoserve.runner.attention.triton_decode import decode_tiles, paged_decode
 from nanoserve.runner.attention.triton_fp8 import to_fp8
 from nanoserve.runner.attention.triton_prefill import paged_prefill
 from nanoserve.runner.attention.triton_rope_store import qkv_rope_store
