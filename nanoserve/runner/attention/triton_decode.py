@@ -189,6 +189,12 @@ def decode_tiles(device: torch.device, fp8: bool, dtype: torch.dtype, head_dim: 
     return cfg
 
 
+def programs_per_sequence(device: torch.device, fp8: bool, dtype: torch.dtype, head_dim: int, kv_heads: int) -> int:
+    """Decode programs per sequence and split, which the split counts are sized by: one per kv
+    head, or one for them all (the whole-row kernel)."""
+    return 1 if decode_tiles(device, fp8, dtype, head_dim, kv_heads)["WHOLE_ROWS"] else kv_heads
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                  max_seq_len: int, num_splits: int | None = None,
@@ -229,7 +235,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     span = split_span(split_keys, cfg["BLOCK_N"])
     split_tiles = span // cfg["BLOCK_N"]   # 0: the kernels' flag for even division
     if num_splits is None:
-        num_splits = decode_split_count(batch, kv_heads, max_seq_len, q.device, span)
+        num_splits = decode_split_count(batch, 1 if rows else kv_heads, max_seq_len, q.device, span)
     out = torch.empty_like(q) if out is None else out
     packed = query_start_loc is not None
     split = num_splits > 1
