@@ -10,6 +10,14 @@ parts=${*:-tests throughput decode}
 kernel_tests="tests/gpu/test_attention_kernels.py tests/gpu/test_fp8_kv_cache_gpu.py tests/gpu/test_warm_up_gpu.py"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
+workload_ab() {   # the 256-sequence workload over each cache with switch $1 at 0, then 1; log to $2
+  for kv in fp8 auto; do
+    for value in 0 1; do
+      echo "kv $kv $1=$value" | tee -a "$2"
+      env "$1=$value" python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype $kv 2>&1 | tee -a "$2" | grep -E "^throughput|Error"
+    done
+  done
+}
 for part in $parts; do
   case $part in
     tests) python3 -m pytest -q -m gpu tests/gpu 2>&1 | tee "$out/tests.log" | tail -25 ;;
@@ -60,24 +68,12 @@ for part in $parts; do
     launch-order) # decode programs with a sequence's kv heads side by side (the default) against head by head,
          # the kernel for both caches, then the 256-sequence workload each way
          python3 bench/attention_kernels.py --launch-order 2>&1 | tee "$out/launch-order.log" | tail -16
-         for kv in fp8 auto; do
-           for hf in 0 1; do
-             echo "kv $kv NANOSERVE_DECODE_HEADS_FAST=$hf" | tee -a "$out/launch-order-ab.log"
-             NANOSERVE_DECODE_HEADS_FAST=$hf python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype $kv 2>&1 \
-               | tee -a "$out/launch-order-ab.log" | grep -E "^throughput|Error"
-           done
-         done ;;
+         workload_ab NANOSERVE_DECODE_HEADS_FAST "$out/launch-order-ab.log" ;;
     rows) # the whole-row decode kernel: tests, its tiles against the per-head kernel at GQA groups 2 and 4, then
          # the 256-sequence workload with it (NANOSERVE_DECODE_ROWS=1) against without, both caches
          python3 -m pytest -q -m gpu tests/gpu/test_attention_kernels.py tests/gpu/test_fp8_kv_cache_gpu.py -k whole_row 2>&1 | tail -3
          for g in 2 4; do python3 bench/attention_kernels.py --rows --group $g 2>&1 | tee "$out/rows-g$g.log" | tail -32; done
-         for kv in fp8 auto; do
-           for rows in 0 1; do
-             echo "kv $kv NANOSERVE_DECODE_ROWS=$rows" | tee -a "$out/rows-ab.log"
-             NANOSERVE_DECODE_ROWS=$rows python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype $kv 2>&1 \
-               | tee -a "$out/rows-ab.log" | grep -E "^throughput|Error"
-           done
-         done ;;
+         workload_ab NANOSERVE_DECODE_ROWS "$out/rows-ab.log" ;;
     ragged) # decode over unequal contexts: split counts and longest-first launch order, bf16 and fp8 caches
          python3 bench/attention_kernels.py --ragged 2>&1 | tee "$out/ragged.log" | tail -12 ;;
     pdl) # programmatic dependent launch off, then on (the default)

@@ -33,7 +33,7 @@ import triton.language as tl
 from nanoserve.runner.attention.decode_splits import decode_split_count, split_span
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.triton_decode_rows import decode_rows_kernel, rows_config, rows_fit
-from nanoserve.runner.attention.triton_paged import (load_kv_tile, online_softmax_step, query_row, split_range,
+from nanoserve.runner.attention.triton_paged import (decode_program, load_kv_tile, online_softmax_step, query_row,
                                                      split_share, write_decode_result)
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
@@ -54,23 +54,16 @@ def _decode_kernel(
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
     ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, HEADS_FAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # lengths, order, query starts and block tables are staged by the host, never written by a
-    # kernel of the step: they may be read before waiting on the kernel ahead (PDL); q and the cache may not
     if HEADS_FAST:   # grid (kv heads, sequences, splits): a sequence's heads start side by side
         kv_head, seq, kv_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
     else:
         seq, kv_head, kv_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
-    if ORDERED:   # programs start in launch order: the longest sequences first leave no long tail
-        seq = tl.load(seq_order_ptr + seq)
-    q_row = query_row(query_start_ptr, seq, PACKED_Q)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
-    start, end = split_range(seq_len, split, num_splits, split_tiles, BLOCK_N)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    seq, q_row, start, end, table, idle = decode_program(
+        seq, split, seq_order_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, num_splits, split_tiles,
+        stride_sl, stride_bt, BLOCK_N, ORDERED, PACKED_Q, SPLIT)
     pdl_prologue(USE_PDL)   # every program waits, even one with nothing to do: see pdl.py
-    if q_row < 0:   # a prompt's row of a mixed step: the prefill kernel's
-        return
-    if SPLIT and start >= seq_len:   # past the end (padding rows too): the merge leaves it out
+    if idle:
         return
 
     offs_h = tl.arange(0, BLOCK_H)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nanoserve.runner.attention.triton_paged import online_softmax_step, query_row, split_range, write_decode_result
+from nanoserve.runner.attention.triton_paged import decode_program, online_softmax_step, write_decode_result
 from nanoserve.runner.pdl import pdl_prologue
 
 
@@ -35,18 +35,12 @@ def decode_rows_kernel(
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
     ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    if ORDERED:
-        seq = tl.load(seq_order_ptr + seq)
-    q_row = query_row(query_start_ptr, seq, PACKED_Q)
     split = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
-    start, end = split_range(seq_len, split, num_splits, split_tiles, BLOCK_N)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    seq, q_row, start, end, table, idle = decode_program(
+        tl.program_id(0), split, seq_order_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, num_splits,
+        split_tiles, stride_sl, stride_bt, BLOCK_N, ORDERED, PACKED_Q, SPLIT)
     pdl_prologue(USE_PDL)   # every program waits, even one with nothing to do: see pdl.py
-    if q_row < 0:   # a prompt's row of a mixed step: the prefill kernel's
-        return
-    if SPLIT and start >= seq_len:   # past the end (padding rows too): the merge leaves it out
+    if idle:
         return
 
     heads = tl.arange(0, BLOCK_H)

@@ -64,6 +64,27 @@ def split_range(seq_len, split, num_splits, split_tiles, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def decode_program(seq, split, seq_order_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, num_splits,
+                   split_tiles, stride_sl, stride_bt, BLOCK_N: tl.constexpr, ORDERED: tl.constexpr,
+                   PACKED_Q: tl.constexpr, SPLIT: tl.constexpr):
+    """What a decode program takes on, from its launch index `seq` and its split: (the sequence,
+    its q row, its keys [start, end), its block table, idle). Idle: nothing to compute (a prompt's
+    row of a mixed step, or a split past the end, padding rows included). Reads only what the host
+    stages (order, query starts, lengths, tables), never what a kernel of the step writes, so it
+    may run before waiting on the kernel ahead (PDL)."""
+    if ORDERED:   # programs start in launch order: the longest sequences first leave no long tail
+        seq = tl.load(seq_order_ptr + seq)
+    q_row = query_row(query_start_ptr, seq, PACKED_Q)
+    seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
+    start, end = split_range(seq_len, split, num_splits, split_tiles, BLOCK_N)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    idle = q_row < 0
+    if SPLIT:   # the merge leaves a split past the end out
+        idle = idle | (start >= seq_len)
+    return seq, q_row, start, end, table, idle
+
+
+@triton.jit
 def write_decode_result(acc, m, l, q_row, part_rows, mask_h, split, num_splits, v_scale,
                         out_ptr, part_acc_ptr, part_lse_ptr, heads, offs_d, stride_ot, stride_oh,
                         HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, KV_FP8: tl.constexpr):
