@@ -7,7 +7,8 @@ import logging
 
 from nanoserve.server.reasoning import Qwen3ReasoningParser
 from nanoserve.server.tool_parsers import Parsed, PartialCall
-from nanoserve.server.tool_parsers.base import scan_call_list, scan_calls
+from nanoserve.server.tool_parsers.base import _WHITESPACE, CallStream, Span, scan_call_list
+from nanoserve.server.tool_parsers.stream import ListScanner
 from nanoserve.server.tools import ToolPlan, tool_call_id
 
 logger = logging.getLogger(__name__)
@@ -19,12 +20,15 @@ class ChoiceReader:
     def __init__(self, plan: ToolPlan, reasoning: Qwen3ReasoningParser | None, include_reasoning: bool = True) -> None:
         """include_reasoning False: the parsed reasoning is dropped, not sent (vLLM's field)."""
         self.plan, self.reasoning, self.include_reasoning = plan, reasoning, include_reasoning
+        # the streamed text: this attribute is its only reference while it grows (see delta)
         self.text = ""
+        self.split = reasoning.stream() if reasoning is not None else None
+        self.calls: CallStream | None = None   # reads the content for calls once it is known to begin
+        self.broken = False   # `calls` failed: the content is parsed whole at each update instead
         self.sent_reasoning, self.sent_content = 0, 0
         self.ids: list[str] = []       # per streamed call: its id, sent with its name
-        self.sent_args: list[str] = []
-        # a required call list as far as its calls are closed: (its text to there, those calls)
-        self.closed_calls: tuple[str, list[PartialCall]] = ("", [])
+        self.sent_args: list[str | Span] = []
+        self.done = 0   # leading calls that no later text changes, all they have is sent: not read again
 
     def parse(self, text: str, final: bool) -> tuple[str | None, str, Parsed]:
         """(reasoning or None, the text after it, its content and calls)."""
@@ -46,20 +50,8 @@ class ChoiceReader:
             return Parsed("", [PartialCall(self.plan.function, content, final)])
         if mode == "required":
             body = content.lstrip()
-            return Parsed("", self._required_calls(body[1:] if body.startswith("[") else "", final))
+            return Parsed("", scan_call_list(body[1:] if body.startswith("[") else ""))
         return Parsed(content)
-
-    def _required_calls(self, body: str, final: bool) -> list[PartialCall]:
-        """The calls of a required list. Streamed, its closed calls are read once: read again at
-        every update, 300 of them took 3.6 s of the event loop over one choice."""
-        if final:
-            return scan_call_list(body)
-        seen, closed = self.closed_calls
-        if not body.startswith(seen):   # the text is not the last one grown: read it all
-            seen, closed = "", []
-        calls, end, count = scan_calls(body, len(seen), after_call=bool(closed))
-        self.closed_calls = (body[:end], closed + calls[:count])
-        return closed + calls
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The whole message and the finish reason ("tool_calls" when the model called)."""
@@ -85,33 +77,59 @@ class ChoiceReader:
         return "tool_calls" if reason == "stop" and called and self.plan.mode != "named" else reason
 
     def delta(self, new_text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """What this update adds to the streamed message, and the finish reason to send with it."""
+        """What this update adds to the streamed message, and the finish reason to send with it.
+        Equal to the difference between parses of the text so far, but each update reads only what
+        is new: parsed whole each time, a 150 kB output cost O(n^2), 16 s of the event loop."""
         if not self.plan.active and self.reasoning is None:
             return ({"content": new_text} if new_text else {}), finish_reason   # plain text: nothing to parse
-        self.text += new_text
+        # with no other reference, CPython appends in place; `self.text += new_text` copied the whole
+        # text at every update (a 1 MB output: 32 s of copying)
+        text, self.text = self.text, ""
+        text += new_text
+        self.text = text
         final = finish_reason is not None
-        reasoning, content, parsed = self.parse(self.text, final)
+        reasoning, start = self.split.update(text, final) if self.split is not None else (None, 0)
+        begin = len(text) if start is None else start   # the content is text[begin:], or "" (begin = len)
+        content_end, calls, settled = self._stream_calls(text, start, final)
         delta: dict = {}
-        if reasoning is not None and self.include_reasoning and len(reasoning) > self.sent_reasoning:
-            delta["reasoning"] = delta["reasoning_content"] = reasoning[self.sent_reasoning:]
-            self.sent_reasoning = len(reasoning)
-        answer = parsed.content
-        if final and self.plan.active and not self.ids and not any(c.complete for c in parsed.calls):
+        if reasoning is not None and self.include_reasoning and reasoning[1] - reasoning[0] > self.sent_reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = text[reasoning[0] + self.sent_reasoning:reasoning[1]]
+            self.sent_reasoning = reasoning[1] - reasoning[0]
+        if final and self.plan.active and not self.ids and not any(c.complete for c in calls):
             # no call came of it: what was held back as a possible call is content, as in message()
-            answer = content
-        if len(answer) > self.sent_content:
-            delta["content"] = answer[self.sent_content:]
-            self.sent_content = len(answer)
-        tool_deltas = self._call_deltas(parsed.calls)
+            content_end = len(text)
+        if content_end - begin > self.sent_content:
+            delta["content"] = text[begin + self.sent_content:content_end]
+            self.sent_content = content_end - begin
+        tool_deltas = self._call_deltas(text, calls, settled)
         if tool_deltas:
             delta["tool_calls"] = tool_deltas
         return delta, self.finish_reason(finish_reason, called=bool(self.ids))
 
-    def _call_deltas(self, calls: list[PartialCall]) -> list[dict]:
+    def _stream_calls(self, text: str, start: int | None, final: bool) -> tuple[int, list[PartialCall], int]:
+        """CallStream.update for the content: text[start:], or "" while start is None."""
+        if start is None:   # the reasoning goes on: the content is "" (a named call is announced already)
+            return len(text), self._calls("", final).calls, 0
+        if self.calls is None:
+            mode = self.plan.mode
+            self.calls = (self.plan.parser.stream(start) if mode == "auto" else
+                          _NamedStream(self.plan.function, start) if mode == "named" else
+                          _RequiredStream(start) if mode == "required" else _ContentStream())
+        if not self.broken:
+            try:
+                return self.calls.update(text, final)
+            except Exception:   # a fault of the stream reader's: the whole parse still answers
+                logger.exception("streamed tool-call reading failed; the content is parsed whole from now on")
+                self.broken = True
+        parsed = self._calls(text[start:], final)
+        return start + len(parsed.content), parsed.calls, 0
+
+    def _call_deltas(self, text: str, calls: list[PartialCall], settled: int) -> list[dict]:
         """OpenAI's order: a call's index, id and name first, then fragments of its arguments; one
         entry per call in a delta (the first carries whatever arguments have come with it)."""
         out = []
-        for i, call in enumerate(calls):
+        for i in range(self.done, len(calls)):
+            call = calls[i]
             if call.name is None:
                 break  # a call is announced by its name; the ones after it wait
             entry: dict = {"index": i, "function": {}}
@@ -120,10 +138,60 @@ class ChoiceReader:
                 self.sent_args.append("")
                 entry = {"index": i, "id": self.ids[i], "type": "function",
                          "function": {"name": call.name, "arguments": ""}}
-            sent = self.sent_args[i]
-            if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
-                entry["function"]["arguments"] = call.arguments[len(sent):]
+            added = _added(text, self.sent_args[i], call.arguments)
+            if added:
+                entry["function"]["arguments"] = added
                 self.sent_args[i] = call.arguments
             if entry["function"]:
                 out.append(entry)
+        self.done = max(self.done, min(settled, len(self.ids)))
         return out
+
+
+def _added(text: str, sent: str | Span, arguments: str | Span) -> str:
+    """What `arguments` add to the `sent` ones: "" unless they are longer and start with them. Spans
+    from one start are one growing string: compared without being copied out of the text."""
+    if arguments is sent:
+        return ""
+    if isinstance(arguments, tuple) and isinstance(sent, tuple) and arguments[0] == sent[0]:
+        return text[sent[1]:arguments[1]]
+    sent, arguments = _text(text, sent), _text(text, arguments)
+    return arguments[len(sent):] if len(arguments) > len(sent) and arguments.startswith(sent) else ""
+
+
+def _text(text: str, arguments: str | Span) -> str:
+    return text[arguments[0]:arguments[1]] if isinstance(arguments, tuple) else arguments
+
+
+class _ContentStream:
+    """tool_choice none (reasoning on): all of the content is content."""
+
+    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int]:
+        return len(text), [], 0
+
+
+class _NamedStream:
+    """A named function: the content is its arguments."""
+
+    def __init__(self, function: str | None, start: int) -> None:
+        self.function, self.start = function, start
+
+    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int]:
+        return self.start, [PartialCall(self.function, (self.start, len(text)), final)], 0
+
+
+class _RequiredStream:
+    """tool_choice required: the content is a JSON list of calls; each closed call is read once."""
+
+    def __init__(self, start: int) -> None:
+        self.start = self.pos = start
+        self.list: ListScanner | None = None
+        self.none = False   # the content does not open a list: no calls
+
+    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int]:
+        if self.list is None and not self.none:
+            self.pos = _WHITESPACE.match(text, self.pos).end()
+            if self.pos < len(text):
+                self.none = text[self.pos] != "["
+                self.list = None if self.none else ListScanner(self.pos + 1)
+        return self.start, *(self.list.update(text) if self.list is not None else ([], 0))

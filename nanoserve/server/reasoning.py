@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from nanoserve.server.tool_parsers.base import without_marker_start
+import re
+
+from nanoserve.server.tool_parsers.base import _WHITESPACE, Span, held_back, without_marker_start
+from nanoserve.server.tool_parsers.stream import find_from
 
 
 class Qwen3ReasoningParser:
@@ -40,5 +43,48 @@ class Qwen3ReasoningParser:
             return without_marker_start(inner, self.END, final), ""
         return inner[:end], inner[end + len(self.END):]
 
+    def stream(self) -> Qwen3ReasoningStream:
+        return Qwen3ReasoningStream(self.opened_in_prompt)
 
+
+class Qwen3ReasoningStream:
+    """`Qwen3ReasoningParser.parse` as the text grows, in spans of it: the opening is read until it
+    is known, then `</think>` is searched for from where the last update left off."""
+
+    START, END = Qwen3ReasoningParser.START, Qwen3ReasoningParser.END
+
+    def __init__(self, opened_in_prompt: bool) -> None:
+        self.opened = opened_in_prompt
+        self.lead = 0        # where the text's first non-space character is (or will be)
+        self.inner = -1      # where the reasoning begins, once known
+        self.decided = False  # the opening is known (it can no longer become `<think>`)
+        self.answer = False   # no reasoning: all of the text is content
+        self.end, self.seek = -1, 0   # where `</think>` begins; no `</think>` begins before seek
+
+    def update(self, text: str, final: bool) -> tuple[Span | None, int | None]:
+        """(the reasoning's span, or None; where the content starts, or None while it is "")."""
+        if not self.decided:
+            self.lead = _WHITESPACE.match(text, self.lead).end()
+            opening = text[self.lead:self.lead + len(self.START)]
+            self.decided = not self.START.startswith(opening) or opening == self.START
+            if opening == self.START:
+                self.inner = self.lead + len(self.START)
+            elif self.opened:   # the prompt opened it: the output starts inside it
+                self.inner = self.lead
+            elif self.decided:
+                self.answer = True
+            else:
+                return None, (0 if final else None)   # may yet open with <think>
+        if self.answer:
+            return None, 0
+        k = len(text)
+        if self.end < 0:
+            self.end, self.seek = find_from(_THINK_END, text, max(self.seek, self.inner), len(self.END))
+        if self.end >= 0:
+            return (self.inner, self.end), self.end + len(self.END)
+        held = 0 if final else held_back(text[max(self.inner, k - len(self.END) + 1):], self.END)
+        return (self.inner, k - held), None
+
+
+_THINK_END = re.compile(re.escape(Qwen3ReasoningParser.END))
 REASONING_PARSERS = {p.name: p for p in (Qwen3ReasoningParser,)}

@@ -257,29 +257,34 @@ def test_a_hermes_tag_inside_an_argument_string_is_part_of_the_argument(value):
 def test_a_streamed_required_list_reads_each_closed_call_once_and_as_the_whole_text_does(monkeypatch):
     # read again from the start at every update, 300 calls took 3.6 s of the event loop for one choice
     from nanoserve.server import chat_output
+    from nanoserve.server.tool_parsers import stream
     from nanoserve.server.tool_parsers.base import scan_call, scan_call_list
 
     rng = random.Random(0)
     pieces = ['{"name": "f", "arguments": {"a": 1}}', ", ", " ", '{"name": "g", "arguments": {"b": "x, {y}"}}', ",",
               '{"name": "h"', ', "arguments": {}}', "junk", "\n"]
-    key = lambda calls: [(c.name, c.arguments, c.complete) for c in calls]  # noqa: E731
+    key = lambda text, calls: [(c.name, chat_output._text(text, c.arguments), c.complete) for c in calls]  # noqa: E731
     for _ in range(200):
         text = "[" + "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
-        reader = ChoiceReader(ToolPlan("required"), None)
+        calls = chat_output._RequiredStream(0)
         for end in range(1, len(text) + 1):
-            assert key(reader.parse(text[:end], False)[2].calls) == key(scan_call_list(text[1:end])), text[:end]
-    reads = []
-    real = chat_output.scan_calls
+            streamed = calls.update(text[:end], False)[1]
+            assert key(text, streamed) == key(text, scan_call_list(text[1:end])), text[:end]
+    decoded = []
+    real = stream.scan_call
 
-    def counted(text, pos, *args, **kwargs):
-        calls, end, closed = real(text, pos, *args, **kwargs)
-        reads.append(closed)
-        return calls, end, closed
+    def counted(text, pos=0):
+        call, end = real(text, pos)
+        decoded.append(end)
+        return call, end
 
-    monkeypatch.setattr(chat_output, "scan_calls", counted)
-    text = "[" + ", ".join(json.dumps({"name": "f", "arguments": {"a": i}}) for i in range(300))
+    monkeypatch.setattr(stream, "scan_call", counted)
+    text = "[" + ", ".join(json.dumps({"name": "f", "arguments": {"a": i}}) for i in range(300)) + "]"
     reader = ChoiceReader(ToolPlan("required"), None)
-    for end in range(1, len(text) + 1, 7):
-        calls = reader.parse(text[:end], False)[2].calls
-    assert len(calls) == 300 and len(reads) > 1000 and sum(reads) <= 300   # an update reads only what closed since
-    assert scan_call(text, 1)[0].name == "f"
+    deltas = [reader.delta(text[i:i + 7], "stop" if i + 7 >= len(text) else None)[0]
+                              for i in range(0, len(text), 7)]
+    assert len(deltas) > 1000 and len(decoded) == 300   # each closed call is decoded once, when it closes
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert "".join(c["function"]["arguments"] for c in calls if c["index"] == 299) == '{"a": 299}'
+    whole, _ = ChoiceReader(ToolPlan("required"), None).message(text, "stop")
+    assert len(whole["tool_calls"]) == 300 and scan_call(text, 1)[0].name == "f"

@@ -1,10 +1,12 @@
 """What every tool-call parser shares: a parse of the text so far into content and calls.
 
-A parser reads the whole output text each time (outputs are short next to the cost of a step)
-and returns what it can already tell: the content before any call and, per call, its name once
-complete and its arguments as far as they are written. Streaming sends the difference from the
-last parse, so a parse must only ever grow: text that may yet turn out to open a call is held
-back from the content until it is known.
+`parse` reads a whole output text and returns what it can already tell: the content before any
+call and, per call, its name once complete and its arguments as far as they are written.
+Streaming sends the difference from the last parse, so a parse must only ever grow: text that may
+yet turn out to open a call is held back from the content until it is known. A stream does not
+call `parse` at every update (that read the whole text again each time: O(n^2) over a long
+output, on the server's event loop); `stream` gives a reader that returns, at every update, what
+`parse` would, reading only what is new (tool_parsers/stream.py).
 """
 
 from __future__ import annotations
@@ -14,8 +16,13 @@ import re
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Protocol
 
 _decoder = json.JSONDecoder()
+
+# text[start:end] of a stream's text: arguments a stream reads are the text as written, and are
+# handed on as where they lie, not copied out at every update
+Span = tuple[int, int]
 
 
 @dataclass
@@ -23,7 +30,8 @@ class PartialCall:
     """One tool call as far as the text shows it."""
 
     name: str | None = None  # set once the name string is complete
-    arguments: str = ""      # the arguments object's text as written so far (JSON once complete)
+    arguments: str | Span = ""  # the arguments object's text as written so far (JSON once complete);
+    #                             a Span only from a stream
     complete: bool = False   # the whole call object is closed
 
 
@@ -33,8 +41,17 @@ class Parsed:
     calls: list[PartialCall] = field(default_factory=list)
 
 
+class CallStream(Protocol):
+    """Reads one choice's content for calls as it grows, from index `start` of the text it is given."""
+
+    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int]:
+        """For the text so far (the whole of it, every time; never kept): where the content ends
+        (it is text[start:that]), the calls, and how many calls lead that no later text changes
+        (their `complete` aside, which `final` may set). Equal to `parse(text[start:], final)`."""
+
+
 class ToolParser(ABC):
-    """Subclasses implement `parse(text, final)`; `final` False means more text may follow."""
+    """Subclasses implement `parse(text, final)` and `stream(start)`; `final` False means more text may follow."""
 
     name = ""
     # special tokens the format uses: the detokenizer must keep them (e.g. Mistral's [TOOL_CALLS])
@@ -43,6 +60,10 @@ class ToolParser(ABC):
     @abstractmethod
     def parse(self, text: str, final: bool) -> Parsed:
         """The content and calls that `text` shows so far; each later parse only grows it."""
+
+    @abstractmethod
+    def stream(self, start: int) -> CallStream:
+        """A reader of one streamed choice whose content starts at index `start` of its text."""
 
     @staticmethod
     def call_id() -> str:
@@ -104,14 +125,19 @@ def scan_call(text: str, pos: int = 0) -> tuple[PartialCall, int | None]:
         return call, end
     name = _NAME.search(text, start)
     if name:
-        try:
-            call.name = _encodable(json.loads(f'"{name.group(1)}"', strict=False))  # strict: control characters
-        except ValueError:   # a broken escape ("\u12"): the name as the model wrote it
-            call.name = name.group(1)
+        call.name = call_name(name.group(1))
     args = _ARGS.search(text, start)
     if args:
         call.arguments = _partial_arguments(text[args.end():])
     return call, None
+
+
+def call_name(written: str) -> str:
+    """The name string of a call not closed yet, from its text between the quotes."""
+    try:
+        return _encodable(json.loads(f'"{written}"', strict=False))  # strict: control characters
+    except ValueError:   # a broken escape ("\u12"): the name as the model wrote it
+        return written
 
 
 def _raw_arguments(obj_text: str) -> str | None:

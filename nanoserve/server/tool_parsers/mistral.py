@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import random
+import re
 import string
 
-from nanoserve.server.tool_parsers.base import Parsed, ToolParser, scan_call_list, without_marker_start
+from nanoserve.server.tool_parsers.base import (
+    _WHITESPACE, Parsed, PartialCall, ToolParser, held_back, scan_call_list, without_marker_start)
+from nanoserve.server.tool_parsers.stream import ListScanner, find_from
 
 MARKER = "[TOOL_CALLS]"
+_MARKER = re.compile(re.escape(MARKER))
 
 
 class MistralToolParser(ToolParser):
@@ -29,3 +33,30 @@ class MistralToolParser(ToolParser):
             rest = rest[1:]
         calls = scan_call_list(rest)   # stops at the list's closing bracket
         return Parsed(text[:at], calls)  # as streamed: the same content whole or in deltas
+
+    def stream(self, start: int) -> MistralStream:
+        return MistralStream(start)
+
+
+class MistralStream:
+    """`parse` of text[start:] as the text grows: the marker is searched for once, the list read on."""
+
+    def __init__(self, start: int) -> None:
+        self.start = self.seek = start   # no marker begins before seek
+        self.at = -1                     # where the marker begins, once written
+        self.calls: ListScanner | None = None
+
+    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int]:
+        k = len(text)
+        if self.at < 0:
+            self.at, self.seek = find_from(_MARKER, text, self.seek, len(MARKER))
+            if self.at < 0:
+                held = 0 if final else held_back(text[max(self.start, k - len(MARKER) + 1):], MARKER)
+                return k - held, [], 0
+            self.seek = self.at + len(MARKER)
+        if self.calls is None:
+            self.seek = _WHITESPACE.match(text, self.seek).end()
+            if self.seek == k:
+                return self.at, [], 0
+            self.calls = ListScanner(self.seek + (text[self.seek] == "["))
+        return self.at, *self.calls.update(text)

@@ -1,0 +1,220 @@
+"""Tool calls read out of a streamed text as it grows, at a cost in proportion to what each update adds.
+
+`scan_call` and `scan_calls` (base.py) read a call from its start. Called at every update of a
+stream, a call (or the content before one) of n characters cost O(n) per update and O(n^2) over
+the stream, on the event loop every other stream shares: a 160 kB call took 16 s. The readers here
+keep how far they got and return, at every update, exactly what those functions return for the
+text so far. A regex search tries each start in turn and, for these patterns, reads forward from
+it without choices; an attempt that the end of the text cut short is resumed where it stopped.
+
+Positions are indices into the stream's whole text, which the caller owns and passes at every
+update: a reader never keeps it (see ChoiceReader.delta). Every scan of the text goes through this
+module's compiled patterns and decoder, which lets a test count the characters read.
+"""
+
+from __future__ import annotations
+
+import re
+
+from nanoserve.server.tool_parsers.base import (
+    _UNREADABLE, _WHITESPACE, PartialCall, Span, _decoder, call_name, scan_call)
+
+# what a JSON value's end depends on: outside a string its brackets and quotes, inside one its
+# quote and escapes
+_OUTSIDE = re.compile(r'[^"\[\]{}]*')
+_INSIDE = re.compile(r'[^"\\]*')
+_NAME_KEY, _ARGS_KEY = re.compile(r'"name"'), re.compile(r'"(?:arguments|parameters)"')
+_NAME_STRING = re.compile(r'(?:[^"\\]|\\.)*')   # base._NAME's string, as far as it goes
+
+
+def find_from(pattern: re.Pattern, text: str, seek: int, width: int) -> tuple[int, int]:
+    """Where `pattern` (a literal of `width` characters) first occurs at or after `seek`, or -1;
+    and where the next search may start (no occurrence can begin before it)."""
+    found = pattern.search(text, seek)
+    return (found.start(), seek) if found else (-1, max(seek, len(text) - width + 1))
+
+
+class ValueEnd:
+    """Where the JSON object, array or string starting at `pos` would end: the first point its
+    brackets balance outside strings. Valid JSON lexes the same way, so no decoder can read the
+    value before that point: it is decoded once, there, instead of at every update."""
+
+    def __init__(self, pos: int) -> None:
+        self.pos, self.depth, self.in_string = pos, 0, False
+
+    def feed(self, text: str) -> int | None:
+        """The index just past the value once it has closed, else None."""
+        k = len(text)
+        while self.pos < k:
+            if self.in_string:
+                self.pos = _INSIDE.match(text, self.pos).end()
+                if self.pos == k or (text[self.pos] == "\\" and self.pos + 1 == k):
+                    return None   # the escaped character is not written yet
+                if text[self.pos] == "\\":
+                    self.pos += 2
+                    continue
+                self.in_string = False
+            else:
+                self.pos = _OUTSIDE.match(text, self.pos).end()
+                if self.pos == k:
+                    return None
+                char = text[self.pos]
+                if char == '"':
+                    self.in_string = True
+                else:
+                    self.depth += 1 if char in "{[" else -1
+            self.pos += 1
+            if self.depth == 0 and not self.in_string:
+                return self.pos
+        return None
+
+
+class KeyFinder:
+    """`re.search` of base._ARGS (`"key"\\s*:\\s*`) or, with `string`, of base._NAME (then a
+    string), in a growing text. Once `advance` is True it stays True: for _ARGS, `pos` is the
+    match's end (it grows while the text ends in spaces); for _NAME the string is text[value:pos]."""
+
+    def __init__(self, key: re.Pattern, key_len: int, string: bool, seek: int) -> None:
+        self.key, self.key_len, self.string = key, key_len, string
+        self.seek = seek            # no match starts before this
+        self.at = self.pos = self.value = -1   # the attempt under way: its start, how far it has read
+        self.step = 0   # 0: find the key; 1: spaces, then the colon; 2: spaces after it; 3: the string; 4: matched
+
+    def advance(self, text: str) -> bool:
+        k = len(text)
+        while self.step != 4:
+            if self.step == 0:
+                found = self.key.search(text, self.seek)
+                if found is None:
+                    self.seek = max(self.seek, k - self.key_len + 1)   # a key the end cut short
+                    return False
+                self.at, self.pos, self.step = found.start(), found.end(), 1
+            elif self.step == 3:
+                self.pos = _NAME_STRING.match(text, self.pos).end()
+                if self.pos == k or (text[self.pos] == "\\" and self.pos + 1 == k):
+                    return False
+                if text[self.pos] == '"':
+                    self.step = 4
+                else:   # a backslash before a newline, which `.` does not match: no match here
+                    self.seek, self.step = self.at + 1, 0
+            else:
+                self.pos = _WHITESPACE.match(text, self.pos).end()
+                if self.pos == k:
+                    return self.step == 2 and not self.string   # _ARGS matches already; more spaces may come
+                if self.step == 1 and text[self.pos] == ":":
+                    self.pos, self.step = self.pos + 1, 2
+                elif self.step == 2 and not self.string:
+                    self.step = 4
+                elif self.step == 2 and text[self.pos] == '"':
+                    self.pos = self.value = self.pos + 1
+                    self.step = 3
+                else:
+                    self.seek, self.step = self.at + 1, 0
+        return True
+
+
+class CallScanner:
+    """scan_call(text, pos) for a growing text: (the call as far as written, the index past it once closed)."""
+
+    def __init__(self, pos: int) -> None:
+        self.pos = pos
+        self.started = False
+        self.closed: tuple[PartialCall, int] | None = None
+        self.object: ValueEnd | None = None   # an object that may yet close into a call
+        self.call = PartialCall()
+        # the keys start with a quote, which no space is: searching from `pos` finds what
+        # searching from the object's first character does
+        self.name = KeyFinder(_NAME_KEY, 6, True, pos)
+        self.args = KeyFinder(_ARGS_KEY, 12, False, pos)
+        self.value: ValueEnd | None = None   # the arguments value, while it may yet close
+        self.value_kind = ""   # "": not begun; "lexed": an object, array or string; "scalar"; "whole"; "never"
+        self.value_end = -1    # "whole": where the decoded value ends
+        self.seen = self.nonspace = -1   # read up to; the end of the last non-space character from the value on
+
+    def update(self, text: str) -> tuple[PartialCall, int | None]:
+        if self.closed is None:
+            self._read(text)
+        return self.closed or (self.call, None)
+
+    def _read(self, text: str) -> None:
+        k = len(text)
+        if not self.started:
+            self.pos = _WHITESPACE.match(text, self.pos).end()
+            if self.pos == k:
+                return
+            self.started = True
+            # only an object is a call: anything else is read by the regexes alone, as scan_call does
+            self.object = ValueEnd(self.pos) if text[self.pos] == "{" else None
+        if self.object is not None and self.object.feed(text) is not None:
+            # decoded once: a call, or never one (a decoder that failed inside it fails on any longer text)
+            self.object = None
+            call, end = scan_call(text, self.pos)
+            if end is not None:
+                self.closed = (call, end)
+                return
+        if self.call.name is None and self.name.advance(text):
+            self.call.name = call_name(text[self.name.value:self.name.pos])
+        if self.args.advance(text):
+            self.call.arguments = self._arguments(text)
+
+    def _arguments(self, text: str) -> Span:
+        """base._partial_arguments of the text after the arguments key."""
+        begin, k = self.args.pos, len(text)
+        if begin == k:
+            return (k, k)
+        if not self.value_kind:
+            self.value_kind = "lexed" if text[begin] in '{["' else "scalar"
+            self.value = ValueEnd(begin) if self.value_kind == "lexed" else None
+            self.seen = self.nonspace = begin
+        tail = text[self.seen:k].rstrip()   # what this update added, as str.rstrip sees it
+        if tail:
+            self.nonspace = self.seen + len(tail)
+        self.seen = k
+        if self.value_kind == "lexed" and self.value.feed(text) is not None:
+            self.value_end = self._decoded_end(text, begin)
+            self.value_kind = "whole" if self.value_end >= 0 else "never"
+        if self.value_kind == "scalar":   # a number or a word: decoded again (it is short, or not JSON)
+            end = self._decoded_end(text, begin)
+            return (begin, end) if end >= 0 else (begin, self.nonspace)
+        return (begin, self.value_end) if self.value_kind == "whole" else (begin, self.nonspace)
+
+    @staticmethod
+    def _decoded_end(text: str, pos: int) -> int:
+        try:
+            return _decoder.raw_decode(text, pos)[1]
+        except _UNREADABLE:
+            return -1
+
+
+class ListScanner:
+    """scan_calls(text, pos, separator) for a growing text: each closed call is read once."""
+
+    def __init__(self, pos: int, separator: str = ",") -> None:
+        self.pos, self.separator = pos, separator
+        self.calls: list[PartialCall] = []   # the closed calls, then the open one
+        self.scanner: CallScanner | None = None
+        self.separated = False   # the separator after the last closed call is read
+        self.ended = False       # what follows is not a call: the list is over
+
+    def update(self, text: str) -> tuple[list[PartialCall], int]:
+        """The calls, and how many of them are closed (those never change)."""
+        k = len(text)
+        while not self.ended:
+            if self.scanner is None:
+                self.pos = _WHITESPACE.match(text, self.pos).end()
+                if self.calls and not self.separated and text.startswith(self.separator, self.pos):
+                    self.pos = _WHITESPACE.match(text, self.pos + len(self.separator)).end()
+                    self.separated = True
+                if self.pos == k:
+                    break
+                if text[self.pos] != "{":
+                    self.ended = True
+                    break
+                self.scanner = CallScanner(self.pos)
+                self.calls.append(PartialCall())
+            call, end = self.scanner.update(text)
+            self.calls[-1] = call
+            if end is None:
+                break
+            self.scanner, self.pos, self.separated = None, end, False
+        return self.calls, len(self.calls) - (self.scanner is not None)

@@ -1,0 +1,285 @@
+"""Streamed chat output is read incrementally: every update gives exactly what parsing the whole
+text so far gives, and costs in proportion to what it adds, not to what came before it."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import tracemalloc
+from json import JSONDecodeError
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nanoserve.server import chat_output, reasoning
+from nanoserve.server.chat_output import ChoiceReader
+from nanoserve.server.reasoning import Qwen3ReasoningParser
+from nanoserve.server.tool_parsers import TOOL_PARSERS, base, hermes, llama3_json, mistral, stream
+from nanoserve.server.tool_parsers.base import scan_call_list
+from nanoserve.server.tool_parsers.stream import ListScanner
+from nanoserve.server.tools import ToolPlan
+
+# pieces of the formats, whole and cut, and of JSON at its edges: escapes, nested brackets, keys
+# inside strings, numbers and words, broken escapes, lone surrogates
+FRAGMENTS = [
+    "<tool_call>", "</tool_call>", "<tool_", "</tool", "call>", "[TOOL_CALLS]", "[TOOL", "<|python_tag|>", "<|python",
+    "<think>", "</think>", "<thi", "</thi", "nk>", "{", "}", "[", "]", '"', "\\", '\\"', '"name"', '"name": "f"', ": ",
+    ":", '"arguments"', '"parameters"', '"arguments": ', ",", ";", " ", "\n", "\t", "1", "-", "12.5", "null", "tru",
+    "e", "abc", "x y", "é", "\\u12", "\\ud800", '{"name": "f", "arguments": {"a": 1}}', '{"a": "b"}', '"x, {y}"',
+    '{"name": "g", "parameters": {"b": [1, {"c": "}"}]}}', "\\n", '"\\\\"', "</tool_call>\n<tool_call>\n",
+    '{"arguments": {"name": "inner"}, "name": "outer"}', '"html": "a </tool_call> b"', "\\\n"]
+texts = st.lists(st.sampled_from(FRAGMENTS), max_size=30).map("".join)
+cuts = st.lists(st.integers(0, 9), min_size=1, max_size=60)
+PLANS = {"none": lambda: ToolPlan(), "required": lambda: ToolPlan("required"),
+         "named": lambda: ToolPlan("named", function="f"),
+         **{name: lambda name=name: ToolPlan("auto", TOOL_PARSERS[name]()) for name in TOOL_PARSERS}}
+REASONING = {"off": lambda: None, "on": Qwen3ReasoningParser, "opened": lambda: Qwen3ReasoningParser(True)}
+SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+class WholeReader:
+    """ChoiceReader.delta as it was: the whole text parsed again at every update (the specification)."""
+
+    def __init__(self, reader: ChoiceReader) -> None:
+        self.reader, self.text = reader, ""
+        self.sent_reasoning = self.sent_content = self.announced = 0
+        self.sent_args: list[str] = []
+
+    def delta(self, new_text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        r = self.reader
+        if not r.plan.active and r.reasoning is None:
+            return ({"content": new_text} if new_text else {}), finish_reason
+        self.text += new_text
+        final = finish_reason is not None
+        thought, content, parsed = r.parse(self.text, final)
+        delta: dict = {}
+        if thought is not None and r.include_reasoning and len(thought) > self.sent_reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = thought[self.sent_reasoning:]
+            self.sent_reasoning = len(thought)
+        answer = parsed.content
+        if final and r.plan.active and not self.announced and not any(c.complete for c in parsed.calls):
+            answer = content
+        if len(answer) > self.sent_content:
+            delta["content"] = answer[self.sent_content:]
+            self.sent_content = len(answer)
+        entries = []
+        for i, call in enumerate(parsed.calls):
+            if call.name is None:
+                break
+            entry: dict = {"index": i, "function": {}}
+            if i == self.announced:
+                self.announced += 1
+                self.sent_args.append("")
+                entry = {"index": i, "id": "ID", "type": "function", "function": {"name": call.name, "arguments": ""}}
+            sent = self.sent_args[i]
+            if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
+                entry["function"]["arguments"] = call.arguments[len(sent):]
+                self.sent_args[i] = call.arguments
+            if entry["function"]:
+                entries.append(entry)
+        if entries:
+            delta["tool_calls"] = entries
+        return delta, r.finish_reason(finish_reason, called=bool(self.announced))
+
+
+def pieces(text: str, sizes: list[int]) -> list[str]:
+    """`text` cut at the given sizes, in turn (0: an update that adds nothing); the last piece
+    is empty at times, as when a finish comes alone."""
+    out, pos = [], 0
+    for size in sizes * (len(text) // max(sum(sizes), 1) + 1):
+        out.append(text[pos:pos + size])
+        pos += size
+        if pos >= len(text):
+            break
+    return out + [text[pos:]] * (pos < len(text)) + [""] * (sizes[0] == 0)
+
+
+def without_ids(delta: dict) -> dict:
+    for entry in delta.get("tool_calls", []):
+        if "id" in entry:
+            entry["id"] = "ID"
+    return delta
+
+
+def materialized(text: str, calls: list) -> list[tuple]:
+    return [(c.name, chat_output._text(text, c.arguments), c.complete) for c in calls]
+
+
+@pytest.mark.parametrize("thinking", sorted(REASONING))
+@pytest.mark.parametrize("plan", sorted(PLANS))
+@SETTINGS
+@given(text=texts, sizes=cuts, finish=st.sampled_from(["stop", "length"]))
+def test_each_streamed_update_is_what_parsing_the_whole_text_so_far_sends(plan, thinking, text, sizes, finish):
+    streamed = ChoiceReader(PLANS[plan](), REASONING[thinking](), include_reasoning=thinking != "opened")
+    whole = WholeReader(ChoiceReader(PLANS[plan](), REASONING[thinking](), streamed.include_reasoning))
+    updates = pieces(text, sizes)
+    for i, piece in enumerate(updates):
+        reason = finish if i == len(updates) - 1 else None
+        delta, finish_reason = streamed.delta(piece, reason)
+        assert (without_ids(delta), finish_reason) == whole.delta(piece, reason), updates[:i + 1]
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+@SETTINGS
+@given(lead=st.sampled_from(["", "ab ", "<think>x</think>"]), text=texts, sizes=cuts, final=st.booleans())
+def test_a_parser_stream_at_every_update_equals_its_parse_of_the_text_so_far(parser, lead, text, sizes, final):
+    """Content and calls alike, from wherever the content starts in the text (after the reasoning)."""
+    whole, reader = TOOL_PARSERS[parser](), TOOL_PARSERS[parser]().stream(len(lead))
+    so_far = lead
+    for piece in pieces(text, sizes):
+        so_far += piece
+        end, calls, settled = reader.update(so_far, False)
+        expected = whole.parse(so_far[len(lead):], False)
+        assert (so_far[len(lead):end], materialized(so_far, calls)) == \
+            (expected.content, materialized(so_far, expected.calls)), so_far
+    end, calls, _ = reader.update(so_far, final)
+    expected = whole.parse(so_far[len(lead):], final)
+    assert (so_far[len(lead):end], materialized(so_far, calls)) == \
+        (expected.content, materialized(so_far, expected.calls))
+
+
+@SETTINGS
+@given(text=texts, sizes=cuts, separator=st.sampled_from([",", ";"]), opened=st.booleans())
+def test_call_lists_and_reasoning_read_incrementally_equal_their_whole_reading(text, sizes, separator, opened):
+    parser = Qwen3ReasoningParser(opened)
+    calls, split = ListScanner(0, separator), parser.stream()
+    so_far = ""
+    for piece in pieces(text, sizes):
+        so_far += piece
+        assert materialized(so_far, calls.update(so_far)[0]) == materialized(so_far, scan_call_list(so_far, separator))
+        for final in (False, True):
+            span, start = split.update(so_far, final)
+            assert (None if span is None else so_far[span[0]:span[1]], "" if start is None else so_far[start:]) == \
+                parser.parse(so_far, final), so_far
+
+
+def call_text(parser: str, calls: list[tuple[str, dict]]) -> str:
+    if parser == "hermes":
+        return "".join(f'<tool_call>\n{json.dumps({"name": n, "arguments": a})}\n</tool_call>\n' for n, a in calls)
+    if parser == "mistral":
+        return "[TOOL_CALLS] " + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+    return "<|python_tag|>" + "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls[:1])
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+@SETTINGS
+@given(thought=st.one_of(st.none(), st.text(max_size=40)), answer=st.text(max_size=40),
+       calls=st.lists(st.tuples(st.text(min_size=1, max_size=8), st.dictionaries(st.text(max_size=5), st.one_of(
+           st.text(max_size=30), st.integers(), st.lists(st.text(max_size=5), max_size=3)), max_size=3)), max_size=3),
+       sizes=cuts)
+def test_streamed_deltas_add_up_to_the_whole_message(parser, thought, answer, calls, sizes):
+    """Well-formed outputs: reasoning, content, calls in the parser's format (strings that hold
+    quotes, brackets, escapes and tags among them)."""
+    marker = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{"}[parser]
+    if thought is not None and "</think>" in thought or marker in answer or parser == "llama3_json" and calls:
+        answer = ""   # llama3_json: a reply is calls or content, never both
+    thinking = "" if thought is None else f"<think>{thought}</think>"
+    text = thinking + answer + (call_text(parser, calls) if calls else "")
+    plan = lambda: ToolPlan("auto", TOOL_PARSERS[parser]())  # noqa: E731
+    message, _ = ChoiceReader(plan(), Qwen3ReasoningParser()).message(text, "stop")
+    reader = ChoiceReader(plan(), Qwen3ReasoningParser())
+    updates = pieces(text, sizes)
+    deltas = [reader.delta(p, "stop" if i == len(updates) - 1 else None)[0] for i, p in enumerate(updates)]
+    assert "".join(d.get("content", "") for d in deltas) == (message["content"] or "")
+    assert "".join(d.get("reasoning", "") for d in deltas) == (message.get("reasoning") or "")
+    streamed: dict[int, list[str]] = {}
+    for entry in (e for d in deltas for e in d.get("tool_calls", [])):
+        name, args = streamed.setdefault(entry["index"], ["", ""])
+        streamed[entry["index"]] = [name + entry["function"].get("name", ""), args + entry["function"]["arguments"]]
+    assert [streamed[i] for i in sorted(streamed)] == \
+        [[c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls", [])]
+
+
+def long_outputs(chars: int) -> dict[str, tuple[str, str | None, bool]]:
+    """name -> (text, tool parser, reasoning on): each about `chars` long, as bench/chat_stream_parse.py."""
+    rng = random.Random(0)
+    words = "the a model of weather in Paris is mild take coat {braces} [list] x<y".split()
+    prose = " ".join(rng.choice(words) for _ in range(chars // 4))[:chars]
+    long_args = json.dumps({"path": "a.py", "content": prose})
+    return {"prose, hermes": (prose, "hermes", False), "prose, mistral": (prose, "mistral", False),
+            "prose, llama3_json": (prose, "llama3_json", False), "think then prose": (
+                f"<think>{prose[:chars // 2]}</think>{prose[chars // 2:]}", "hermes", True),
+            "hermes call, long arguments": (f'<tool_call>\n{{"name": "w", "arguments": {long_args}}}\n</tool_call>',
+                                            "hermes", False),
+            "mistral call, long arguments": (f'[TOOL_CALLS] [{{"name": "w", "arguments": {long_args}}}]', "mistral",
+                                             False),
+            "llama3_json call, long arguments": (f'{{"name": "w", "parameters": {long_args}}}', "llama3_json", False),
+            "many hermes calls": ("".join(call_text("hermes", [("f", {"i": i, "s": prose[i:i + 40]})])
+                                          for i in range(chars // 80)), "hermes", False)}
+
+
+class Counted:
+    """A pattern or decoder that counts the characters it reads: from where it starts to where it
+    stops (a failed search reads to the end of the text)."""
+
+    def __init__(self, real, reads: list[int]) -> None:
+        self.real, self.reads = real, reads
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+    def search(self, text: str, pos: int = 0):
+        found = self.real.search(text, pos)
+        self.reads[0] += (found.end() if found else len(text)) - pos
+        return found
+
+    def match(self, text: str, pos: int = 0):
+        found = self.real.match(text, pos)
+        self.reads[0] += (found.end() - pos if found else 0) + 1
+        return found
+
+    def raw_decode(self, text: str, pos: int = 0):
+        try:
+            value, end = self.real.raw_decode(text, pos)
+        except JSONDecodeError as exc:
+            self.reads[0] += exc.pos - pos + 1
+            raise
+        self.reads[0] += end - pos
+        return value, end
+
+
+@pytest.mark.parametrize("name", sorted(long_outputs(1)))
+def test_a_long_stream_reads_each_character_a_bounded_number_of_times(monkeypatch, name):
+    """Every scan of the text goes through the readers' patterns and decoder: counted, a 40k-update
+    stream reads a few times its length, and its last updates read no more than its first."""
+    reads = [0]
+    for module in (base, stream, hermes, mistral, llama3_json, reasoning, chat_output):
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, (re.Pattern, json.JSONDecoder)):
+                monkeypatch.setattr(module, attr, Counted(value, reads))
+    text, parser, thinking = long_outputs(160_000)[name]
+    reader = ChoiceReader(ToolPlan("auto", TOOL_PARSERS[parser]()), Qwen3ReasoningParser() if thinking else None)
+    per_update = []
+    for pos in range(0, len(text), 4):
+        before = reads[0]
+        reader.delta(text[pos:pos + 4], "stop" if pos + 4 >= len(text) else None)
+        per_update.append(reads[0] - before)
+    assert len(per_update) >= 40_000
+    # what a closed call is decoded from is read again once, whole: a few times the text in all
+    assert sum(per_update) <= 12 * len(text), sum(per_update) / len(text)
+    # the thousand updates before the end (150 kB in) read what the first thousand did
+    assert sum(per_update[-1100:-100]) <= 2 * sum(per_update[:1000]) + 1000, (per_update[:1000], per_update[-1100:])
+
+
+@pytest.mark.parametrize("name", ["prose, hermes", "think then prose", "hermes call, long arguments"])
+def test_a_long_stream_allocates_at_each_update_only_about_what_it_adds(name):
+    """`self.text += piece` copied the whole text at every update, and each parse sliced it again:
+    a 160 kB text allocated 160 kB per update, O(n^2) over the stream (32 s of copying at 1 MB)."""
+    text, parser, thinking = long_outputs(160_000)[name]
+    reader = ChoiceReader(ToolPlan("auto", TOOL_PARSERS[parser]()), Qwen3ReasoningParser() if thinking else None)
+    for pos in range(0, len(text) - 40_000, 4):
+        reader.delta(text[pos:pos + 4], None)
+    peaks = []
+    tracemalloc.start()
+    try:
+        for pos in range(len(text) - 40_000, len(text) - 4, 4):
+            before = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            reader.delta(text[pos:pos + 4], None)
+            peaks.append(tracemalloc.get_traced_memory()[1] - before)
+    finally:
+        tracemalloc.stop()
+    assert max(sorted(peaks)[:-10]) < 8_000, sorted(peaks)[-20:]   # 120 kB and more were streamed before
