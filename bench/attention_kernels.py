@@ -22,55 +22,26 @@ import os
 import sys
 
 import torch
-from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
+from attention_common import (DTYPE, HEAD_DIM, KV_HEADS, Caches, copy_bandwidth,  # noqa: E402
+                              graph_time_us)
+from decode_sweeps import launch_order_sweep, ragged_sweep, whole_rows_sweep  # noqa: E402
+
+from nanoserve.runner.attention.decode_splits import num_decode_splits  # noqa: E402
 from nanoserve.runner.attention.fp8 import FP8_DTYPE  # noqa: E402
-from nanoserve.runner.attention.decode_splits import longest_first, num_decode_splits  # noqa: E402
 from nanoserve.runner.attention.triton_decode import paged_decode  # noqa: E402
 from nanoserve.runner.attention.triton_prefill import paged_prefill  # noqa: E402
 
-Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 256
-DTYPE = torch.bfloat16
+Q_HEADS = 16   # --group sets it
 BATCHES, CONTEXTS = (1, 16, 256), (1024, 8192, 32768)
 
 try:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 except ImportError:
     flash_attn_with_kvcache = flash_attn_varlen_func = None
-
-
-def graph_time_us(fn) -> float:
-    fn()   # compile / warm up
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e3
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3)
-
-
-class Caches:
-    """One cache big enough for the largest batch x context; each case takes shuffled blocks."""
-
-    def __init__(self, tokens: int, dtype: torch.dtype) -> None:
-        self.num_blocks = tokens // BLOCK + 1
-        shape = (self.num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-        self.k = torch.empty(shape, dtype=DTYPE, device="cuda").normal_().to(dtype)
-        self.v = torch.empty(shape, dtype=DTYPE, device="cuda").normal_().to(dtype)
-
-    def tables(self, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-        per_seq = -(-context // BLOCK)
-        blocks = torch.randperm(self.num_blocks, device="cuda")[:batch * per_seq]
-        seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-        return seq_lens, blocks.view(batch, per_seq).int()
 
 
 def decode_case(caches: Caches, batch: int, context: int, **kw) -> float:
@@ -217,138 +188,6 @@ def split_sweep(caches: Caches) -> None:
         print(f"batch {batch:3d} ctx {context:5d}  " + "  ".join(row))
 
 
-def ragged_sweep() -> None:
-    """Decode over contexts of unequal length, as in a served batch (nano-vllm's workload: prompts
-    of 100-1,024 tokens, outputs of 100-1,024): KV bandwidth by how contexts are split (evenly in
-    1/2/4, or in splits of 256/512 keys) and launch order (rows / longest first), for each cache
-    dtype and, for fp8, a few tiles. Each variant's output is checked against the default's."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    splits = [dict(num_splits=n) for n in (1, 2, 4)] + [dict(split_keys=k) for k in (256, 512)]
-    print("\nragged decode (TB/s of K+V read), contexts uniform in 100..2,048; "
-          "s<n>: n even splits, k<n>: splits of n keys; L: longest first")
-    for dtype, configs in ((DTYPE, [None]),
-                           (FP8_DTYPE, [None, dict(BLOCK_N=32), dict(num_warps=2), dict(BLOCK_N=128, num_warps=4),
-                                        # one warp with its loads pipelined: the tail of a ragged
-                                        # batch is a few programs each waiting on memory
-                                        dict(num_stages=2), dict(BLOCK_N=32, num_stages=3)])):
-        caches = Caches(256 * 2048, dtype)
-        for batch in (64, 128, 256):
-            seq_lens = torch.randint(100, 2049, (batch,), generator=gen, device="cuda", dtype=torch.int32)
-            per_seq = -(-2048 // BLOCK)
-            tables = torch.randperm(caches.num_blocks, device="cuda")[:batch * per_seq].view(batch, per_seq).int()
-            q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-            nbytes = 2 * int(seq_lens.sum()) * KV_HEADS * HEAD_DIM * caches.k.element_size()
-            order = longest_first(seq_lens)
-            expected = paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048)
-            for config in configs:
-                cells = []
-                for split in splits:
-                    for ordered in (False, True):
-                        run = (lambda: paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048,
-                                                    seq_order=order if ordered else None, config=config, **split))
-                        err = (run().float() - expected.float()).abs().max().item()
-                        us = graph_time_us(run)
-                        name = f"s{split['num_splits']}" if "num_splits" in split else f"k{split['split_keys']}"
-                        cells.append(f"{name}{'L' if ordered else ' '} {nbytes / us / 1e6:4.2f}{'!' if err > 2e-2 else ' '}")
-                label = f"{str(dtype).split('.')[-1]} {config or 'default'}"
-                print(f"{label:>45} b{batch:<3} " + " ".join(cells))
-    print("! = differs from the default by more than 2e-2")
-
-
-def decode_shapes(cases) -> list[tuple]:
-    """(name, batch, q, seq_lens, order, split) per case (name, batch, context, split): a context of
-    None draws ragged ones, uniform in 100-2,048, launched longest first; others are uniform."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    shapes = []
-    for name, batch, lens, split in cases:
-        seq_lens = (torch.randint(100, 2049, (batch,), generator=gen, device="cuda", dtype=torch.int32)
-                    if lens is None else torch.full((batch,), lens, device="cuda", dtype=torch.int32))
-        q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-        shapes.append((name, batch, q, seq_lens, longest_first(seq_lens) if lens is None else None, split))
-    return shapes
-
-
-def decode_cases(shapes, caches: Caches, fp8_ragged_split: bool = False) -> list[tuple]:
-    """(q, seq_lens, tables, order, split, the default kernel's output, K+V bytes) per shape, over
-    fresh shuffled blocks of `caches`; fp8_ragged_split: an fp8 cache's ragged cases in splits of
-    512 keys, as the engine runs them."""
-    cases = []
-    for _, batch, q, seq_lens, order, split in shapes:
-        per_seq = -(-2048 // BLOCK)
-        tables = torch.randperm(caches.num_blocks, device="cuda")[:batch * per_seq].view(batch, per_seq).int()
-        if fp8_ragged_split and order is not None and caches.k.dtype == FP8_DTYPE:
-            split = dict(split_keys=512)
-        nbytes = 2 * int(seq_lens.sum()) * KV_HEADS * HEAD_DIM * caches.k.element_size()
-        want = paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048, seq_order=order, **split)
-        cases.append((q, seq_lens, tables, order, split, want, nbytes))
-    return cases
-
-
-def bandwidth_cells(caches: Caches, cases: list[tuple], cfg: dict, width: int) -> list[str]:
-    """TB/s of K+V read per case under config cfg, marked ! where the output differs from the
-    default kernel's by more than 2e-2."""
-    cells = []
-    for q, seq_lens, tables, order, split, want, nbytes in cases:
-        run = (lambda q=q, seq_lens=seq_lens, tables=tables, order=order, split=split:
-               paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048,
-                            seq_order=order, config=dict(cfg), **split))
-        err = (run().float() - want.float()).abs().max().item()
-        cells.append(f"{nbytes / graph_time_us(run) / 1e6:{width}.2f}{'!' if err > 2e-2 else ' '}")
-    return cells
-
-
-def launch_order_sweep() -> None:
-    """Decode programs launched sequence by sequence with a sequence's kv heads side by side
-    (H: they share each token's cache row) against head by head (-), for both caches and a few
-    tiles: TB/s of K+V read on ragged batches (as the engine launches them: longest first; an fp8
-    cache in splits of 512 keys) and uniform ones."""
-    shapes = decode_shapes((("ragged b256", 256, None, {}), ("ragged b128", 128, None, {}), ("b256 c1k", 256, 1024, {}),
-                            ("b64 c2k", 64, 2048, {}), ("b16 c2k", 16, 2048, {}), ("b1 c2k", 1, 2048, {})))
-    print("\nlaunch order (TB/s of K+V read); H: a sequence's kv heads side by side")
-    print(f"{'cache BLOCK_N warps stages order':>34} " + " ".join(f"{c[0]:>12}" for c in shapes))
-    for dtype, tiles in ((DTYPE, ((64, 4, 3), (64, 2, 2), (32, 4, 3))),
-                         (FP8_DTYPE, ((64, 1, 1), (64, 2, 2), (32, 1, 2), (64, 1, 2)))):
-        caches = Caches(256 * 2048, dtype)
-        cases = decode_cases(shapes, caches, fp8_ragged_split=True)
-        for block_n, warps, stages in tiles:
-            for heads_fast in (False, True):
-                cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, HEADS_FAST=heads_fast, WHOLE_ROWS=False)
-                label = f"{str(dtype).split('.')[-1][:8]} {block_n:4d} {warps} {stages} {'H' if heads_fast else '-'}"
-                print(f"{label:>34} " + " ".join(bandwidth_cells(caches, cases, cfg, 11)))
-    print("! = differs from the default by more than 2e-2")
-
-
-def whole_rows_sweep() -> None:
-    """The whole-row kernel (one program per sequence and split reads every kv head's share of a
-    tile of tokens: contiguous rows) by tile config, against the per-head kernel's defaults, both
-    caches: TB/s of K+V read. Ragged cases run unsplit (s1) and in splits of 512 keys (k512),
-    longest first; uniform ones in the default split count."""
-    shapes = decode_shapes((("ragged b256 s1", 256, None, dict(num_splits=1)),
-                            ("ragged b256 k512", 256, None, dict(split_keys=512)),
-                            ("ragged b128 k512", 128, None, dict(split_keys=512)),
-                            ("b256 c1k", 256, 1024, {}), ("b64 c2k", 64, 2048, {}),
-                            ("b16 c2k", 16, 2048, {}), ("b1 c2k", 1, 2048, {})))
-    print(f"\nwhole-row decode, {Q_HEADS} q heads over {KV_HEADS} kv heads (TB/s of K+V read); "
-          "tokens per tile x kv heads = a tile's rows")
-    print(f"{'cache kernel tokens warps stages':>34} " + " ".join(f"{c[0]:>16}" for c in shapes))
-    for dtype in (DTYPE, FP8_DTYPE):
-        caches = Caches(256 * 2048, dtype)
-        cases = decode_cases(shapes, caches)
-        configs = [("per head", dict(WHOLE_ROWS=False))] + [
-            ("rows", dict(WHOLE_ROWS=True, BLOCK_N=tokens, num_warps=warps, num_stages=stages))
-            for tokens in (8, 16, 32) for warps, stages in ((2, 2), (4, 2), (4, 3), (8, 2))]
-        for kernel, cfg in configs:
-            label = f"{str(dtype).split('.')[-1][:8]} {kernel:>8} " + (
-                f"{cfg['BLOCK_N']:3d} {cfg['num_warps']} {cfg['num_stages']}" if "BLOCK_N" in cfg else "default")
-            try:
-                cells = bandwidth_cells(caches, cases, cfg, 15)
-            except Exception as e:   # out of shared memory or registers
-                print(f"{label:>34}  failed: {type(e).__name__}: {str(e)[:100]}")
-                continue
-            print(f"{label:>34} " + " ".join(cells))
-    print("! = differs from the per-head kernel by more than 2e-2")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiles", action="store_true", help="also sweep the decode tile config")
@@ -376,13 +215,13 @@ def main() -> None:
         prefill_sweep(Caches(4 * 16384 * 2, DTYPE))
         return
     if args.ragged:
-        ragged_sweep()
+        ragged_sweep(Q_HEADS)
         return
     if args.launch_order:
-        launch_order_sweep()
+        launch_order_sweep(Q_HEADS)
         return
     if args.rows:
-        whole_rows_sweep()
+        whole_rows_sweep(Q_HEADS)
         return
     fp8 = args.kv_cache_dtype == "fp8"
     flash = flash_attn_with_kvcache is not None and not fp8   # flash-attn reads no fp8 cache

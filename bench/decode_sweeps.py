@@ -1,0 +1,145 @@
+"""Decode-attention sweeps over launch layouts (bench/attention_kernels.py --ragged, --launch-order,
+--rows): split counts and launch order over ragged contexts, a sequence's kv heads side by side,
+and the whole-row kernel's tiles, for both caches. TB/s of K+V read; each variant's output is
+checked against the default kernel's."""
+
+from __future__ import annotations
+
+import torch
+from attention_common import BLOCK, DTYPE, HEAD_DIM, KV_HEADS, Caches, graph_time_us
+
+from nanoserve.runner.attention.decode_splits import longest_first
+from nanoserve.runner.attention.fp8 import FP8_DTYPE
+from nanoserve.runner.attention.triton_decode import paged_decode
+
+
+def ragged_sweep(q_heads: int) -> None:
+    """Decode over contexts of unequal length, as in a served batch (nano-vllm's workload: prompts
+    of 100-1,024 tokens, outputs of 100-1,024): KV bandwidth by how contexts are split (evenly in
+    1/2/4, or in splits of 256/512 keys) and launch order (rows / longest first), for each cache
+    dtype and, for fp8, a few tiles. Each variant's output is checked against the default's."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    splits = [dict(num_splits=n) for n in (1, 2, 4)] + [dict(split_keys=k) for k in (256, 512)]
+    print("\nragged decode (TB/s of K+V read), contexts uniform in 100..2,048; "
+          "s<n>: n even splits, k<n>: splits of n keys; L: longest first")
+    for dtype, configs in ((DTYPE, [None]),
+                           (FP8_DTYPE, [None, dict(BLOCK_N=32), dict(num_warps=2), dict(BLOCK_N=128, num_warps=4),
+                                        # one warp with its loads pipelined: the tail of a ragged
+                                        # batch is a few programs each waiting on memory
+                                        dict(num_stages=2), dict(BLOCK_N=32, num_stages=3)])):
+        caches = Caches(256 * 2048, dtype)
+        for batch in (64, 128, 256):
+            seq_lens = torch.randint(100, 2049, (batch,), generator=gen, device="cuda", dtype=torch.int32)
+            per_seq = -(-2048 // BLOCK)
+            tables = torch.randperm(caches.num_blocks, device="cuda")[:batch * per_seq].view(batch, per_seq).int()
+            q = torch.randn(batch, q_heads, HEAD_DIM, dtype=DTYPE, device="cuda")
+            nbytes = 2 * int(seq_lens.sum()) * KV_HEADS * HEAD_DIM * caches.k.element_size()
+            order = longest_first(seq_lens)
+            expected = paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048)
+            for config in configs:
+                cells = []
+                for split in splits:
+                    for ordered in (False, True):
+                        run = (lambda: paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048,
+                                                    seq_order=order if ordered else None, config=config, **split))
+                        err = (run().float() - expected.float()).abs().max().item()
+                        us = graph_time_us(run)
+                        name = f"s{split['num_splits']}" if "num_splits" in split else f"k{split['split_keys']}"
+                        cells.append(f"{name}{'L' if ordered else ' '} {nbytes / us / 1e6:4.2f}{'!' if err > 2e-2 else ' '}")
+                label = f"{str(dtype).split('.')[-1]} {config or 'default'}"
+                print(f"{label:>45} b{batch:<3} " + " ".join(cells))
+    print("! = differs from the default by more than 2e-2")
+
+
+def decode_shapes(cases, q_heads: int) -> list[tuple]:
+    """(name, batch, q, seq_lens, order, split) per case (name, batch, context, split): a context of
+    None draws ragged ones, uniform in 100-2,048, launched longest first; others are uniform."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = []
+    for name, batch, lens, split in cases:
+        seq_lens = (torch.randint(100, 2049, (batch,), generator=gen, device="cuda", dtype=torch.int32)
+                    if lens is None else torch.full((batch,), lens, device="cuda", dtype=torch.int32))
+        q = torch.randn(batch, q_heads, HEAD_DIM, dtype=DTYPE, device="cuda")
+        shapes.append((name, batch, q, seq_lens, longest_first(seq_lens) if lens is None else None, split))
+    return shapes
+
+
+def decode_cases(shapes, caches: Caches, fp8_ragged_split: bool = False) -> list[tuple]:
+    """(q, seq_lens, tables, order, split, the default kernel's output, K+V bytes) per shape, over
+    fresh shuffled blocks of `caches`; fp8_ragged_split: an fp8 cache's ragged cases in splits of
+    512 keys, as the engine runs them."""
+    cases = []
+    for _, batch, q, seq_lens, order, split in shapes:
+        per_seq = -(-2048 // BLOCK)
+        tables = torch.randperm(caches.num_blocks, device="cuda")[:batch * per_seq].view(batch, per_seq).int()
+        if fp8_ragged_split and order is not None and caches.k.dtype == FP8_DTYPE:
+            split = dict(split_keys=512)
+        nbytes = 2 * int(seq_lens.sum()) * KV_HEADS * HEAD_DIM * caches.k.element_size()
+        want = paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048, seq_order=order, **split)
+        cases.append((q, seq_lens, tables, order, split, want, nbytes))
+    return cases
+
+
+def bandwidth_cells(caches: Caches, cases: list[tuple], cfg: dict, width: int) -> list[str]:
+    """TB/s of K+V read per case under config cfg, marked ! where the output differs from the
+    default kernel's by more than 2e-2."""
+    cells = []
+    for q, seq_lens, tables, order, split, want, nbytes in cases:
+        run = (lambda q=q, seq_lens=seq_lens, tables=tables, order=order, split=split:
+               paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048,
+                            seq_order=order, config=dict(cfg), **split))
+        err = (run().float() - want.float()).abs().max().item()
+        cells.append(f"{nbytes / graph_time_us(run) / 1e6:{width}.2f}{'!' if err > 2e-2 else ' '}")
+    return cells
+
+
+def launch_order_sweep(q_heads: int) -> None:
+    """Decode programs launched sequence by sequence with a sequence's kv heads side by side
+    (H: they share each token's cache row) against head by head (-), for both caches and a few
+    tiles: TB/s of K+V read on ragged batches (as the engine launches them: longest first; an fp8
+    cache in splits of 512 keys) and uniform ones."""
+    shapes = decode_shapes((("ragged b256", 256, None, {}), ("ragged b128", 128, None, {}), ("b256 c1k", 256, 1024, {}),
+                            ("b64 c2k", 64, 2048, {}), ("b16 c2k", 16, 2048, {}), ("b1 c2k", 1, 2048, {})), q_heads)
+    print("\nlaunch order (TB/s of K+V read); H: a sequence's kv heads side by side")
+    print(f"{'cache BLOCK_N warps stages order':>34} " + " ".join(f"{c[0]:>12}" for c in shapes))
+    for dtype, tiles in ((DTYPE, ((64, 4, 3), (64, 2, 2), (32, 4, 3))),
+                         (FP8_DTYPE, ((64, 1, 1), (64, 2, 2), (32, 1, 2), (64, 1, 2)))):
+        caches = Caches(256 * 2048, dtype)
+        cases = decode_cases(shapes, caches, fp8_ragged_split=True)
+        for block_n, warps, stages in tiles:
+            for heads_fast in (False, True):
+                cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, HEADS_FAST=heads_fast, WHOLE_ROWS=False)
+                label = f"{str(dtype).split('.')[-1][:8]} {block_n:4d} {warps} {stages} {'H' if heads_fast else '-'}"
+                print(f"{label:>34} " + " ".join(bandwidth_cells(caches, cases, cfg, 11)))
+    print("! = differs from the default by more than 2e-2")
+
+
+def whole_rows_sweep(q_heads: int) -> None:
+    """The whole-row kernel (one program per sequence and split reads every kv head's share of a
+    tile of tokens: contiguous rows) by tile config, against the per-head kernel's defaults, both
+    caches: TB/s of K+V read. Ragged cases run unsplit (s1) and in splits of 512 keys (k512),
+    longest first; uniform ones in the default split count."""
+    shapes = decode_shapes((("ragged b256 s1", 256, None, dict(num_splits=1)),
+                            ("ragged b256 k512", 256, None, dict(split_keys=512)),
+                            ("ragged b128 k512", 128, None, dict(split_keys=512)),
+                            ("b256 c1k", 256, 1024, {}), ("b64 c2k", 64, 2048, {}),
+                            ("b16 c2k", 16, 2048, {}), ("b1 c2k", 1, 2048, {})), q_heads)
+    print(f"\nwhole-row decode, {q_heads} q heads over {KV_HEADS} kv heads (TB/s of K+V read); "
+          "tokens per tile x kv heads = a tile's rows")
+    print(f"{'cache kernel tokens warps stages':>34} " + " ".join(f"{c[0]:>16}" for c in shapes))
+    for dtype in (DTYPE, FP8_DTYPE):
+        caches = Caches(256 * 2048, dtype)
+        cases = decode_cases(shapes, caches)
+        configs = [("per head", dict(WHOLE_ROWS=False))] + [
+            ("rows", dict(WHOLE_ROWS=True, BLOCK_N=tokens, num_warps=warps, num_stages=stages))
+            for tokens in (8, 16, 32) for warps, stages in ((2, 2), (4, 2), (4, 3), (8, 2))]
+        for kernel, cfg in configs:
+            label = f"{str(dtype).split('.')[-1][:8]} {kernel:>8} " + (
+                f"{cfg['BLOCK_N']:3d} {cfg['num_warps']} {cfg['num_stages']}" if "BLOCK_N" in cfg else "default")
+            try:
+                cells = bandwidth_cells(caches, cases, cfg, 15)
+            except Exception as e:   # out of shared memory or registers
+                print(f"{label:>34}  failed: {type(e).__name__}: {str(e)[:100]}")
+                continue
+            print(f"{label:>34} " + " ".join(cells))
+    print("! = differs from the per-head kernel by more than 2e-2")
