@@ -1,0 +1,102 @@
+"""Compile the attention kernels for a CUDA target without a GPU (Triton's own compiler and the
+ptxas it ships): what the CPU tests' interpreter lets pass but the GPU compiler would refuse
+shows here, before a device run.
+
+    python scripts/compile_for_gpu.py            # sm90 (H100/H200), every variant below
+    python scripts/compile_for_gpu.py --arch 80 --only decode,merge
+
+Each kernel is compiled with the tiles the engine picks on that GPU, over a bf16 and an fp8
+cache, with its flags all off and all on (splits, launch order, mixed steps' packed rows, PDL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("unset TRITON_INTERPRET: the interpreter compiles nothing")
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from nanoserve.runner.attention.triton_decode import _decode_kernel, _merge_splits_kernel, decode_config  # noqa: E402
+from nanoserve.runner.attention.triton_decode_rows import decode_rows_kernel, rows_config  # noqa: E402
+from nanoserve.runner.attention.triton_prefill import _prefill_config, _prefill_kernel  # noqa: E402
+
+FLOATS = {"scale_log2", "v_scale"}
+CUDA = torch.device("cuda")
+
+
+def signature(kernel, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
+    """Triton types of the kernel's arguments: pointers by name, the softmax scales as float32,
+    every other runtime argument an int32."""
+    return {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in FLOATS else "i32")
+            for name in kernel.arg_names}
+
+
+def compile_one(kernel, pointers: dict[str, str], constexprs: dict, options: dict, target: GPUTarget) -> float:
+    started = time.perf_counter()
+    source = ASTSource(fn=kernel, signature=signature(kernel, pointers, constexprs),
+                       constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+    triton.compile(source, target=target, options=options)
+    return time.perf_counter() - started
+
+
+def variants(target: GPUTarget):
+    """(name, kernel, pointer types, constexprs, launch options) of every variant compiled."""
+    for fp8 in (False, True):
+        cache = "*fp8e4nv" if fp8 else "*bf16"
+        io = dict(q_ptr="*bf16", out_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, part_acc_ptr="*fp32",
+                  part_lse_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32", seq_order_ptr="*i32",
+                  query_start_ptr="*i32", query_start_loc_ptr="*i32", tiles_ptr="*i32")
+        for on in (False, True):
+            flags = dict(SPLIT=on, ORDERED=on, PACKED_Q=on, USE_PDL=on and target.arch >= 90)
+            shared = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None, KV_FP8=fp8, FP8_VIA_F16=fp8, **flags)
+            tiles = decode_config(CUDA, fp8)
+            options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
+            yield (f"decode {cache[1:]} flags {'on' if on else 'off'}", _decode_kernel, io,
+                   dict(shared, BLOCK_H=16, HEADS_FAST=on, **tiles), options)
+            tiles = rows_config(False, fp8, 8)
+            options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
+            yield (f"decode rows {cache[1:]} flags {'on' if on else 'off'}", decode_rows_kernel, io,
+                   dict(shared, KV_HEADS=8, BLOCK_H=16, **tiles), options)
+            tiles = _prefill_config(128, torch.bfloat16, CUDA, fp8)
+            options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
+            yield (f"prefill {cache[1:]} flags {'on' if on else 'off'}", _prefill_kernel, io,
+                   dict(GROUP=2, BLOCK_Q=tiles["BLOCK_M"] // 2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None,
+                        KV_FP8=fp8, LAST_TILES_FIRST=on, SKIP_DECODE_ROWS=on, TILED=on,
+                        USE_PDL=flags["USE_PDL"], **tiles), options)
+    for packed in (False, True):
+        yield (f"merge packed {packed}", _merge_splits_kernel,
+               dict(part_acc_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", seq_lens_ptr="*i32",
+                    query_start_ptr="*i32"),
+               dict(Q_HEADS=16, BLOCK_HEADS=4, HEAD_DIM=128, SPLITS_POW2=4, BLOCK_N=64, PACKED_Q=packed,
+                    USE_PDL=target.arch >= 90), dict(num_warps=4, num_stages=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
+    parser.add_argument("--only", default="", help="comma-separated words: only variants whose name starts with one")
+    args = parser.parse_args(argv)
+    target = GPUTarget("cuda", args.arch, 32)
+    only = tuple(word for word in args.only.split(",") if word)
+    count = 0
+    for name, kernel, pointers, constexprs, options in variants(target):
+        if only and not name.startswith(only):
+            continue
+        seconds = compile_one(kernel, pointers, constexprs, options, target)
+        print(f"sm{args.arch} {name}: compiled in {seconds:.1f} s", flush=True)
+        count += 1
+    print(f"{count} kernels compiled for sm{args.arch}")
+
+
+if __name__ == "__main__":
+    main()
