@@ -56,7 +56,25 @@ def workloads(chars: int) -> dict[str, tuple[str, str | None, bool]]:
                                              "mistral", False),
         "llama3_json call with long arguments": (f'{{"name": "write", "parameters": {long_args}}}',
                                                  "llama3_json", False),
+        # crafted (guided_regex can force any text while tool_choice is auto): blocks nested inside
+        # open calls' strings or objects, each left open, then prose that every one of them reads
+        **{f"{n} hermes blocks nested in open calls": (nested_blocks(n, text), "hermes", False) for n in (100, 1000)},
+        "1000 named hermes blocks nested in open calls": (
+            '<tool_call>{"name": "f", "arguments": "</tool_call>' * 1000 + text.translate(OPENING), "hermes", False),
+        "hermes call, bare-number arguments": ('<tool_call>{"name": "f", "arguments": ' + "7" * chars, "hermes", False),
+        "mistral call, bare-number arguments": ('[TOOL_CALLS] [{"name": "f", "arguments": 1.' + "7" * chars,
+                                                "mistral", False),
     }
+
+
+OPENING = str.maketrans("]}", "[{")
+
+
+def nested_blocks(n: int, text: str) -> str:
+    """`n` hermes blocks, each opened inside the call before it (in a string, or in an object),
+    then `text` (with no closing bracket: no block ever closes, all are read on at every update)."""
+    forms = ['<tool_call>{"a": "</tool_call>', '<tool_call>{"a": [</tool_call>', '<tool_call>{"a": "\\"</tool_call>']
+    return "".join(forms[i % len(forms)] for i in range(n)) + text.translate(OPENING)
 
 
 def run(text: str, parser: str | None, reasoning: bool, piece: int) -> tuple[float, float, float]:

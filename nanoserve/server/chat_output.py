@@ -29,6 +29,7 @@ class ChoiceReader:
         self.ids: list[str] = []       # per streamed call: its id, sent with its name
         self.sent_args: list[str | Span] = []
         self.done = 0   # leading calls that no later text changes, all they have is sent: not read again
+        self.stopped = 0   # where the last update stopped reading calls: a call with no name yet, or the end
 
     def parse(self, text: str, final: bool) -> tuple[str | None, str, Parsed]:
         """(reasoning or None, the text after it, its content and calls)."""
@@ -90,7 +91,7 @@ class ChoiceReader:
         final = finish_reason is not None
         reasoning, start = self.split.update(text, final) if self.split is not None else (None, 0)
         begin = len(text) if start is None else start   # the content is text[begin:], or "" (begin = len)
-        content_end, calls, settled = self._stream_calls(text, start, final)
+        content_end, calls, settled, changed = self._stream_calls(text, start, final)
         delta: dict = {}
         if reasoning is not None and self.include_reasoning and reasoning[1] - reasoning[0] > self.sent_reasoning:
             delta["reasoning"] = delta["reasoning_content"] = text[reasoning[0] + self.sent_reasoning:reasoning[1]]
@@ -101,15 +102,15 @@ class ChoiceReader:
         if content_end - begin > self.sent_content:
             delta["content"] = text[begin + self.sent_content:content_end]
             self.sent_content = content_end - begin
-        tool_deltas = self._call_deltas(text, calls, settled)
+        tool_deltas = self._call_deltas(text, calls, settled, changed)
         if tool_deltas:
             delta["tool_calls"] = tool_deltas
         return delta, self.finish_reason(finish_reason, called=bool(self.ids))
 
-    def _stream_calls(self, text: str, start: int | None, final: bool) -> tuple[int, list[PartialCall], int]:
+    def _stream_calls(self, text: str, start: int | None, final: bool) -> tuple[int, list[PartialCall], int, int]:
         """CallStream.update for the content: text[start:], or "" while start is None."""
         if start is None:   # the reasoning goes on: the content is "" (a named call is announced already)
-            return len(text), self._calls("", final).calls, 0
+            return len(text), self._calls("", final).calls, 0, 0
         if self.calls is None:
             mode = self.plan.mode
             self.calls = (self.plan.parser.stream(start) if mode == "auto" else
@@ -122,15 +123,19 @@ class ChoiceReader:
                 logger.exception("streamed tool-call reading failed; the content is parsed whole from now on")
                 self.broken = True
         parsed = self._calls(text[start:], final)
-        return start + len(parsed.content), parsed.calls, 0
+        return start + len(parsed.content), parsed.calls, 0, 0
 
-    def _call_deltas(self, text: str, calls: list[PartialCall], settled: int) -> list[dict]:
+    def _call_deltas(self, text: str, calls: list[PartialCall], settled: int, changed: int) -> list[dict]:
         """OpenAI's order: a call's index, id and name first, then fragments of its arguments; one
-        entry per call in a delta (the first carries whatever arguments have come with it)."""
-        out = []
-        for i in range(self.done, len(calls)):
+        entry per call in a delta (the first carries whatever arguments have come with it). The
+        calls before `changed` are as they were, all sent up to where the last update stopped:
+        read on from there (crafted output keeps up to MAX_TOOL_CALLS calls open, never settled)."""
+        out, begin = [], max(self.done, min(changed, self.stopped))
+        self.stopped = len(calls)
+        for i in range(begin, len(calls)):
             call = calls[i]
             if call.name is None:
+                self.stopped = i
                 break  # a call is announced by its name; the ones after it wait
             entry: dict = {"index": i, "function": {}}
             if i == len(self.ids):
@@ -166,8 +171,8 @@ def _text(text: str, arguments: str | Span) -> str:
 class _ContentStream:
     """tool_choice none (reasoning on): all of the content is content."""
 
-    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int]:
-        return len(text), [], 0
+    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int, int]:
+        return len(text), [], 0, 0
 
 
 class _NamedStream:
@@ -176,8 +181,8 @@ class _NamedStream:
     def __init__(self, function: str | None, start: int) -> None:
         self.function, self.start = function, start
 
-    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int]:
-        return self.start, [PartialCall(self.function, (self.start, len(text)), final)], 0
+    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int, int]:
+        return self.start, [PartialCall(self.function, (self.start, len(text)), final)], 0, 0
 
 
 class _RequiredStream:
@@ -188,10 +193,10 @@ class _RequiredStream:
         self.list: ListScanner | None = None
         self.none = False   # the content does not open a list: no calls
 
-    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int]:
+    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int, int]:
         if self.list is None and not self.none:
             self.pos = _WHITESPACE.match(text, self.pos).end()
             if self.pos < len(text):
                 self.none = text[self.pos] != "["
                 self.list = None if self.none else ListScanner(self.pos + 1)
-        return self.start, *(self.list.update(text) if self.list is not None else ([], 0))
+        return self.start, *(self.list.update(text) if self.list is not None else ([], 0, 0))

@@ -8,6 +8,7 @@ import random
 import re
 import tracemalloc
 from json import JSONDecodeError
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -21,6 +22,9 @@ from nanoserve.server.tool_parsers.base import scan_call_list
 from nanoserve.server.tool_parsers.stream import ListScanner
 from nanoserve.server.tools import ToolPlan
 
+# hermes blocks each left open, the next inside its string or object
+NESTED = ['<tool_call>{"a": "</tool_call>', '<tool_call>{"name": "f", "arguments": "</tool_call>',
+          '<tool_call>{"a": [</tool_call>', '<tool_call>{"a": "\\"</tool_call>']
 # pieces of the formats, whole and cut, and of JSON at its edges: escapes, nested brackets, keys
 # inside strings, numbers and words, broken escapes, lone surrogates
 FRAGMENTS = [
@@ -29,7 +33,9 @@ FRAGMENTS = [
     ":", '"arguments"', '"parameters"', '"arguments": ', ",", ";", " ", "\n", "\t", "1", "-", "12.5", "null", "tru",
     "e", "abc", "x y", "é", "\\u12", "\\ud800", '{"name": "f", "arguments": {"a": 1}}', '{"a": "b"}', '"x, {y}"',
     '{"name": "g", "parameters": {"b": [1, {"c": "}"}]}}', "\\n", '"\\\\"', "</tool_call>\n<tool_call>\n",
-    '{"arguments": {"name": "inner"}, "name": "outer"}', '"html": "a </tool_call> b"', "\\\n"]
+    '{"arguments": {"name": "inner"}, "name": "outer"}', '"html": "a </tool_call> b"', "\\\n",
+    # crafted: blocks opened inside open calls (in a string, in an object), bare numbers
+    NESTED[0], NESTED[1], NESTED[2], "123", "1.", "e5", "-I", "nfinity"]
 texts = st.lists(st.sampled_from(FRAGMENTS), max_size=30).map("".join)
 cuts = st.lists(st.integers(0, 9), min_size=1, max_size=60)
 PLANS = {"none": lambda: ToolPlan(), "required": lambda: ToolPlan("required"),
@@ -127,15 +133,19 @@ def test_each_streamed_update_is_what_parsing_the_whole_text_so_far_sends(plan, 
 @given(lead=st.sampled_from(["", "ab ", "<think>x</think>"]), text=texts, sizes=cuts, final=st.booleans())
 def test_a_parser_stream_at_every_update_equals_its_parse_of_the_text_so_far(parser, lead, text, sizes, final):
     """Content and calls alike, from wherever the content starts in the text (after the reasoning)."""
+    assert_stream_is_parse(parser, lead, text, sizes, final)
+
+
+def assert_stream_is_parse(parser: str, lead: str, text: str, sizes: list[int], final: bool) -> None:
     whole, reader = TOOL_PARSERS[parser](), TOOL_PARSERS[parser]().stream(len(lead))
     so_far = lead
     for piece in pieces(text, sizes):
         so_far += piece
-        end, calls, settled = reader.update(so_far, False)
+        end, calls, *_ = reader.update(so_far, False)
         expected = whole.parse(so_far[len(lead):], False)
         assert (so_far[len(lead):end], materialized(so_far, calls)) == \
             (expected.content, materialized(so_far, expected.calls)), so_far
-    end, calls, _ = reader.update(so_far, final)
+    end, calls, *_ = reader.update(so_far, final)
     expected = whole.parse(so_far[len(lead):], final)
     assert (so_far[len(lead):end], materialized(so_far, calls)) == \
         (expected.content, materialized(so_far, expected.calls))
@@ -154,6 +164,50 @@ def test_call_lists_and_reasoning_read_incrementally_equal_their_whole_reading(t
             span, start = split.update(so_far, final)
             assert (None if span is None else so_far[span[0]:span[1]], "" if start is None else so_far[start:]) == \
                 parser.parse(so_far, final), so_far
+
+
+def max_tool_calls(n: int):
+    """MAX_TOOL_CALLS lowered, so that short texts reach it."""
+    patches = [mock.patch.object(module, "MAX_TOOL_CALLS", n) for module in (base, stream, hermes)]
+    for patch in patches:
+        patch.start()
+    return patches
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+@SETTINGS
+@given(text=texts, sizes=cuts, separator=st.sampled_from([",", ";"]), final=st.booleans())
+def test_streams_equal_their_parse_past_max_tool_calls(parser, text, sizes, separator, final):
+    """Calls past the bound are not read, alike in a parse and in a stream (blocks, lists)."""
+    patches = max_tool_calls(2)
+    try:
+        assert_stream_is_parse(parser, "", text, sizes, final)
+        calls, so_far = ListScanner(0, separator), ""
+        for piece in pieces(text, sizes):
+            so_far += piece
+            assert materialized(so_far, calls.update(so_far)[0]) == materialized(so_far, scan_call_list(so_far, separator))
+    finally:
+        for patch in patches:
+            patch.stop()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_hundreds_of_nested_hermes_blocks_stream_what_the_whole_parse_sends(seed):
+    """More blocks than MAX_TOOL_CALLS, opened inside each other's strings and objects, some of
+    them closing later (so that the blocks after them are read again), in long updates."""
+    rng = random.Random(seed)
+    closers = ['"}', "]}", "}", '"', "\\", " x ", '<tool_call>{"name": "g", "arguments": {}}</tool_call>']
+    text = "".join(rng.choice(NESTED * 3 + closers) for _ in range(500)) + "]} end"
+    sizes = [rng.randint(1, 300) for _ in range(40)]
+    assert_stream_is_parse("hermes", "", text, sizes, True)
+    streamed = ChoiceReader(PLANS["hermes"](), None)
+    whole = WholeReader(ChoiceReader(PLANS["hermes"](), None))
+    updates = pieces(text, sizes)
+    for i, piece in enumerate(updates):
+        reason = "stop" if i == len(updates) - 1 else None
+        delta, finish_reason = streamed.delta(piece, reason)
+        assert (without_ids(delta), finish_reason) == whole.delta(piece, reason), i
+    assert len(streamed.ids) <= base.MAX_TOOL_CALLS
 
 
 def call_text(parser: str, calls: list[tuple[str, dict]]) -> str:
@@ -193,6 +247,9 @@ def test_streamed_deltas_add_up_to_the_whole_message(parser, thought, answer, ca
         [[c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls", [])]
 
 
+OPENING = str.maketrans("]}", "[{")
+
+
 def long_outputs(chars: int) -> dict[str, tuple[str, str | None, bool]]:
     """name -> (text, tool parser, reasoning on): each about `chars` long, as bench/chat_stream_parse.py."""
     rng = random.Random(0)
@@ -208,7 +265,16 @@ def long_outputs(chars: int) -> dict[str, tuple[str, str | None, bool]]:
                                              False),
             "llama3_json call, long arguments": (f'{{"name": "w", "parameters": {long_args}}}', "llama3_json", False),
             "many hermes calls": ("".join(call_text("hermes", [("f", {"i": i, "s": prose[i:i + 40]})])
-                                          for i in range(chars // 80)), "hermes", False)}
+                                          for i in range(chars // 80)), "hermes", False),
+            # crafted: every block stays open and reads what follows; a number's digits keep coming
+            # (prose with no closing bracket: no block closes, all of them read every update)
+            "hermes blocks nested in open calls": ("".join(NESTED * 75) + prose.translate(OPENING), "hermes", False),
+            "hermes call, bare-number arguments": ('<tool_call>{"name": "f", "arguments": ' + "7" * chars, "hermes",
+                                                   False),
+            "mistral call, bare-number arguments": ('[TOOL_CALLS] [{"name": "f", "arguments": -1.' + "7" * chars,
+                                                    "mistral", False),
+            "llama3_json call, bare-number arguments": ('{"name": "f", "parameters": 1' + "7" * chars, "llama3_json",
+                                                        False)}
 
 
 class Counted:
@@ -250,13 +316,21 @@ def test_a_long_stream_reads_each_character_a_bounded_number_of_times(monkeypatc
         for attr, value in list(vars(module).items()):
             if isinstance(value, (re.Pattern, json.JSONDecoder)):
                 monkeypatch.setattr(module, attr, Counted(value, reads))
+    looked_at = [0]   # calls whose arguments an update compares with what was sent
+
+    def added(*args):
+        looked_at[0] += 1
+        return real_added(*args)
+    real_added = chat_output._added
+    monkeypatch.setattr(chat_output, "_added", added)
     text, parser, thinking = long_outputs(160_000)[name]
     reader = ChoiceReader(ToolPlan("auto", TOOL_PARSERS[parser]()), Qwen3ReasoningParser() if thinking else None)
     per_update = []
     for pos in range(0, len(text), 4):
-        before = reads[0]
+        before, calls_before = reads[0], looked_at[0]
         reader.delta(text[pos:pos + 4], "stop" if pos + 4 >= len(text) else None)
         per_update.append(reads[0] - before)
+        assert looked_at[0] - calls_before <= 2, pos   # not every open call at every update
     assert len(per_update) >= 40_000
     # what a closed call is decoded from is read again once, whole: a few times the text in all
     assert sum(per_update) <= 12 * len(text), sum(per_update) / len(text)

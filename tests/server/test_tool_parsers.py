@@ -279,12 +279,12 @@ def test_a_streamed_required_list_reads_each_closed_call_once_and_as_the_whole_t
         return call, end
 
     monkeypatch.setattr(stream, "scan_call", counted)
-    text = "[" + ", ".join(json.dumps({"name": "f", "arguments": {"a": i}}) for i in range(300)) + "]"
+    text = "[" + ", ".join(json.dumps({"name": "f", "arguments": {"a": i}}) for i in range(120)) + "]"
     reader = ChoiceReader(ToolPlan("required"), None)
-    deltas = [reader.delta(text[i:i + 7], "stop" if i + 7 >= len(text) else None)[0]
-                              for i in range(0, len(text), 7)]
-    assert len(deltas) > 1000 and len(decoded) == 300   # each closed call is decoded once, when it closes
+    deltas = [reader.delta(text[i:i + 3], "stop" if i + 3 >= len(text) else None)[0]
+                              for i in range(0, len(text), 3)]
+    assert len(deltas) > 1000 and len(decoded) == 120   # each closed call is decoded once, when it closes
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
-    assert "".join(c["function"]["arguments"] for c in calls if c["index"] == 299) == '{"a": 299}'
+    assert "".join(c["function"]["arguments"] for c in calls if c["index"] == 119) == '{"a": 119}'
     whole, _ = ChoiceReader(ToolPlan("required"), None).message(text, "stop")
-    assert len(whole["tool_calls"]) == 300 and scan_call(text, 1)[0].name == "f"
+    assert len(whole["tool_calls"]) == 120 and scan_call(text, 1)[0].name == "f"

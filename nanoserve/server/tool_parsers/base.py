@@ -20,6 +20,11 @@ from typing import Protocol
 
 _decoder = json.JSONDecoder()
 
+# calls read from one choice, in any format; what follows the last of them is not read. No client
+# asks for so many; without a bound, crafted output (hermes blocks nested in open calls' strings)
+# keeps one open call per block, each read on at every update and decoded whole once it closes
+MAX_TOOL_CALLS = 128
+
 # text[start:end] of a stream's text: arguments a stream reads are the text as written, and are
 # handed on as where they lie, not copied out at every update
 Span = tuple[int, int]
@@ -44,10 +49,12 @@ class Parsed:
 class CallStream(Protocol):
     """Reads one choice's content for calls as it grows, from index `start` of the text it is given."""
 
-    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int]:
+    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int, int]:
         """For the text so far (the whole of it, every time; never kept): where the content ends
-        (it is text[start:that]), the calls, and how many calls lead that no later text changes
-        (their `complete` aside, which `final` may set). Equal to `parse(text[start:], final)`."""
+        (it is text[start:that]), the calls, how many calls lead that no later text changes
+        (their `complete` aside, which `final` may set), and how many lead whose name and
+        arguments are those of the last update (a reader need not look at them again: crafted
+        output keeps up to MAX_TOOL_CALLS calls open). Equal to `parse(text[start:], final)`."""
 
 
 class ToolParser(ABC):
@@ -152,8 +159,16 @@ def _raw_arguments(obj_text: str) -> str | None:
     return obj_text[match.end():end]
 
 
+# a number's characters to the end of the text: the number may go on, so it is not decoded yet
+# (decoded at every update while its digits came, a 40k-digit run cost O(n^2))
+NUMBER_RUN = re.compile(r"[-0-9][-+.eE0-9]*")
+
+
 def _partial_arguments(tail: str) -> str:
-    """What is written of an arguments object that is not closed yet (all of it is its own)."""
+    """What is written of an arguments object that is not closed yet (all of it is its own); a bare
+    number that runs to the end of the text, as written."""
+    if NUMBER_RUN.fullmatch(tail):
+        return tail
     try:
         _, end = _decoder.raw_decode(tail)
         return tail[:end]
@@ -162,7 +177,8 @@ def _partial_arguments(tail: str) -> str:
 
 
 def scan_call_list(text: str, separator: str = ",") -> list[PartialCall]:
-    """Call objects one after another (`{...}, {...}` or `{...}; {...}`), up to what is not one."""
+    """Call objects one after another (`{...}, {...}` or `{...}; {...}`), up to what is not one
+    (or up to MAX_TOOL_CALLS)."""
     return scan_calls(text, 0, separator)[0]
 
 
@@ -179,7 +195,7 @@ def scan_calls(text: str, pos: int, separator: str = ",", after_call: bool = Fal
         pos = _WHITESPACE.match(text, pos).end()
         if (calls or after_call) and text.startswith(separator, pos):
             pos = _WHITESPACE.match(text, pos + len(separator)).end()
-        if not text.startswith("{", pos):
+        if not text.startswith("{", pos) or len(calls) == MAX_TOOL_CALLS:
             return calls, closed_at, closed
         call, end = scan_call(text, pos)
         calls.append(call)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 
 from nanoserve.server.tool_parsers.base import (
-    Parsed, PartialCall, ToolParser, held_back, scan_call, without_marker_start)
-from nanoserve.server.tool_parsers.stream import CallScanner, find_from
+    MAX_TOOL_CALLS, Parsed, PartialCall, ToolParser, held_back, scan_call, without_marker_start)
+from nanoserve.server.tool_parsers.stream import CallScanner, SharedValueEnds, find_from
 
 START, END = "<tool_call>", "</tool_call>"
 _START, _END = re.compile(re.escape(START)), re.compile(re.escape(END))
@@ -32,7 +32,8 @@ class HermesToolParser(ToolParser):
             following = rest.find(START)
             call.complete = call.complete and (END in rest[:following if following >= 0 else None] or final)
             parsed.calls.append(call)
-            at = -1 if following < 0 else len(text) - len(rest) + following
+            # past MAX_TOOL_CALLS blocks the text is not read, as text between blocks is not
+            at = -1 if following < 0 or len(parsed.calls) == MAX_TOOL_CALLS else len(text) - len(rest) + following
         return parsed
 
     def stream(self, start: int) -> HermesStream:
@@ -41,7 +42,10 @@ class HermesToolParser(ToolParser):
 
 class HermesStream:
     """`parse` of text[start:] as the text grows: the content is searched once for the first tag,
-    and each block is read on from where the last update left it."""
+    and the last block is read on from where the last update left it. A block followed by another
+    is settled, save for an open call's object that may yet close (its string can hold the next
+    blocks' tags): such objects are lexed together (SharedValueEnds), not one by one at every update,
+    and the one that closes is decoded once there."""
 
     def __init__(self, start: int) -> None:
         self.start = self.seek = start   # no tag begins before seek
@@ -49,42 +53,51 @@ class HermesStream:
         self.blocks: list[_Block] = []
         self.calls: list[PartialCall] = []
         self.settled = 0                 # leading blocks whose call and following block are written
+        self.open = SharedValueEnds()    # the objects of open blocks that another block follows
 
-    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int]:
+    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int, int]:
         k = len(text)
         if not self.blocks:
             at, self.seek = find_from(_START, text, self.seek, len(START))
             if at < 0:
                 held = 0 if final else held_back(text[max(self.start, k - len(START) + 1):], START)
-                return k - held, [], 0
+                return k - held, [], 0, 0
             self.content_end = at
-            self.blocks.append(_Block(at + len(START)))
-            self.calls.append(PartialCall())
-        i = self.settled
-        while i < len(self.blocks):
-            block = self.blocks[i]
+            self._append(at + len(START))
+        changed = len(self.blocks) - 1   # the last block reads on; those before it change only as they close
+        for block, _ in sorted(self.open.feed(text), key=lambda closed: closed[0].index):
+            if block.index < len(self.blocks) and self.blocks[block.index] is block and \
+                    block.scanner.object_closed(text):
+                # a call: the blocks after it were read inside it, and are read again from its end
+                del self.blocks[block.index + 1:], self.calls[block.index + 1:]
+                self.open.keep(lambda other: other.index < block.index)
+                changed = min(changed, block.index)
+        while True:
+            block = self.blocks[-1]
             following = block.update(text)
-            self.calls[i] = block.call(final)
-            after = self.blocks[i + 1].body if i + 1 < len(self.blocks) else -1
-            if following < 0 or after != following + len(START):
-                # the calls after an open block move when it closes: read them again from there
-                del self.blocks[i + 1:], self.calls[i + 1:]
-                if following >= 0:
-                    self.blocks.append(_Block(following + len(START)))
-                    self.calls.append(PartialCall())
-            if i == self.settled and block.settled(following):
-                self.settled += 1
-            i += 1
+            self.calls[-1] = block.call(final)
+            if following < 0 or len(self.blocks) == MAX_TOOL_CALLS:
+                break
+            value = block.scanner.detach()   # an open call's object may still close
+            if value is not None:
+                self.open.add(value, block)
+            self._append(following + len(START))
+        while self.settled < len(self.blocks) and self.blocks[self.settled].settled():
+            self.settled += 1
         if final:   # a call closed but never ended by its tag is complete at the end of the text
-            self.calls[:self.settled] = [block.call(final) for block in self.blocks[:self.settled]]
-        return self.content_end, self.calls, self.settled
+            self.calls[:] = [block.call(final) for block in self.blocks]
+        return self.content_end, self.calls, self.settled, changed
+
+    def _append(self, body: int) -> None:
+        self.blocks.append(_Block(len(self.blocks), body))
+        self.calls.append(PartialCall())
 
 
 class _Block:
     """One `<tool_call>` block of HermesToolParser.parse, from its body on."""
 
-    def __init__(self, body: int) -> None:
-        self.body = body
+    def __init__(self, index: int, body: int) -> None:
+        self.index, self.body = index, body
         self.scanner = CallScanner(body)
         self.found = PartialCall()
         self.closed = False
@@ -95,7 +108,9 @@ class _Block:
         self.next_at, self.next_seek = -1, body
 
     def update(self, text: str) -> int:
-        """Where the following block's tag begins, or -1 while none is written."""
+        """Where the following block's tag begins, or -1 while none is written. Once it is, the
+        call and whether its end tag comes first are settled (an end tag before it would be found
+        by now), unless an open call's object closes."""
         call, end = self.scanner.update(text)
         if end is not None and not self.closed:   # closed: what follows it is read again from its end
             self.closed, self.found = True, call
@@ -120,5 +135,5 @@ class _Block:
         found = self.found
         return PartialCall(found.name, found.arguments, found.complete and (ended or final))
 
-    def settled(self, following: int) -> bool:
-        return self.closed and following >= 0
+    def settled(self) -> bool:
+        return self.closed and self.next_at >= 0

@@ -40,7 +40,7 @@ class Llama3JsonStream:
         self.content = False    # the reply is content: all of the text
         self.calls: ListScanner | None = None
 
-    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int]:
+    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int, int]:
         k = len(text)
         if self.calls is None and not self.content:
             if self.body < 0:
@@ -51,15 +51,15 @@ class Llama3JsonStream:
                 elif not PYTHON_TAG.startswith(opening):
                     self.body = self.pos
                 elif not final:
-                    return self.start, [], 0   # nothing, or the start of the tag: too early to tell
+                    return self.start, [], 0, 0   # nothing, or the start of the tag: too early to tell
             first = _WHITESPACE.match(text, max(self.body, self.pos)).end()
             if first == k or text[first] != "{":
                 self.content = first < k   # text that is not a call: the reply is content
-                return (k if final or first < k else self.start), [], 0
+                return (k if final or first < k else self.start), [], 0, 0
             self.calls = ListScanner(self.body, ";")
         if self.content:
-            return k, [], 0
-        calls, settled = self.calls.update(text)
+            return k, [], 0, 0
+        calls, settled, changed = self.calls.update(text)
         if final and calls[0].name is None:
-            return k, [], 0   # JSON that is not a call is an answer
-        return self.start, calls, settled
+            return k, [], 0, 0   # JSON that is not a call is an answer
+        return self.start, calls, settled, changed

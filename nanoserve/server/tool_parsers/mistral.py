@@ -46,17 +46,17 @@ class MistralStream:
         self.at = -1                     # where the marker begins, once written
         self.calls: ListScanner | None = None
 
-    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int]:
+    def update(self, text: str, final: bool) -> tuple[int, list[PartialCall], int, int]:
         k = len(text)
         if self.at < 0:
             self.at, self.seek = find_from(_MARKER, text, self.seek, len(MARKER))
             if self.at < 0:
                 held = 0 if final else held_back(text[max(self.start, k - len(MARKER) + 1):], MARKER)
-                return k - held, [], 0
+                return k - held, [], 0, 0
             self.seek = self.at + len(MARKER)
         if self.calls is None:
             self.seek = _WHITESPACE.match(text, self.seek).end()
             if self.seek == k:
-                return self.at, [], 0
+                return self.at, [], 0, 0
             self.calls = ListScanner(self.seek + (text[self.seek] == "["))
         return self.at, *self.calls.update(text)
