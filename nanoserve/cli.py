@@ -14,7 +14,8 @@ import os
 import sys
 
 from nanoserve import __version__
-from nanoserve.defaults import ATTENTION_BACKENDS, DEFAULT_MODEL, ENGINE_HEARTBEAT_S, KV_CACHE_DTYPES, LOG_FORMAT
+from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, ENGINE_HEARTBEAT_S, KV_CACHE_DTYPES, LOG_FORMAT,
+                               MAX_GRAMMAR_BYTES)
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
@@ -58,6 +59,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: random weights, for benchmarks")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and of unseeded sampling")
+    p.add_argument("--max-grammar-bytes", type=int, default=MAX_GRAMMAR_BYTES,
+                   help="compiled grammars (structured outputs) that running and waiting requests may hold at "
+                        "once, by xgrammar's count of their size; a request whose grammar does not fit waits")
 
 
 def _limit_args(p: argparse.ArgumentParser) -> None:
@@ -104,7 +108,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         num_kvcache_blocks=args.num_kvcache_blocks, enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
         prefill_cuda_graphs=args.prefill_cuda_graphs, async_scheduling=args.async_scheduling,
-        load_format=args.load_format, seed=args.seed,
+        load_format=args.load_format, seed=args.seed, max_grammar_bytes=args.max_grammar_bytes,
         tensor_parallel_size=args.tensor_parallel_size, tokenizer=args.tokenizer)
 
 

@@ -11,7 +11,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanoserve.attention_support import attention_refusal
 from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, FP8_FLASH_ATTN_REFUSAL,  # noqa: F401 - re-exported
-                                KV_CACHE_DTYPES)
+                                KV_CACHE_DTYPES, MAX_GRAMMAR_BYTES)
 from nanoserve.sampling_params import SEED_RANGE
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -67,6 +67,9 @@ class EngineConfig:
     # (nanoserve/cpu_threads.py; `serve` keeps a core for its front end)
     cpu_threads: int | None = None
     seed: int = 0
+    # compiled grammars that running and queued sequences may hold at once, by xgrammar's count of
+    # their size; a request whose grammar does not fit waits (engine/grammar_queue.py)
+    max_grammar_bytes: int = MAX_GRAMMAR_BYTES
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -146,6 +149,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
+        if self.max_grammar_bytes < 1:
+            raise ValueError(f"max_grammar_bytes must be at least 1, got {self.max_grammar_bytes}")
         if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             # past it torch.manual_seed failed in the engine's process with "Overflow when unpacking long long"
             raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (what torch's generator takes), "

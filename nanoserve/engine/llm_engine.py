@@ -13,6 +13,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 from nanoserve.config import EngineConfig
 from nanoserve.engine.bad_words import BadWords, with_bad_words_token_ids
 from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.grammar_queue import GrammarQueue
 from nanoserve.engine.messages import EngineStats, StepOutput
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
@@ -81,9 +82,9 @@ class LLMEngine:
         self.num_generated_tokens = 0  # ever, for the stats
         self.num_computed_tokens = 0
         self._grammars: GrammarManager | None = None  # built with the first structured-output request
-        # structured-output requests whose grammar is still compiling: not scheduled until it is,
-        # so they wait without holding anyone else up; (sequence, its grammar's future)
-        self.awaiting_grammar: list[tuple[Sequence, concurrent.futures.Future]] = []
+        # structured-output requests until their grammar is compiled and fits the budget of grammars
+        # in use: not scheduled before, so they wait without holding a KV block or anyone else up
+        self.grammar_queue = GrammarQueue(lambda spec: self.grammars.compile(spec), config.max_grammar_bytes)
         # (request ids, why) of requests dropped because their grammar failed to compile; the core
         # reports them as RequestFailed (the front end validates specs first, so this is rare)
         self.failures: list[tuple[list[str], str]] = []
@@ -115,12 +116,12 @@ class LLMEngine:
         if params.bad_words:
             seq.bad_words = BadWords(params.bad_words_token_ids, self.vocab_size)
         if params.structured_outputs is not None:
-            future = self.grammars.compile(params.structured_outputs)
-            if not future.done():  # forks find their parent's grammar compiled and keep their place
-                self.awaiting_grammar.append((seq, future))
+            # forks share their running request's grammar and keep its place; others queue for theirs
+            compiled = self.grammar_queue.share(seq) if front else None
+            if compiled is None:
+                self.grammar_queue.add(seq, first=front)
                 return
-            if not self._attach_grammar(seq, future):
-                return
+            seq.grammar = self.grammars.matcher(compiled, seq.stop_token_ids)
         if front:
             self.scheduler.waiting.appendleft(seq)
         else:
@@ -136,16 +137,11 @@ class LLMEngine:
                                             pin_memory=self.runner.device.type == "cuda")
         return self._grammars
 
-    def _attach_grammar(self, seq: Sequence, future: concurrent.futures.Future) -> bool:
-        """Give the sequence its matcher; False (the request failed and is reported) when it cannot compile."""
-        try:
-            seq.grammar = self.grammars.matcher(future.result(), seq.stop_token_ids)
-            return True
-        except ValueError as exc:
-            logger.warning("Request %s failed: %s", seq.request_id, exc)
-            del self.sequences[seq.request_id]
-            self.failures.append(([seq.request_id, *self.pending_forks.pop(seq.request_id, [])], str(exc)))
-            return False
+    def _fail(self, seq: Sequence, why: str) -> None:
+        """Drop a request whose grammar cannot compile (and its forks); the core reports it."""
+        logger.warning("Request %s failed: %s", seq.request_id, why)
+        del self.sequences[seq.request_id]
+        self.failures.append(([seq.request_id, *self.pending_forks.pop(seq.request_id, [])], why))
 
     def take_failures(self) -> list[tuple[list[str], str]]:
         """(request ids, why) of the requests dropped since the last call; they produce no outputs."""
@@ -153,20 +149,20 @@ class LLMEngine:
         return failures
 
     def _admit_compiled(self) -> None:
-        """Queue the requests whose grammar finished compiling."""
-        if self.awaiting_grammar:
-            if not self.scheduler.has_work and self.in_flight is None:
-                # nothing else to run: wait for a compile instead of spinning (briefly, so adds and
-                # aborts from the inbox are still taken promptly)
-                concurrent.futures.wait([f for _, f in self.awaiting_grammar], timeout=0.01,
-                                        return_when=concurrent.futures.FIRST_COMPLETED)
-            still = []
-            for seq, future in self.awaiting_grammar:
-                if not future.done():
-                    still.append((seq, future))
-                elif self._attach_grammar(seq, future):
-                    self.scheduler.add(seq)
-            self.awaiting_grammar = still
+        """Queue the requests whose grammar is compiled and fits the budget of grammars in use."""
+        if not self.grammar_queue:
+            return
+        compiling = self.grammar_queue.compiling()
+        if compiling and not self.scheduler.has_work and self.in_flight is None:
+            # nothing else to run: wait for a compile instead of spinning (briefly, so adds and
+            # aborts from the inbox are still taken promptly)
+            concurrent.futures.wait(compiling, timeout=0.01, return_when=concurrent.futures.FIRST_COMPLETED)
+        ready, failed = self.grammar_queue.admit()
+        for seq, compiled in ready:
+            seq.grammar = self.grammars.matcher(compiled, seq.stop_token_ids)
+            self.scheduler.add(seq)
+        for seq, why in failed:
+            self._fail(seq, why)
 
     def _start_forks(self, parent: Sequence) -> None:
         forks = self.pending_forks.pop(parent.request_id, [])
@@ -193,10 +189,10 @@ class LLMEngine:
                     forks.remove(request_id)
                     return True
             return False
-        self._start_forks(seq)  # siblings are requests of their own and live on
-        if any(s is seq for s, _ in self.awaiting_grammar):
-            self.awaiting_grammar = [(s, f) for s, f in self.awaiting_grammar if s is not seq]
+        self._start_forks(seq)  # siblings are requests of their own and live on (sharing its grammar)
+        if self.grammar_queue.remove(seq):
             return True
+        self.grammar_queue.release(seq)
         return self.scheduler.abort(request_id) is not None
 
     def close(self) -> None:
@@ -206,7 +202,7 @@ class LLMEngine:
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work or self.in_flight is not None or bool(self.awaiting_grammar)
+        return self.scheduler.has_work or self.in_flight is not None or bool(self.grammar_queue)
 
     @property
     def num_running(self) -> int:
@@ -217,7 +213,7 @@ class LLMEngine:
         """Sequences queued, siblings (n > 1) that wait for their first's prompt and requests that
         wait for their grammar included."""
         return (len(self.scheduler.waiting) + sum(map(len, self.pending_forks.values()))
-                + len(self.awaiting_grammar))
+                + len(self.grammar_queue))
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -366,6 +362,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, reason)
                 del self.sequences[seq.request_id]
+                self.grammar_queue.release(seq)
             logprob = sampled.logprobs[row]
             first = position == seq.num_prompt_tokens
             outputs.append(StepOutput(seq.request_id, [token], [logprob] if logprob is not None else None,

@@ -137,6 +137,7 @@ def test_a_request_whose_grammar_fails_in_the_engine_is_reported_with_its_forks(
     broken.set_exception(ValueError("The regex given for structured outputs cannot be compiled: no"))
     monkeypatch.setattr(engine.grammars, "compile", lambda spec: broken)
     engine.add_request("bad", llm.tokenizer.encode("A list"), constrained(), fork_ids=["bad-1"])
+    assert engine.step() == []   # it waits in the grammar queue until the step looks at its compile
     assert engine.take_failures() == [(["bad", "bad-1"], "The regex given for structured outputs cannot be "
                                                          "compiled: no")]
     assert not engine.has_unfinished_requests() and engine.step() == []
