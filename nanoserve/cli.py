@@ -90,6 +90,9 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
                         "that a response may go with none of it read by the client")
     p.add_argument("--timeout-grammar-compile", type=float, default=d.timeout_grammar_compile,
                    help="seconds a structured-output spec may take to compile before the request gets a 400")
+    p.add_argument("--max-undelivered-mb", type=float, default=d.max_undelivered_mb,
+                   help="MiB of output held for clients that have not read it, over all connections; past it "
+                        "the responses furthest behind are aborted and their connections closed")
 
 
 def _limits(args: argparse.Namespace):

@@ -163,8 +163,12 @@ class AsyncEngine:
         """Raise RequestRefused for an id outside the vocabulary."""
         check_token_ids(token_ids, self.vocab_size, what)
 
-    def add_request(self, request_id: str, prompts: Sequence[list[int]], params: SamplingParams) -> RequestStream:
+    def add_request(self, request_id: str, prompts: Sequence[list[int]], params: SamplingParams,
+                    keep_outputs: bool = True) -> RequestStream:
         """Check and queue one request of one or more prompts; iterate the stream for outputs.
+
+        With `keep_outputs` false the stream's `outputs` keep only token counts: a caller that uses
+        each update as it comes (a streamed response) need not hold what it already sent.
 
         Choice `p * n + i` is the i-th completion of prompt p (the OpenAI API's order). n > 1
         becomes n engine requests that fork from the first once its prompt is cached, sharing its
@@ -193,7 +197,8 @@ class AsyncEngine:
                                                     [ids[p * n + 1:(p + 1) * n] for p in range(len(prompts))]))
         except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
             raise RequestRefused(f"The request cannot be passed to the engine: {exc}") from None
-        states = [RequestState(self.tokenizer, prompts[c // n], params, c) for c in range(len(ids))]
+        states = [RequestState(self.tokenizer, prompts[c // n], params, c, keep=keep_outputs)
+                  for c in range(len(ids))]
         stream = RequestStream(ids, states, self.abort)
         for rid in ids:
             self._streams[rid] = stream

@@ -15,12 +15,16 @@ __all__ = ["CompletionOutput", "PromptTokenLogprob", "RequestState", "StepOutput
 
 @dataclass
 class CompletionOutput:
-    """The text view of one request so far; `text_delta` is what the last update added."""
+    """The text view of one request so far; `text_delta` is what the last update added.
+
+    A state made with `keep=False` (a streamed response, which sends each update as it comes)
+    keeps no text, token ids or logprobs here, only `num_tokens`."""
 
     index: int
     text: str = ""
     text_delta: str = ""
     token_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0  # tokens generated so far, kept or not
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[PromptTokenLogprob | None] | None = None  # see StepOutput
     finish_reason: str | None = None
@@ -35,14 +39,17 @@ class RequestState:
     """Detokenizes one request's token stream and applies stop strings.
 
     Lives on the consumer side (offline loop or asyncio task), off the engine thread. When a stop
-    string matches, `stopped` becomes True and the owner must abort the engine request.
+    string matches, `stopped` becomes True and the owner must abort the engine request. With
+    `keep=False` the output keeps only its count of tokens: a stream's sent text and logprobs
+    (~2.5 KB a token with 20 alternatives) would otherwise stay until its client read the last byte.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
-                 params: SamplingParams, index: int = 0, streaming: bool = True) -> None:
+                 params: SamplingParams, index: int = 0, streaming: bool = True, keep: bool = True) -> None:
         self.params = params
         # without streaming or stop strings, one decode at the end gives the same text for less work
         self.incremental = streaming or bool(params.stop)
+        self.keep = keep or not self.incremental   # decoding once at the end needs every token
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop,
                                                   params.include_stop_str_in_output, params.skip_special_tokens,
                                                   params.min_tokens, params.spaces_between_special_tokens)
@@ -64,9 +71,11 @@ class RequestState:
             out.text_delta = ""
             return out
         tokens = step.new_token_ids
-        out.token_ids.extend(tokens)
-        if out.logprobs is not None and step.logprobs:
-            out.logprobs.extend(step.logprobs)
+        out.num_tokens += len(tokens)
+        if self.keep:
+            out.token_ids.extend(tokens)
+            if out.logprobs is not None and step.logprobs:
+                out.logprobs.extend(step.logprobs)
         if step.prompt_logprobs is not None:
             out.prompt_logprobs = step.prompt_logprobs
         if self.params.detokenize and (self.incremental or step.finished):
@@ -76,7 +85,8 @@ class RequestState:
                 # its text (a non-special stop token, or EOS with special tokens shown, would be)
                 pending = pending[:-1]
             out.text_delta = self.detokenizer.add(pending, finished=step.finished)
-            out.text += out.text_delta
+            if self.keep:
+                out.text += out.text_delta
         if self.stopped:
             out.finish_reason, out.stop_reason = "stop", self.detokenizer.stopped
         elif step.finished:

@@ -23,6 +23,7 @@ from nanoserve import __version__
 from nanoserve.config import EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError
 from nanoserve.server import chat, completions, info, responses
+from nanoserve.server.backlog import BudgetMiddleware
 from nanoserve.server.connections import always_served, uvicorn_options
 from nanoserve.server.errors import APIError, install_handlers
 from nanoserve.server.limits import BodyLimitMiddleware
@@ -71,7 +72,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings,
         except EngineDeadError:
             await engine.shutdown()
             raise RuntimeError("The engine failed to start; see the log above") from None
-        tasks = [asyncio.create_task(_log_stats(engine))]
+        tasks = [asyncio.create_task(_log_stats(engine)), asyncio.create_task(app.state.server.budget.run())]
         if on_fatal is not None:
             tasks.append(asyncio.create_task(_exit_after_engine_death(engine, settings.engine_death_grace_s,
                                                                       on_fatal)))
@@ -89,6 +90,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings,
     install_openapi(app, has_api_key=bool(settings.api_key))
     for module in (completions, chat, responses, info):
         app.include_router(module.router)
+    # innermost: it counts the body messages the routes send
+    app.add_middleware(BudgetMiddleware, budget=app.state.server.budget)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_request_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)

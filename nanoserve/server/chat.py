@@ -200,11 +200,12 @@ async def start_chat(request: Request, state: ServerState, req: ChatCompletionRe
     work = rendering_work(req.messages, req.tools, length, req.documents)
     chat = await off_the_loop_if_long(work, ChatCompletion, state, req, model, tools, length, client_id)
     try:
-        stream = await state.start(chat.engine_id, [chat.prompt], params)
+        stream = await state.start(chat.engine_id, [chat.prompt], params, streamed=req.stream)
     except APIError as exc:
         if exc.param == "max_tokens" and req.max_completion_tokens is not None:
             exc.param = "max_completion_tokens"   # the field this request set
         raise
     timer.request_id = chat.id
     timer.prompt(sum(chat.prompt_lens))
+    state.budget.watch(request.scope, stream, chat.id)
     return chat, stream

@@ -226,7 +226,8 @@ async def create_completion(request: Request) -> Response:
     except ValueError as exc:
         raise sampling_error(exc) from None
     params = await constrain(state.specs, params, requested_spec(req))
-    stream = await state.start(completion.engine_id, completion.prompts, params)
+    stream = await state.start(completion.engine_id, completion.prompts, params, streamed=req.stream)
+    state.budget.watch(request.scope, stream, completion.id)
     timer.request_id = completion.id
     timer.prompt(sum(completion.prompt_lens))
     if req.stream:

@@ -21,6 +21,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from nanoserve.server.backlog import TRANSPORT_KEY
 from nanoserve.server.errors import APIError
 from nanoserve.server.limits import ServerLimits
 
@@ -174,6 +175,8 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
             self._header_deadline = _cancelled(self._header_deadline)
             self._head_bytes = None
             super().on_headers_complete()
+            # the output budget (server/backlog.py) reads what waits in its buffer, and aborts it
+            self.scope[TRANSPORT_KEY] = self.transport   # type: ignore[typeddict-unknown-key]
             if self.cycle is not None and self.cycle.scope is self.scope and self.scope["http_version"] == "1.0":
                 self.cycle.send = _unchunked(self.cycle)   # type: ignore[method-assign]
             # a body that never completes would hold its connection (and its handler) for good

@@ -45,6 +45,10 @@ class ServerLimits:
     # seconds a structured-output spec may take to compile (a worker process, killed past it): a
     # few KB of "a*a*a*..." takes minutes, and nothing else can stop a compile
     timeout_grammar_compile: float = 10.0
+    # MiB of output held for clients that have not read it, over all connections (server/backlog.py):
+    # past it the responses furthest behind are ended. A stream of 32k tokens with 20 logprobs
+    # holds ~88 MB for a client that does not read it
+    max_undelivered_mb: float = 1024.0
 
     def __post_init__(self) -> None:
         for name in ("max_request_body_bytes", "max_request_json_values", "max_seqs_per_request", "max_stop_strings",
@@ -54,6 +58,8 @@ class ServerLimits:
         for name in ("timeout_keep_alive", "timeout_headers", "timeout_body", "timeout_grammar_compile"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if not self.max_undelivered_mb > 0:
+            raise ValueError(f"max_undelivered_mb must be a positive number of MiB, got {self.max_undelivered_mb}")
 
     def check_request(self, num_prompts: int, n: int, stop: str | list[str] | None,
                       stop_token_ids: list[int] | None) -> None:

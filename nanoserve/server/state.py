@@ -15,9 +15,10 @@ from nanoserve.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFu
 from nanoserve.engine.bad_words import with_bad_words_token_ids
 from nanoserve.engine.validation import RequestRefused, check_prompt_length
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.server.backlog import BudgetCollector, OutputBudget
 from nanoserve.server.defaults import sampling_defaults
 from nanoserve.server.errors import APIError
-from nanoserve.server.limits import PromptSize, ServerLimits
+from nanoserve.server.limits import MiB, PromptSize, ServerLimits
 from nanoserve.server.logprobs import TokenTexts
 from nanoserve.server.metrics import RequestTimer, ServerMetrics
 from nanoserve.server.structured import SpecChecker
@@ -56,6 +57,8 @@ class ServerState:
         self.specs = SpecChecker(self.tokenizer, engine.vocab_size, settings.limits.timeout_grammar_compile)
         self.prompt_size = PromptSize(list(engine.tokenizer.get_vocab()), engine.config.max_model_len)
         self.metrics = ServerMetrics(lambda: engine.stats, settings.log_requests, lambda: engine.error is None)
+        self.budget = OutputBudget(int(settings.limits.max_undelivered_mb * MiB))
+        self.metrics.registry.register(BudgetCollector(self.budget))
         self.created = int(time.time())
 
     def model_name(self, requested: str | None) -> str:
@@ -81,13 +84,16 @@ class ServerState:
         except RequestRefused as exc:
             raise refusal(exc) from None
 
-    async def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
-        """Queue the request, turning engine refusals into OpenAI errors."""
+    async def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                    streamed: bool = False) -> RequestStream:
+        """Queue the request, turning engine refusals into OpenAI errors. A `streamed` request's
+        outputs keep only counts: each update is sent as it comes, and a slow reader's backlog
+        should not hold its whole answer a second time."""
         # the engine client would tokenize the bad words on the event loop (~65 ms for 128 long ones)
         params = await off_the_loop_if_long(sum(map(len, params.bad_words)), with_bad_words_token_ids, params,
                                             self.tokenizer)
         try:
-            return self.engine.add_request(request_id, prompts, params)
+            return self.engine.add_request(request_id, prompts, params, keep_outputs=not streamed)
         except RequestRefused as exc:
             raise refusal(exc) from None
         except QueueFullError as exc:
@@ -131,7 +137,7 @@ def usage(stream: RequestStream, n: int, prompt_lens: list[int], cached: dict[in
     """OpenAI usage: each prompt counted once however many choices it has.
 
     `cached` maps a choice index to its prompt tokens found in the prefix cache."""
-    completion = sum(len(out.token_ids) for out in stream.outputs)
+    completion = sum(out.num_tokens for out in stream.outputs)
     prompt = sum(prompt_lens)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(cached.get(p * n, 0) for p in range(len(prompt_lens)))}}
