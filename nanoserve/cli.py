@@ -15,7 +15,7 @@ import sys
 
 from nanoserve import __version__
 from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, ENGINE_HEARTBEAT_S, KV_CACHE_DTYPES, LOG_FORMAT,
-                               MAX_GRAMMAR_BYTES)
+                               MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES)
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
@@ -62,6 +62,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-grammar-bytes", type=int, default=MAX_GRAMMAR_BYTES,
                    help="compiled grammars (structured outputs) that running and waiting requests may hold at "
                         "once, by xgrammar's count of their size; a request whose grammar does not fit waits")
+    p.add_argument("--max-grammar-state-bytes", type=int, default=MAX_GRAMMAR_STATE_BYTES,
+                   help="what the engine may grow by while requests hold grammars (a matcher's state grows with "
+                        "every token); past it the structured-output requests that accepted the most tokens are ended")
 
 
 def _limit_args(p: argparse.ArgumentParser) -> None:
@@ -112,6 +115,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
         prefill_cuda_graphs=args.prefill_cuda_graphs, async_scheduling=args.async_scheduling,
         load_format=args.load_format, seed=args.seed, max_grammar_bytes=args.max_grammar_bytes,
+        max_grammar_state_bytes=args.max_grammar_state_bytes,
         tensor_parallel_size=args.tensor_parallel_size, tokenizer=args.tokenizer)
 
 

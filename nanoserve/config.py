@@ -11,7 +11,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanoserve.attention_support import attention_refusal
 from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, FP8_FLASH_ATTN_REFUSAL,  # noqa: F401 - re-exported
-                                KV_CACHE_DTYPES, MAX_GRAMMAR_BYTES)
+                                KV_CACHE_DTYPES, MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES)
 from nanoserve.sampling_params import SEED_RANGE
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -70,6 +70,9 @@ class EngineConfig:
     # compiled grammars that running and queued sequences may hold at once, by xgrammar's count of
     # their size; a request whose grammar does not fit waits (engine/grammar_queue.py)
     max_grammar_bytes: int = MAX_GRAMMAR_BYTES
+    # what the engine may grow by while sequences hold grammars (matchers' state grows with each
+    # token); past it the constrained requests that accepted the most are ended (engine/grammar_state.py)
+    max_grammar_state_bytes: int = MAX_GRAMMAR_STATE_BYTES
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -151,6 +154,8 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.max_grammar_bytes < 1:
             raise ValueError(f"max_grammar_bytes must be at least 1, got {self.max_grammar_bytes}")
+        if self.max_grammar_state_bytes < 1:
+            raise ValueError(f"max_grammar_state_bytes must be at least 1, got {self.max_grammar_state_bytes}")
         if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             # past it torch.manual_seed failed in the engine's process with "Overflow when unpacking long long"
             raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (what torch's generator takes), "

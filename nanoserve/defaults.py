@@ -21,3 +21,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"   # the server's 
 # their size (engine/grammar_queue.py): the largest spec a request may give compiles to ~34 MB,
 # an ordinary JSON schema to ~0.2 MB
 MAX_GRAMMAR_BYTES = 1 << 30
+# what the engine may grow by while sequences hold grammars, mostly matchers' state, which grows
+# with every accepted token (~8.5 KB a token for `[a-z]{0,5000}`; engine/grammar_state.py): past
+# it, the requests with grammars that have accepted the most tokens are ended
+MAX_GRAMMAR_STATE_BYTES = 4 << 30

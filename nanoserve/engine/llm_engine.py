@@ -14,6 +14,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.bad_words import BadWords, with_bad_words_token_ids
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.grammar_queue import GrammarQueue
+from nanoserve.engine.grammar_state import GrammarStateGuard
 from nanoserve.engine.messages import EngineStats, StepOutput
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
@@ -88,6 +89,8 @@ class LLMEngine:
         # (request ids, why) of requests dropped because their grammar failed to compile; the core
         # reports them as RequestFailed (the front end validates specs first, so this is rare)
         self.failures: list[tuple[list[str], str]] = []
+        # a matcher's state grows with every token it accepts, unbounded by xgrammar (grammar_state.py)
+        self.grammar_state = GrammarStateGuard(config.max_grammar_state_bytes)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     fork_ids: list[str] | tuple[str, ...] = ()) -> None:
@@ -142,6 +145,13 @@ class LLMEngine:
         logger.warning("Request %s failed: %s", seq.request_id, why)
         del self.sequences[seq.request_id]
         self.failures.append(([seq.request_id, *self.pending_forks.pop(seq.request_id, [])], why))
+
+    def _end(self, seq: Sequence, why: str) -> None:
+        """End a running request for what it alone holds (its grammar's state); the core reports it."""
+        logger.warning("Request %s ended: %s", seq.request_id, why)
+        self.abort_request(seq.request_id)
+        seq.grammar = None   # its matcher's memory goes now, not once a step in flight lets go of it
+        self.failures.append(([seq.request_id], why))
 
     def take_failures(self) -> list[tuple[list[str], str]]:
         """(request ids, why) of the requests dropped since the last call; they produce no outputs."""
@@ -237,6 +247,8 @@ class LLMEngine:
 
         With async scheduling the next batch is launched before this one's sampled ids are read,
         so the host's bookkeeping overlaps the device's work and outputs arrive one step later."""
+        budget = self.grammar_queue.budget
+        self.grammar_state.enforce(len(budget) > 0, budget.bytes, self.sequences.values(), self._end)
         self._admit_compiled()
         if self.config.async_scheduling:
             launched = self._launch()
