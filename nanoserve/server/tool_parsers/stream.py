@@ -37,6 +37,27 @@ def find_from(pattern: re.Pattern, text: str, seek: int, width: int) -> tuple[in
     return (found.start(), seek) if found else (-1, max(seek, len(text) - width + 1))
 
 
+def lex_step(text: str, pos: int, in_string: bool) -> tuple[int, bool, int, bool]:
+    """One character that can move a JSON value's end, read from `pos`: (the position after it,
+    whether in a string after it, the depth change, read). read is False where the text ran out
+    first; the position is then how far the run got, where the next update resumes."""
+    k = len(text)
+    if in_string:
+        pos = _INSIDE.match(text, pos).end()
+        if pos == k or (text[pos] == "\\" and pos + 1 == k):
+            return pos, True, 0, False   # the escaped character is not written yet
+        if text[pos] == "\\":
+            return pos + 2, True, 0, True
+        return pos + 1, False, 0, True
+    pos = _OUTSIDE.match(text, pos).end()
+    if pos == k:
+        return pos, False, 0, False
+    char = text[pos]
+    if char == '"':
+        return pos + 1, True, 0, True
+    return pos + 1, False, 1 if char in "{[" else -1, True
+
+
 class ValueEnd:
     """Where the JSON object, array or string starting at `pos` would end: the first point its
     brackets balance outside strings. Valid JSON lexes the same way, so no decoder can read the
@@ -47,26 +68,11 @@ class ValueEnd:
 
     def feed(self, text: str) -> int | None:
         """The index just past the value once it has closed, else None."""
-        k = len(text)
-        while self.pos < k:
-            if self.in_string:
-                self.pos = _INSIDE.match(text, self.pos).end()
-                if self.pos == k or (text[self.pos] == "\\" and self.pos + 1 == k):
-                    return None   # the escaped character is not written yet
-                if text[self.pos] == "\\":
-                    self.pos += 2
-                    continue
-                self.in_string = False
-            else:
-                self.pos = _OUTSIDE.match(text, self.pos).end()
-                if self.pos == k:
-                    return None
-                char = text[self.pos]
-                if char == '"':
-                    self.in_string = True
-                else:
-                    self.depth += 1 if char in "{[" else -1
-            self.pos += 1
+        while self.pos < len(text):
+            self.pos, self.in_string, delta, read = lex_step(text, self.pos, self.in_string)
+            if not read:
+                return None
+            self.depth += delta
             if self.depth == 0 and not self.in_string:
                 return self.pos
         return None
@@ -127,32 +133,15 @@ class _Lane:
         self.top: int | None = 0   # the highest base: depth reaches it first
 
     def feed(self, text: str, closed: list[tuple[object, int]]) -> None:
-        k = len(text)
-        while self.pos < k and self.members:   # as ValueEnd.feed
-            if self.in_string:
-                self.pos = _INSIDE.match(text, self.pos).end()
-                if self.pos == k or (text[self.pos] == "\\" and self.pos + 1 == k):
-                    return
-                if text[self.pos] == "\\":
-                    self.pos += 2
-                    continue
-                self.in_string = False
-            else:
-                self.pos = _OUTSIDE.match(text, self.pos).end()
-                if self.pos == k:
-                    return
-                char = text[self.pos]
-                if char == '"':
-                    self.in_string = True
-                elif char in "{[":
-                    self.depth += 1
-                else:
-                    self.depth -= 1
-                    if self.depth == self.top:   # objects at depth 0: closed here
-                        closed += [(key, self.pos + 1) for base, key in self.members if base == self.top]
-                        self.members = [m for m in self.members if m[0] != self.top]
-                        self.top = max((base for base, _ in self.members), default=None)
-            self.pos += 1
+        while self.pos < len(text) and self.members:
+            self.pos, self.in_string, delta, read = lex_step(text, self.pos, self.in_string)
+            if not read:
+                return
+            self.depth += delta
+            if delta < 0 and self.depth == self.top:   # objects at depth 0: closed here
+                closed += [(key, self.pos) for base, key in self.members if base == self.top]
+                self.members = [m for m in self.members if m[0] != self.top]
+                self.top = max((base for base, _ in self.members), default=None)
 
 
 class KeyFinder:
