@@ -1,6 +1,6 @@
-"""Decode-attention sweeps over launch layouts (bench/attention_kernels.py --ragged, --launch-order,
---rows): split counts and launch order over ragged contexts, a sequence's kv heads side by side,
-and the whole-row kernel's tiles, for both caches. TB/s of K+V read; each variant's output is
+"""Decode-attention sweeps over launch layouts (bench/attention_kernels.py --ragged, --launch-order):
+split counts and launch order over ragged contexts, and a sequence's kv heads side by side, for
+both caches. TB/s of K+V read; each variant's output is
 checked against the default kernel's."""
 
 from __future__ import annotations
@@ -108,38 +108,7 @@ def launch_order_sweep(q_heads: int) -> None:
         cases = decode_cases(shapes, caches, fp8_ragged_split=True)
         for block_n, warps, stages in tiles:
             for heads_fast in (False, True):
-                cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, HEADS_FAST=heads_fast, WHOLE_ROWS=False)
+                cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, HEADS_FAST=heads_fast)
                 label = f"{str(dtype).split('.')[-1][:8]} {block_n:4d} {warps} {stages} {'H' if heads_fast else '-'}"
                 print(f"{label:>34} " + " ".join(bandwidth_cells(caches, cases, cfg, 11)))
     print("! = differs from the default by more than 2e-2")
-
-
-def whole_rows_sweep(q_heads: int) -> None:
-    """The whole-row kernel (one program per sequence and split reads every kv head's share of a
-    tile of tokens: contiguous rows) by tile config, against the per-head kernel's defaults, both
-    caches: TB/s of K+V read. Ragged cases run unsplit (s1) and in splits of 512 keys (k512),
-    longest first; uniform ones in the default split count."""
-    shapes = decode_shapes((("ragged b256 s1", 256, None, dict(num_splits=1)),
-                            ("ragged b256 k512", 256, None, dict(split_keys=512)),
-                            ("ragged b128 k512", 128, None, dict(split_keys=512)),
-                            ("b256 c1k", 256, 1024, {}), ("b64 c2k", 64, 2048, {}),
-                            ("b16 c2k", 16, 2048, {}), ("b1 c2k", 1, 2048, {})), q_heads)
-    print(f"\nwhole-row decode, {q_heads} q heads over {KV_HEADS} kv heads (TB/s of K+V read); "
-          "tokens per tile x kv heads = a tile's rows")
-    print(f"{'cache kernel tokens warps stages':>34} " + " ".join(f"{c[0]:>16}" for c in shapes))
-    for dtype in (DTYPE, FP8_DTYPE):
-        caches = Caches(256 * 2048, dtype)
-        cases = decode_cases(shapes, caches)
-        configs = [("per head", dict(WHOLE_ROWS=False))] + [
-            ("rows", dict(WHOLE_ROWS=True, BLOCK_N=tokens, num_warps=warps, num_stages=stages))
-            for tokens in (8, 16, 32) for warps, stages in ((2, 2), (4, 2), (4, 3), (8, 2))]
-        for kernel, cfg in configs:
-            label = f"{str(dtype).split('.')[-1][:8]} {kernel:>8} " + (
-                f"{cfg['BLOCK_N']:3d} {cfg['num_warps']} {cfg['num_stages']}" if "BLOCK_N" in cfg else "default")
-            try:
-                cells = bandwidth_cells(caches, cases, cfg, 15)
-            except Exception as e:   # out of shared memory or registers
-                print(f"{label:>34}  failed: {type(e).__name__}: {str(e)[:100]}")
-                continue
-            print(f"{label:>34} " + " ".join(cells))
-    print("! = differs from the per-head kernel by more than 2e-2")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [rows] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,11 +69,6 @@ for part in $parts; do
          # the kernel for both caches, then the 256-sequence workload each way
          python3 bench/attention_kernels.py --launch-order 2>&1 | tee "$out/launch-order.log" | tail -16
          workload_ab NANOSERVE_DECODE_HEADS_FAST "$out/launch-order-ab.log" ;;
-    rows) # the whole-row decode kernel: tests, its tiles against the per-head kernel at GQA groups 2 and 4, then
-         # the 256-sequence workload with it (NANOSERVE_DECODE_ROWS=1) against without, both caches
-         python3 -m pytest -q -m gpu tests/gpu/test_attention_kernels.py tests/gpu/test_fp8_kv_cache_gpu.py -k whole_row 2>&1 | tail -3
-         for g in 2 4; do python3 bench/attention_kernels.py --rows --group $g 2>&1 | tee "$out/rows-g$g.log" | tail -32; done
-         workload_ab NANOSERVE_DECODE_ROWS "$out/rows-ab.log" ;;
     ragged) # decode over unequal contexts: split counts and longest-first launch order, bf16 and fp8 caches
          python3 bench/attention_kernels.py --ragged 2>&1 | tee "$out/ragged.log" | tail -12 ;;
     pdl) # programmatic dependent launch off, then on (the default)

@@ -27,7 +27,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from nanoserve.runner.attention.triton_decode import _decode_kernel, _merge_splits_kernel, decode_config  # noqa: E402
-from nanoserve.runner.attention.triton_decode_rows import decode_rows_kernel, rows_config  # noqa: E402
 from nanoserve.runner.attention.triton_prefill import _prefill_config, _prefill_kernel  # noqa: E402
 
 FLOATS = {"scale_log2", "v_scale"}
@@ -63,10 +62,6 @@ def variants(target: GPUTarget):
             options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
             yield (f"decode {cache[1:]} flags {'on' if on else 'off'}", _decode_kernel, io,
                    dict(shared, BLOCK_H=16, HEADS_FAST=on, **tiles), options)
-            tiles = rows_config(False, fp8, 8)
-            options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
-            yield (f"decode rows {cache[1:]} flags {'on' if on else 'off'}", decode_rows_kernel, io,
-                   dict(shared, KV_HEADS=8, BLOCK_H=16, **tiles), options)
             tiles = _prefill_config(128, torch.bfloat16, CUDA, fp8)
             options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
             yield (f"prefill {cache[1:]} flags {'on' if on else 'off'}", _prefill_kernel, io,

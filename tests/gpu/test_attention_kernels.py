@@ -146,22 +146,6 @@ def test_triton_decode_forced_splits(dtype, block_size, head_dim, group, seed, n
     assert (out[padding] == 0).all()
 
 
-@pytest.mark.parametrize("dtype,block_size,head_dim,group,seed", KERNEL_CASES)
-@pytest.mark.parametrize("kv_heads", [2, 8])
-def test_whole_row_decode_matches_the_reference(dtype, block_size, head_dim, group, seed, kv_heads):
-    """The whole-row kernel (triton_decode_rows), unsplit, in even splits and in splits of 512 keys."""
-    specs = decode_specs(random.Random(seed + 400), batch=29, max_len=3000)
-    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=block_size, kv_heads=kv_heads, group=group,
-                                                head_dim=head_dim, dtype=dtype, seed=seed + 400)
-    ref_out, _, _ = reference(q, k, v, k_cache, v_cache, meta, 0.1)
-    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-    for num_splits, split_keys in ((1, None), (3, None), (None, 512)):
-        out = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.1, meta.max_seq_len,
-                           num_splits=num_splits, split_keys=split_keys, config=dict(WHOLE_ROWS=True))
-        assert_close(out, ref_out, dtype)
-        assert (out[meta.seq_lens == 0] == 0).all()
-
-
 @pytest.mark.parametrize("batch,num_splits,kv_cache_dtype", [(256, 1, "auto"), (256, 1, "fp8"), (64, 2, "auto"),
                                                              (3, 5, "fp8")])
 def test_longest_first_order_gives_the_same_bits_in_a_graph(batch, num_splits, kv_cache_dtype):

@@ -108,14 +108,6 @@ def test_triton_decode_over_fp8_forced_splits(dtype, block_size, head_dim, group
               group=group, head_dim=head_dim, kv_heads=2)
 
 
-@pytest.mark.parametrize("dtype,block_size,head_dim,group,magnitude,seed", CASES)
-def test_whole_row_decode_over_fp8(dtype, block_size, head_dim, group, magnitude, seed):
-    """The whole-row kernel (triton_decode_rows) over an fp8 cache of 8 kv heads, in 3 splits."""
-    check_fp8(decode_specs(random.Random(seed + 500), batch=29, max_len=3000), dtype=dtype,
-              magnitude=magnitude, seed=seed + 500, num_splits=3, config=dict(WHOLE_ROWS=True),
-              block_size=block_size, group=group, head_dim=head_dim, kv_heads=8)
-
-
 @pytest.mark.parametrize("group,magnitude,seed", [(2, 1.0, 21), (4, 300.0, 22)])
 def test_triton_decode_widening_fp8_to_bf16_for_a_bf16_query(group, magnitude, seed):
     """The bf16 widening that bench/attention_kernels.py --fp8-sweep weighs against the default f16."""

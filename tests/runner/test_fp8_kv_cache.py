@@ -119,16 +119,15 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("dtype,head_dim,group,num_splits,magnitude,k_scale,v_scale,seed",
                          DECODE_CASES)
-@pytest.mark.parametrize("whole_rows", [False, True])
 def test_triton_decode_over_fp8_matches_the_reference(
-        dtype, head_dim, group, num_splits, magnitude, k_scale, v_scale, seed, whole_rows) -> None:
+        dtype, head_dim, group, num_splits, magnitude, k_scale, v_scale, seed) -> None:
     from nanoserve.runner.attention.triton_decode import paged_decode
     specs = [(1, 70), (1, 0), (1, 33), (1, 5)]
     q, k, v, fp8, meta, scale, ref, exact_out, ref_caches = fp8_case(
         specs, dtype, magnitude, k_scale, v_scale, seed, block_size=16, group=group, head_dim=head_dim)
     store_kvcache(k, v, *fp8, meta.slot_mapping, k_scale, v_scale)
     out = paged_decode(q, *fp8, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
-                       num_splits=num_splits, k_scale=k_scale, v_scale=v_scale, config=dict(WHOLE_ROWS=whole_rows))
+                       num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
     assert (out[1] == 0).all(), "a padding row must come back as zeros"
     assert rel_err(out, ref) < TOL[dtype]
     assert rel_err(out, exact_out) < FP8_REL_ERR

@@ -18,4 +18,4 @@ def test_decode_and_merge_kernels_compile_for_sm90(tmp_path) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_for_gpu.py"), "--only", "decode,merge"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "10 kernels compiled for sm90" in done.stdout, done.stdout
+    assert "6 kernels compiled for sm90" in done.stdout, done.stdout

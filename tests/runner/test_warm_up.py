@@ -9,7 +9,6 @@ import torch
 
 import nanoserve.runner.attention.decode_splits as decode_splits
 from nanoserve.runner.attention.decode_splits import decode_split_count, engine_split_keys, split_span
-from nanoserve.runner.attention import triton_decode
 from nanoserve.runner.attention.triton_decode import decode_tiles
 from nanoserve.runner.attention.triton_kernels import MIXED_MIN_DECODE_ROWS, eager_step_shapes
 from nanoserve.runner.inputs import build_inputs
@@ -24,22 +23,16 @@ def h200_sms(monkeypatch):
 
 
 def widths(mixed: bool, seqs: int, length: int, fp8: bool) -> int:
-    """The merge width paged_decode launches for this step: 8 kv heads, a program each, or one
-    program for them all (the whole-row kernel)."""
-    tiles = decode_tiles(CPU, fp8, torch.bfloat16, 128, 8)
-    programs = 1 if tiles["WHOLE_ROWS"] else 8
-    keys = None if mixed else engine_split_keys(seqs, programs, length, CPU, fp8)
-    splits = decode_split_count(seqs, programs, length, CPU, split_span(keys, tiles["BLOCK_N"]))
+    """The merge width paged_decode launches for this step: 8 kv heads, a program each."""
+    block_n = decode_tiles(CPU, fp8, torch.bfloat16, 128)["BLOCK_N"]
+    keys = None if mixed else engine_split_keys(seqs, 8, length, CPU, fp8)
+    splits = decode_split_count(seqs, 8, length, CPU, split_span(keys, block_n))
     return 1 << (splits - 1).bit_length()
 
 
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "decode-only"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("whole_rows", [False, True], ids=["per-head", "whole-rows"])
-def test_every_merge_width_an_eager_step_reaches_is_warmed_once(h200_sms, mixed, fp8, whole_rows,
-                                                               monkeypatch) -> None:
-    monkeypatch.setattr(triton_decode, "whole_rows_enabled", lambda: whole_rows)
-    assert decode_tiles(CPU, fp8, torch.bfloat16, 128, 8)["WHOLE_ROWS"] == whole_rows
+def test_every_merge_width_an_eager_step_reaches_is_warmed_once(h200_sms, mixed, fp8) -> None:
     shapes = eager_step_shapes(mixed, 512, 16384, 4096, 8, 128, torch.bfloat16, CPU, fp8)
     warmed = [widths(mixed, seqs, longest, fp8) for seqs, longest in shapes]
     first = MIXED_MIN_DECODE_ROWS + 1 if mixed else 1

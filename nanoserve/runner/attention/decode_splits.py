@@ -65,8 +65,7 @@ def engine_split_keys(batch: int, kv_heads: int, max_seq_len: int, device: torch
     """paged_decode's split_keys for the engine at batches that fill the GPU with one split per
     (sequence, kv head), where a ragged batch's longest contexts still set the kernel's end:
     FP8_SPLIT_KEYS over an fp8 cache, NANOSERVE_DECODE_SPLIT_KEYS=n to choose (0: even splits);
-    None (even splits) elsewhere. kv_heads counts a sequence's programs per split: 1 for the
-    whole-row kernel."""
+    None (even splits) elsewhere."""
     keys = _split_keys_asked()
     if keys is None:
         keys = FP8_SPLIT_KEYS if fp8_cache else 0

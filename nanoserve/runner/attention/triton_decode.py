@@ -5,8 +5,7 @@ context once and attends all the query heads of its group to it. With one split 
 output directly; with several it writes a partial (normalized acc, log-sum-exp) per split to a
 float32 workspace, and stage 2 merges the splits of each (sequence, head). (Merging in the last
 split program to finish, counted with an atomic, was slower on an H200: BENCHMARKS.md.)
-The whole-row kernel (triton_decode_rows) may take stage 1 instead: one program per (sequence,
-split) for every head. How contexts are split, and the engine's choices, are decode_splits'.
+How contexts are split, and the engine's choices, are decode_splits'.
 
 CUDA-graph safe: the number of splits and the workspace size depend only on host values that
 are fixed for a captured graph (batch, heads, the caller's max_seq_len, the device). Each
@@ -32,7 +31,6 @@ import triton.language as tl
 
 from nanoserve.runner.attention.decode_splits import decode_split_count, split_span
 from nanoserve.runner.attention.fp8 import is_fp8
-from nanoserve.runner.attention.triton_decode_rows import decode_rows_kernel, rows_config, rows_fit
 from nanoserve.runner.attention.triton_paged import (decode_program, load_kv_tile, online_softmax_step, query_row,
                                                      split_share, write_decode_result)
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
@@ -160,32 +158,13 @@ def decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = 
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
-@functools.lru_cache(maxsize=None)
-def whole_rows_enabled() -> bool:
-    """Whether decode reads the cache in whole rows (triton_decode_rows) where the shape allows:
-    NANOSERVE_DECODE_ROWS=1 (off by default until measured faster)."""
-    return os.environ.get("NANOSERVE_DECODE_ROWS", "0") == "1"
-
-
-def decode_tiles(device: torch.device, fp8: bool, dtype: torch.dtype, head_dim: int, kv_heads: int,
+def decode_tiles(device: torch.device, fp8: bool, dtype: torch.dtype, head_dim: int,
                  config: dict | None = None) -> dict:
-    """The decode launch's config: the kernel (WHOLE_ROWS: the whole-row one) and its tiles, with
-    `config`'s keys over the defaults one by one. WHOLE_ROWS is asked in config or by
-    whole_rows_enabled, and taken where rows_fit allows."""
-    config = dict(config or {})
-    rows = config.pop("WHOLE_ROWS", whole_rows_enabled())
-    base = rows_config(device.type != "cuda", fp8, kv_heads) if rows else {}
-    rows = rows and rows_fit(kv_heads, config.get("BLOCK_N", base.get("BLOCK_N", 0)))
-    cfg = {**(base if rows else decode_config(device, fp8, dtype, head_dim)), **config, "WHOLE_ROWS": rows}
+    """The decode launch's tiles: the defaults with `config`'s keys over them one by one."""
+    cfg = {**decode_config(device, fp8, dtype, head_dim), **(config or {})}
     # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
     cfg.setdefault("FP8_VIA_F16", fp8 and dtype == torch.bfloat16)
     return cfg
-
-
-def programs_per_sequence(device: torch.device, fp8: bool, dtype: torch.dtype, head_dim: int, kv_heads: int) -> int:
-    """Decode programs per sequence and split, which the split counts are sized by: one per kv
-    head, or one for them all (the whole-row kernel)."""
-    return 1 if decode_tiles(device, fp8, dtype, head_dim, kv_heads)["WHOLE_ROWS"] else kv_heads
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -223,12 +202,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"seq_order must be a contiguous int32 permutation of the {batch} rows")
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
-    cfg = decode_tiles(q.device, fp8, q.dtype, head_dim, kv_heads, config)
-    rows = cfg.pop("WHOLE_ROWS")
+    cfg = decode_tiles(q.device, fp8, q.dtype, head_dim, config)
     span = split_span(split_keys, cfg["BLOCK_N"])
     split_tiles = span // cfg["BLOCK_N"]   # 0: the kernels' flag for even division
     if num_splits is None:
-        num_splits = decode_split_count(batch, 1 if rows else kv_heads, max_seq_len, q.device, span)
+        num_splits = decode_split_count(batch, kv_heads, max_seq_len, q.device, span)
     out = torch.empty_like(q) if out is None else out
     packed = query_start_loc is not None
     split = num_splits > 1
@@ -249,14 +227,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1))
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype),
                   KV_FP8=fp8, ORDERED=seq_order is not None, PACKED_Q=packed, **cfg, **pdl_launch(q.device))
-    if rows:
-        common.pop("HEADS_FAST", None)   # one program takes every head of a sequence
-        decode_rows_kernel[(batch, num_splits)](*args, KV_HEADS=kv_heads, BLOCK_H=max(16, triton.next_power_of_2(q_heads)),
-                                                **common)
-    else:
-        heads_fast = common.pop("HEADS_FAST", heads_fast_enabled())
-        grid = (kv_heads, batch, num_splits) if heads_fast else (batch, kv_heads, num_splits)
-        _decode_kernel[grid](*args, BLOCK_H=max(16, triton.next_power_of_2(group)), HEADS_FAST=heads_fast, **common)
+    heads_fast = common.pop("HEADS_FAST", heads_fast_enabled())
+    grid = (kv_heads, batch, num_splits) if heads_fast else (batch, kv_heads, num_splits)
+    _decode_kernel[grid](*args, BLOCK_H=max(16, triton.next_power_of_2(group)), HEADS_FAST=heads_fast, **common)
     if split:
         splits_pow2 = triton.next_power_of_2(num_splits)
         heads = merge_heads_per_program(q_heads, splits_pow2, head_dim)

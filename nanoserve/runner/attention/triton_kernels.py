@@ -9,7 +9,7 @@ import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.decode_splits import decode_split_count, engine_split_keys, split_span
-from nanoserve.runner.attention.triton_decode import decode_tiles, paged_decode, programs_per_sequence
+from nanoserve.runner.attention.triton_decode import decode_tiles, paged_decode
 from nanoserve.runner.attention.triton_fp8 import to_fp8
 from nanoserve.runner.attention.triton_prefill import paged_prefill
 from nanoserve.runner.attention.triton_rope_store import qkv_rope_store
@@ -85,9 +85,7 @@ def eager_step_shapes(mixed: bool, max_num_seqs: int, max_num_batched_tokens: in
     prompt, which also brings the prefill kernel that leaves them out) or decode rows alone.
     Captured steps compile theirs at capture; these would otherwise compile (~1 s each) under the
     first such step served."""
-    tiles = decode_tiles(device, fp8_cache, dtype, head_dim, kv_heads)
-    block_n = tiles["BLOCK_N"]   # keys per tile
-    programs = 1 if tiles["WHOLE_ROWS"] else kv_heads   # a sequence's programs per split
+    block_n = decode_tiles(device, fp8_cache, dtype, head_dim)["BLOCK_N"]   # keys per tile
     # a power of two falls in every range (a, 2a] of contexts that one merge width takes
     lengths = sorted({1 << i for i in range(max_model_len.bit_length())} | {max_model_len})
     if mixed:   # the decode rows and a prompt of at least two tokens, within the step's token budget
@@ -98,8 +96,8 @@ def eager_step_shapes(mixed: bool, max_num_seqs: int, max_num_batched_tokens: in
     for seqs in seq_counts:
         for length in lengths:
             # a mixed step's decode rows split evenly; alone they may take fixed-size splits
-            keys = None if mixed else engine_split_keys(seqs, programs, length, device, fp8_cache)
-            splits = decode_split_count(seqs, programs, length, device, split_span(keys, block_n))
+            keys = None if mixed else engine_split_keys(seqs, kv_heads, length, device, fp8_cache)
+            splits = decode_split_count(seqs, kv_heads, length, device, split_span(keys, block_n))
             shapes.setdefault(triton.next_power_of_2(splits), (seqs, length))   # the merge's width
     return list(shapes.values())
 
@@ -125,9 +123,7 @@ class TritonBackend:
 
     @staticmethod
     def _split_keys(q: torch.Tensor, k_cache: torch.Tensor, max_seq_len: int) -> int | None:
-        fp8 = is_fp8(k_cache)
-        programs = programs_per_sequence(q.device, fp8, q.dtype, q.shape[-1], k_cache.shape[2])
-        return engine_split_keys(q.shape[0], programs, max_seq_len, q.device, fp8)
+        return engine_split_keys(q.shape[0], k_cache.shape[2], max_seq_len, q.device, is_fp8(k_cache))
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
