@@ -67,7 +67,8 @@ class ServerState:
         if requested is None:
             return names[0]
         if requested not in names:
-            raise APIError(f"The model '{requested}' does not exist; this server serves {names}", 404,
+            # cut, as every echo of a request's text in an error is: the body of a 20 MB name came back whole
+            raise APIError(f"The model {requested[:80]!r} does not exist; this server serves {names}", 404,
                            param="model", code="model_not_found")
         return requested
 

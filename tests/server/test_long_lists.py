@@ -1,0 +1,65 @@
+"""A request's long lists cost time in proportion to their length, and its errors do not repeat them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import openai
+import pytest
+
+from tests.server.conftest import openai_client
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+# within the body limits (32 MiB, 1M JSON values); checking them for duplicate names was
+# quadratic: 85 s of the event loop, during which every stream froze
+MANY_TOOLS = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(50_000)]
+
+
+def largest_gap_beside(url: str, work) -> tuple[float, object]:
+    """The largest pause between a streamed completion's chunks while `work()` runs; and its result."""
+    stamps: list[float] = []
+    started = threading.Event()
+
+    def neighbour() -> None:
+        stream = openai_client(url).completions.create(model="tiny", prompt="Hello", max_tokens=1000,
+                                                       stream=True, extra_body={"ignore_eos": True})
+        for _ in stream:
+            stamps.append(time.monotonic())
+            started.set()
+
+    thread = threading.Thread(target=neighbour)
+    thread.start()
+    assert started.wait(60)
+    begun = time.monotonic()
+    result = work()
+    ended = time.monotonic()
+    thread.join(300)
+    during = [b - a for a, b in zip(stamps, stamps[1:]) if b >= begun and a <= ended]
+    return max(during, default=ended - begun), result
+
+
+def refused(call) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as caught:
+        call()
+    return caught.value
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", {"type": "function", "function": {"name": "nope"}}])
+def test_fifty_thousand_tools_do_not_freeze_other_streams(server, tool_choice):
+    client = openai_client(server.url)
+    gap, error = largest_gap_beside(server.url, lambda: refused(lambda: client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=MANY_TOOLS, tool_choice=tool_choice, max_tokens=2)))
+    assert error.body["param"] == "tool_choice"
+    # the named function is looked for among the tools, and the message lists only a few of them
+    assert len(error.body["message"]) < 2000, len(error.body["message"])
+    assert gap < 10, f"a stream beside the request paused {gap:.1f} s"
+    server.wait_idle()
+
+
+def test_an_unknown_model_name_is_not_repeated_whole(server):
+    error = openai_client(server.url).completions.create
+    with pytest.raises(openai.NotFoundError) as caught:
+        error(model="m" * 1_000_000, prompt="Hi", max_tokens=2)
+    assert caught.value.body["code"] == "model_not_found"
+    assert len(caught.value.response.content) < 2000, len(caught.value.response.content)
