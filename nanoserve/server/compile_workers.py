@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from nanoserve.sampling_params import StructuredOutputsParams
 
 _START_TIMEOUT_S = 300.0  # importing xgrammar (and torch) and building the tokenizer info; not the spec's time
-_VERDICTS = 4096  # specs whose verdict a worker remembers
+_VERDICTS = 4096  # specs whose verdict the front end remembers
 
 
 class CompileTimeout(Exception):
@@ -38,26 +38,17 @@ def _serve(conn: Connection, tokenizer_info_json: str, parent_pid: int) -> None:
     from nanoserve.engine.grammar import compile_spec, compiler_for
 
     compiler = compiler_for(xgr.TokenizerInfo.deserialize_json(tokenizer_info_json))
-    # a spec checked again is answered from here: only its verdict is kept, never its grammar
-    # (~34 MB for a 128 KiB spec), and under a digest of the spec rather than its text
-    verdicts: OrderedDict[bytes, str | None] = OrderedDict()
     conn.send(None)
     while True:
         try:
             spec = conn.recv()
         except EOFError:  # the front end is gone
             return
-        key = hashlib.blake2b(repr(spec.key).encode(), digest_size=16).digest()
-        if key not in verdicts:
-            try:
-                compile_spec(compiler, spec)
-                verdicts[key] = None
-            except ValueError as exc:
-                verdicts[key] = str(exc)[:2000]
-            if len(verdicts) > _VERDICTS:
-                verdicts.popitem(last=False)
-        verdicts.move_to_end(key)
-        conn.send(verdicts[key])
+        try:
+            compile_spec(compiler, spec)
+            conn.send(None)
+        except ValueError as exc:
+            conn.send(str(exc)[:2000])
 
 
 class _Worker:
@@ -122,15 +113,33 @@ class _Worker:
 
 
 class CompileWorkers:
-    """A few workers; a check waits for an idle one on the event loop, not on a thread."""
+    """A few workers; a check waits for an idle one on the event loop, not on a thread.
+
+    A spec checked before is answered from its remembered verdict without a worker: the workers
+    are first come, first served, so while slow specs hold them (each up to the deadline) a
+    spec that an application sends with every request would otherwise wait behind all of them.
+    Only verdicts are kept, never grammars (~34 MB for a 128 KiB spec), under a digest of the
+    spec rather than its text; a timeout is not a verdict (it depends on the load)."""
 
     def __init__(self, tokenizer_info_json: str, num_workers: int = 2) -> None:
         self.workers = [_Worker(tokenizer_info_json) for _ in range(num_workers)]
         self._idle: asyncio.Queue[_Worker] | None = None
+        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
 
     async def check(self, spec: StructuredOutputsParams, timeout: float) -> str | None:
         """None when the spec compiles within `timeout` seconds, else why it does not; raises
         CompileTimeout past the deadline."""
+        key = hashlib.blake2b(repr(spec.key).encode(), digest_size=16).digest()
+        if key in self._verdicts:
+            self._verdicts.move_to_end(key)
+            return self._verdicts[key]
+        verdict = await self._compiled(spec, timeout)
+        self._verdicts[key] = verdict
+        if len(self._verdicts) > _VERDICTS:
+            self._verdicts.popitem(last=False)
+        return verdict
+
+    async def _compiled(self, spec: StructuredOutputsParams, timeout: float) -> str | None:
         if self._idle is None:
             self._idle = asyncio.Queue()
             for worker in self.workers:

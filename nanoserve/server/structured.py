@@ -54,8 +54,8 @@ def requested_spec(req: SamplingFields) -> tuple[str, StructuredOutputsParams] |
 
 class SpecChecker:
     """Compiles specs in worker processes of the front end's own (server/compile_workers.py), which
-    are killed when a spec takes longer than `timeout_s`; each worker remembers its verdicts, so a
-    spec checked again costs a lookup."""
+    are killed when a spec takes longer than `timeout_s`; their verdicts are remembered, so a spec
+    checked again costs a lookup and never waits for a worker."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, timeout_s: float) -> None:
         self.tokenizer, self.vocab_size, self.timeout_s = tokenizer, vocab_size, timeout_s

@@ -66,3 +66,28 @@ def test_slow_specs_do_not_starve_other_structured_requests_or_streams(server):
     assert statuses == [400] * 4
     assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
     server.wait_idle()
+
+
+def test_a_spec_known_to_compile_does_not_wait_behind_slow_ones(server):
+    known = {**CHAT, "response_format": {"type": "json_object"}}
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=known, timeout=60).status_code == 200
+    statuses: list[int] = []
+
+    def slow(i: int) -> None:
+        body = {**CHAT, "guided_regex": f"c{i}" + SLOW_REGEX}
+        statuses.append(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).status_code)
+
+    # eight specs of two deadlines (2 s) each hold the two workers for ~8 s, first come, first served
+    hogs = [threading.Thread(target=slow, args=(i,)) for i in range(8)]
+    for t in hogs:
+        t.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=known, timeout=120)
+    took = time.monotonic() - start
+    assert r.status_code == 200, r.text
+    assert took < 3, f"a spec that compiled before waited {took:.1f} s for a worker"
+    for t in hogs:
+        t.join()
+    assert statuses == [400] * 8
+    server.wait_idle()
