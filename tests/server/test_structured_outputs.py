@@ -209,3 +209,15 @@ def test_structured_outputs_survive_preemption(tight_server):
     assert all(re.fullmatch(REGEX, t) for t in regex)
     assert tight_server.metrics()["nanoserve:num_preemptions_total"] > before
     tight_server.wait_idle()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_ignore_eos_stops_where_the_grammar_is_complete(client, stream):
+    # vLLM runs on, unconstrained, to max_tokens; here the output stays what the grammar admits
+    out = client.completions.create(model="tiny", prompt="The answer is", max_tokens=60, temperature=0, stream=stream,
+                                    extra_body={"guided_regex": "[ab]{1,3}", "ignore_eos": True,
+                                                "skip_special_tokens": False})
+    chunks = list(out) if stream else [out]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert re.fullmatch("[ab]{1,3}", text) and finish == ["stop"], (text, finish)
