@@ -9,10 +9,11 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass
 
-from nanoserve.sampling_params import StructuredOutputsParams
+from nanoserve.sampling_params import MAX_SPEC_CHARS, StructuredOutputsParams
 from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import ChatCompletionRequest, Tool
 from nanoserve.server.structured import requested_spec
@@ -66,6 +67,13 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None, auto_enabled
                            param="tool_choice")
         return ToolPlan("auto", TOOL_PARSERS[parser_name]())
     if choice == "required":
+        if len(tools) * MIN_CALL_CHARS > MAX_SPEC_CHARS:
+            # refused before the schema is built and written out on the event loop: for 50,000
+            # tools that took 0.9 s of every stream's time, only to find it too long
+            raise APIError(f"tool_choice 'required' cannot be enforced over {len(tools)} tools: the grammar that "
+                           f"holds a call to one of them is past the structured outputs spec limit "
+                           f"({MAX_SPEC_CHARS} characters) beyond {MAX_SPEC_CHARS // MIN_CALL_CHARS} tools",
+                           param="tools")
         return ToolPlan("required", spec=call_spec(calls_schema(tools, req.parallel_tool_calls)))
     named = {t.function.name: t for t in tools}.get(choice.function.name)
     if named is None:
@@ -87,13 +95,22 @@ def call_spec(schema: dict) -> StructuredOutputsParams:
 
 def calls_schema(tools: list[Tool], parallel: bool | None) -> dict:
     """A JSON array of calls, each naming one of the tools and carrying arguments valid for it."""
-    one_call = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                                   "parameters": t.function.parameters or ANY_ARGUMENTS},
-                 "required": ["name", "parameters"]} for t in tools]
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}}
+    schema = {"type": "array", "minItems": 1,
+              "items": {"anyOf": [one_call(t.function.name, t.function.parameters) for t in tools]}}
     if parallel is False:
         schema["maxItems"] = 1
     return schema
+
+
+def one_call(name: str, parameters: dict | None) -> dict:
+    return {"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                             "parameters": parameters or ANY_ARGUMENTS},
+            "required": ["name", "parameters"]}
+
+
+# the fewest characters one tool adds to the `required` grammar's schema: a one-letter name, the
+# shortest parameters object there is, and the ", " before it
+MIN_CALL_CHARS = len(json.dumps(one_call("f", {"": 0}), ensure_ascii=False)) + 2
 
 
 def tool_call_id(parser: ToolParser | None) -> str:

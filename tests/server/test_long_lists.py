@@ -75,3 +75,17 @@ def test_a_body_of_ten_million_empty_strings_is_refused_without_freezing_other_s
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_complex", r.text
     assert "holds about 10000005" in r.json()["error"]["message"]
     assert gap < 1, f"a stream beside the request paused {gap:.1f} s"
+
+
+def test_required_over_more_tools_than_any_spec_holds_is_refused_before_building_it():
+    from nanoserve.server.errors import APIError
+    from nanoserve.server.protocol import ChatCompletionRequest
+    from nanoserve.server.tools import plan_tools
+
+    req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": MANY_TOOLS, "tool_choice": "required"})
+    start = time.monotonic()
+    with pytest.raises(APIError) as caught:
+        plan_tools(req, None, False)
+    # building and writing out the schema of 50,000 calls took ~0.9 s of the event loop
+    assert time.monotonic() - start < 0.2
+    assert caught.value.param == "tools" and "over 50000 tools" in caught.value.message
