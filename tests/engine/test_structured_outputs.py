@@ -3,6 +3,7 @@ preemption, pipelined scheduling and n > 1."""
 
 from __future__ import annotations
 
+import json
 import re
 from concurrent.futures import Future
 
@@ -12,7 +13,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.config import DEFAULT_MODEL
 from nanoserve.engine.grammar import GrammarManager, compile_spec
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.sampling_params import StructuredOutputsParams
+from nanoserve.sampling_params import MAX_SPEC_CHARS, StructuredOutputsParams
 
 REGEX = r"(ab|cd)[0-9]{2,4}(-[a-z]{1,12}){2,3}"
 PROMPTS = ["The function returns", "A list is", "In Python, a class"]
@@ -43,6 +44,16 @@ def test_spec_key_is_equal_for_equal_schemas_and_tells_property_orders_apart():
     assert a.key != swapped.key
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["b"])
+
+
+def test_a_schema_is_written_as_json_dumps_writes_it_and_refused_as_soon_as_it_passes_the_limit():
+    schema = {"type": "object", "properties": {"é": {"type": "string", "pattern": "a\\d\n"},
+                                               "n": {"maximum": 1e308, "minimum": -(10 ** 30)}, "x": [None, True, 2.5]}}
+    assert StructuredOutputsParams(json=schema).json == json.dumps(schema, ensure_ascii=False)
+    # what lies past the limit is never written: json.dumps of the whole would fail on the object
+    huge = {"description": "x" * (MAX_SPEC_CHARS + 1), "unwritable": object()}
+    with pytest.raises(ValueError, match=f"over {MAX_SPEC_CHARS} characters"):
+        StructuredOutputsParams(json=huge)
 
 
 def test_compile_errors_name_the_problem(llm):
