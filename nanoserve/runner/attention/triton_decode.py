@@ -36,7 +36,7 @@ from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 
 @triton.jit
-def query_row(query_start_ptr, seq, PACKED_Q: tl.constexpr):
+def _query_row(query_start_ptr, seq, PACKED_Q: tl.constexpr):
     """The q and output row of sequence `seq`: `seq` itself, or in a mixed step's packed rows its
     query start, and -1 where the sequence has more than one query (a prompt's chunk)."""
     if PACKED_Q:
@@ -46,64 +46,12 @@ def query_row(query_start_ptr, seq, PACKED_Q: tl.constexpr):
 
 
 @triton.jit
-def split_share(seq_len, num_splits, split_tiles, BLOCK_N: tl.constexpr):
+def _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N: tl.constexpr):
     """(the sequence's tiles of BLOCK_N keys, tiles per split): split_tiles where given, else the
     tiles divided evenly over num_splits; at least 1."""
     tiles = tl.cdiv(seq_len, BLOCK_N)
     per = tl.where(split_tiles > 0, split_tiles, tl.cdiv(tiles, num_splits))
     return tiles, tl.maximum(per, 1)
-
-
-@triton.jit
-def split_range(seq_len, split, num_splits, split_tiles, BLOCK_N: tl.constexpr):
-    """The keys [start, end) of split `split`: splits start on tile bounds, and the last one ends
-    at seq_len, however long the context. Past the end, start >= seq_len (an empty range)."""
-    _, per_split = split_share(seq_len, num_splits, split_tiles, BLOCK_N)
-    start = split * per_split * BLOCK_N
-    end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + per_split * BLOCK_N, seq_len))
-    return start, end
-
-
-@triton.jit
-def decode_program(seq, split, seq_order_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, num_splits,
-                   split_tiles, stride_sl, stride_bt, BLOCK_N: tl.constexpr, ORDERED: tl.constexpr,
-                   PACKED_Q: tl.constexpr, SPLIT: tl.constexpr):
-    """What a decode program takes on, from its launch index `seq` and its split: (the sequence,
-    its q row, its keys [start, end), its block table, idle). Idle: nothing to compute (a prompt's
-    row of a mixed step, or a split past the end, padding rows included). Reads only what the host
-    stages (order, query starts, lengths, tables), never what a kernel of the step writes, so it
-    may run before waiting on the kernel ahead (PDL)."""
-    if ORDERED:   # programs start in launch order: the longest sequences first leave no long tail
-        seq = tl.load(seq_order_ptr + seq)
-    q_row = query_row(query_start_ptr, seq, PACKED_Q)
-    seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
-    start, end = split_range(seq_len, split, num_splits, split_tiles, BLOCK_N)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    idle = q_row < 0
-    if SPLIT:   # the merge leaves a split past the end out
-        idle = idle | (start >= seq_len)
-    return seq, q_row, start, end, table, idle
-
-
-@triton.jit
-def write_decode_result(acc, m, l, q_row, part_rows, mask_h, split, num_splits, v_scale,
-                        out_ptr, part_acc_ptr, part_lse_ptr, heads, offs_d, stride_ot, stride_oh,
-                        HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, KV_FP8: tl.constexpr):
-    """A decode program's (acc, m, l) for q heads `heads`: the output row itself, or with several
-    splits the normalized partial and its log-sum-exp at workspace rows part_rows (sequence x q
-    heads + head) for the merge. A split with no keys leaves zeros and -inf."""
-    has_keys = l > 0
-    l = tl.where(has_keys, l, 1.0)
-    o = acc / l[:, None]   # no keys: acc is 0, so o is 0
-    if KV_FP8:
-        o = o * v_scale   # the merge of splits is linear in o: scaling each partial suffices
-    if SPLIT:
-        row = part_rows * num_splits + split
-        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_h[:, None])
-        tl.store(part_lse_ptr + row, tl.where(has_keys, m + tl.log2(l), float("-inf")), mask=mask_h)
-    else:
-        tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
 
 
 # Ints that change from step to step are not specialized: Triton would otherwise compile a new
@@ -123,16 +71,26 @@ def _decode_kernel(
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
     ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, HEADS_FAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # lengths, order, query starts and block tables are staged by the host, never written by a
+    # kernel of the step: they may be read before waiting on the kernel ahead (PDL); q and the cache may not
     if HEADS_FAST:   # grid (kv heads, sequences, splits): a sequence's heads start side by side
         kv_head, seq, kv_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
     else:
         seq, kv_head, kv_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    if ORDERED:   # programs start in launch order: the longest sequences first leave no long tail
+        seq = tl.load(seq_order_ptr + seq)
+    q_row = _query_row(query_start_ptr, seq, PACKED_Q)
     split = tl.program_id(2)
-    seq, q_row, start, end, table, idle = decode_program(
-        seq, split, seq_order_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, num_splits, split_tiles,
-        stride_sl, stride_bt, BLOCK_N, ORDERED, PACKED_Q, SPLIT)
+    seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
+    # splits start on tile bounds; the last one ends at seq_len, however long the context
+    _, per_split = _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N)
+    start = split * per_split * BLOCK_N
+    end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + per_split * BLOCK_N, seq_len))
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     pdl_prologue(USE_PDL)   # every program waits, even one with nothing to do: see pdl.py
-    if idle:
+    if q_row < 0:   # a prompt's row of a mixed step: the prefill kernel's
+        return
+    if SPLIT and start >= seq_len:   # past the end (padding rows too): the merge leaves it out
         return
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -162,9 +120,20 @@ def _decode_kernel(
         # every tile holds at least one key of this split
         m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
 
-    write_decode_result(acc, m, l, q_row, seq * kv_heads * GROUP + heads, mask_h, split, num_splits, v_scale,
-                        out_ptr, part_acc_ptr, part_lse_ptr, heads, offs_d, stride_ot, stride_oh,
-                        HEAD_DIM, SPLIT, KV_FP8)
+    has_keys = l > 0
+    l = tl.where(has_keys, l, 1.0)
+    o = acc / l[:, None]   # no keys: acc is 0, so o is 0
+    if KV_FP8:
+        o = o * v_scale   # the merge of splits is linear in o: scaling each partial suffices
+    if SPLIT:
+        row = (seq * kv_heads * GROUP + heads) * num_splits + split
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
+                 mask=mask_h[:, None])
+        tl.store(part_lse_ptr + row, tl.where(has_keys, m + tl.log2(l), float("-inf")),
+                 mask=mask_h)
+    else:
+        tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits", "split_tiles"])
@@ -178,13 +147,13 @@ def _merge_splits_kernel(
     seq = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     pdl_prologue(USE_PDL)
-    q_row = query_row(query_start_ptr, seq, PACKED_Q)
+    q_row = _query_row(query_start_ptr, seq, PACKED_Q)
     if q_row < 0:
         return
     offs_s = tl.arange(0, SPLITS_POW2)
     offs_d = tl.arange(0, HEAD_DIM)
     # the splits that hold keys, as the decode kernel divided the context
-    tiles, per_split = split_share(tl.load(seq_lens_ptr + seq * stride_sl), num_splits, split_tiles, BLOCK_N)
+    tiles, per_split = _split_tiles(tl.load(seq_lens_ptr + seq * stride_sl), num_splits, split_tiles, BLOCK_N)
     mask_h = offs_h < Q_HEADS
     mask = mask_h[:, None] & (offs_s < tl.minimum(tl.cdiv(tiles, per_split), num_splits))[None, :]
     row = (seq * Q_HEADS + offs_h[:, None]) * num_splits + offs_s[None, :]   # [heads, splits]
@@ -287,20 +256,22 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_lse = out   # unused
-    args = (q, k_cache, v_cache, block_tables, seq_lens,
-            seq_order if seq_order is not None else seq_lens,   # unread unless ORDERED
-            query_start_loc if packed else seq_lens,            # unread unless PACKED_Q
-            out, part_acc, part_lse,
-            softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale, num_splits, split_tiles,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1))
-    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype),
-                  KV_FP8=fp8, ORDERED=seq_order is not None, PACKED_Q=packed, **cfg, **pdl_launch(q.device))
-    heads_fast = common.pop("HEADS_FAST", heads_fast_enabled())
+    heads_fast = cfg.pop("HEADS_FAST", heads_fast_enabled())
     grid = (kv_heads, batch, num_splits) if heads_fast else (batch, kv_heads, num_splits)
-    _decode_kernel[grid](*args, BLOCK_H=max(16, triton.next_power_of_2(group)), HEADS_FAST=heads_fast, **common)
+    _decode_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens,
+        seq_order if seq_order is not None else seq_lens,   # unread unless ORDERED
+        query_start_loc if packed else seq_lens,            # unread unless PACKED_Q
+        out, part_acc, part_lse,
+        softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale, num_splits, split_tiles,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
+        ORDERED=seq_order is not None, PACKED_Q=packed, HEADS_FAST=heads_fast, **cfg, **pdl_launch(q.device),
+    )
     if split:
         splits_pow2 = triton.next_power_of_2(num_splits)
         heads = merge_heads_per_program(q_heads, splits_pow2, head_dim)
