@@ -9,7 +9,7 @@ import torch
 
 from nanoserve.runner.attention import TorchBackend, select_backend
 from nanoserve.runner.attention.decode_splits import MIN_TOKENS_PER_SPLIT, longest_first, num_decode_splits
-from nanoserve.runner.attention.triton_decode import decode_tiles, paged_decode
+from nanoserve.runner.attention.triton_decode import paged_decode
 from nanoserve.runner.attention.triton_kernels import TritonBackend, store_kvcache
 from nanoserve.runner.attention.triton_prefill import paged_prefill
 from nanoserve.runner.batch import AttentionMetadata
@@ -97,11 +97,6 @@ def test_store_writes_each_token_to_its_slot_and_skips_padding() -> None:
     assert (flat_k[untouched] == POISON).all() and (flat_v[untouched] == POISON).all()
 
 
-# the decode kernel's launch orders: one program per (sequence, kv head, split), with a sequence's
-# kv heads side by side or head by head
-KERNELS = [dict(HEADS_FAST=True), dict(HEADS_FAST=False)]
-KERNEL_IDS = ["heads-side-by-side", "head-by-head"]
-
 DECODE_CASES = [
     # dtype, block_size, head_dim, group, seed
     (torch.float32, 16, 64, 2, 1),
@@ -113,9 +108,9 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("dtype,block_size,head_dim,group,seed", DECODE_CASES)
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
+@pytest.mark.parametrize("heads_fast", [True, False])   # the launch grid: a sequence's kv heads side by side, or not
 def test_decode_matches_reference_with_gqa_split_k_and_padding(
-        dtype, block_size, head_dim, group, seed, num_splits, kernel) -> None:
+        dtype, block_size, head_dim, group, seed, num_splits, heads_fast) -> None:
     torch.manual_seed(seed)
     # a padding row (seq_len 0, slot -1) sits between real rows; one row fits in one tile
     specs = [(1, 70), (1, 0), (1, 33), (1, 5)]
@@ -126,7 +121,7 @@ def test_decode_matches_reference_with_gqa_split_k_and_padding(
     ref_out, ref_k, ref_v = reference(q, k, v, k_cache, v_cache, meta, scale)
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     out = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
-                       meta.max_seq_len, num_splits=num_splits, config=kernel)
+                       meta.max_seq_len, num_splits=num_splits, config=dict(HEADS_FAST=heads_fast))
     assert (out[1] == 0).all(), "a padding row must come back as zeros"
     assert_close(out, ref_out, dtype)
     assert torch.equal(k_cache.float(), ref_k) and torch.equal(v_cache.float(), ref_v)
@@ -176,8 +171,7 @@ def test_merge_programs_of_several_heads_cover_every_head_once(tile, monkeypatch
 
 
 @pytest.mark.parametrize("split_keys,max_seq_len", [(16, 4096), (32, 4096), (16, 32), (40, 200)])
-@pytest.mark.parametrize("kernel", KERNELS[:1], ids=KERNEL_IDS[:1])
-def test_decode_with_fixed_size_splits_matches_reference(split_keys, max_seq_len, kernel, monkeypatch) -> None:
+def test_decode_with_fixed_size_splits_matches_reference(split_keys, max_seq_len, monkeypatch) -> None:
     """Splits of split_keys keys, the last taking the rest: also when a context outgrows the split
     count sized for max_seq_len (70 keys over 2 splits of 16)."""
     import nanoserve.runner.attention.triton_decode as triton_decode
@@ -188,11 +182,11 @@ def test_decode_with_fixed_size_splits_matches_reference(split_keys, max_seq_len
     ref_out, _, _ = reference(q, k, v, k_cache, v_cache, meta, 0.125)
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     out = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.125, max_seq_len,
-                       split_keys=split_keys, config=kernel)
+                       split_keys=split_keys)
     assert (out[1] == 0).all(), "a padding row must come back as zeros"
     assert_close(out, ref_out, torch.float32)
     ordered = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.125, max_seq_len,
-                           split_keys=split_keys, seq_order=longest_first(meta.seq_lens), config=kernel)
+                           split_keys=split_keys, seq_order=longest_first(meta.seq_lens))
     assert torch.equal(ordered, out)
 
 
@@ -322,8 +316,8 @@ def test_fixed_size_splits_apply_over_an_fp8_cache_or_where_asked_and_only_where
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
-def test_decode_over_a_mixed_steps_packed_rows_fills_only_its_decode_rows(num_splits, kernel) -> None:
+@pytest.mark.parametrize("heads_fast", [True, False])
+def test_decode_over_a_mixed_steps_packed_rows_fills_only_its_decode_rows(num_splits, heads_fast) -> None:
     specs = [(1, 38), (23, 23), (1, 0), (9, 49), (1, 70), (1, 5)]   # a padding row among them
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
                                                 dtype=torch.float32, seed=50 + num_splits)
@@ -332,7 +326,7 @@ def test_decode_over_a_mixed_steps_packed_rows_fills_only_its_decode_rows(num_sp
     out = torch.full_like(q, POISON)
     paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.125, meta.max_seq_len,
                  num_splits=num_splits, query_start_loc=meta.query_start_loc, out=out,
-                 config=kernel)
+                 config=dict(HEADS_FAST=heads_fast))
     starts = meta.query_start_loc.tolist()
     decode_rows = [starts[i] for i, (q_len, seq_len) in enumerate(specs) if q_len == 1 and seq_len > 0]
     prompt_rows = [r for i, (q_len, _) in enumerate(specs) if q_len > 1 for r in range(starts[i], starts[i + 1])]

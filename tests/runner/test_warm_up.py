@@ -9,7 +9,7 @@ import torch
 
 import nanoserve.runner.attention.decode_splits as decode_splits
 from nanoserve.runner.attention.decode_splits import decode_split_count, engine_split_keys, split_span
-from nanoserve.runner.attention.triton_decode import decode_tiles
+from nanoserve.runner.attention.triton_decode import decode_config
 from nanoserve.runner.attention.triton_kernels import MIXED_MIN_DECODE_ROWS, eager_step_shapes
 from nanoserve.runner.inputs import build_inputs
 from nanoserve.runner.warm_up import warm_up_work
@@ -24,7 +24,7 @@ def h200_sms(monkeypatch):
 
 def widths(mixed: bool, seqs: int, length: int, fp8: bool) -> int:
     """The merge width paged_decode launches for this step: 8 kv heads, a program each."""
-    block_n = decode_tiles(CPU, fp8, torch.bfloat16, 128)["BLOCK_N"]
+    block_n = decode_config(CPU, fp8, torch.bfloat16, 128)["BLOCK_N"]
     keys = None if mixed else engine_split_keys(seqs, 8, length, CPU, fp8)
     splits = decode_split_count(seqs, 8, length, CPU, split_span(keys, block_n))
     return 1 << (splits - 1).bit_length()

@@ -198,15 +198,6 @@ def decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = 
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
-def decode_tiles(device: torch.device, fp8: bool, dtype: torch.dtype, head_dim: int,
-                 config: dict | None = None) -> dict:
-    """The decode launch's tiles: the defaults with `config`'s keys over them one by one."""
-    cfg = {**decode_config(device, fp8, dtype, head_dim), **(config or {})}
-    # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
-    cfg.setdefault("FP8_VIA_F16", fp8 and dtype == torch.bfloat16)
-    return cfg
-
-
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                  max_seq_len: int, num_splits: int | None = None,
@@ -242,7 +233,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"seq_order must be a contiguous int32 permutation of the {batch} rows")
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
-    cfg = decode_tiles(q.device, fp8, q.dtype, head_dim, config)
+    cfg = {**decode_config(q.device, fp8, q.dtype, head_dim), **(config or {})}
+    # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
+    cfg.setdefault("FP8_VIA_F16", fp8 and q.dtype == torch.bfloat16)
     span = split_span(split_keys, cfg["BLOCK_N"])
     split_tiles = span // cfg["BLOCK_N"]   # 0: the kernels' flag for even division
     if num_splits is None:

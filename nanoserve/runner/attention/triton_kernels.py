@@ -9,7 +9,7 @@ import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.decode_splits import decode_split_count, engine_split_keys, split_span
-from nanoserve.runner.attention.triton_decode import decode_tiles, paged_decode
+from nanoserve.runner.attention.triton_decode import decode_config, paged_decode
 from nanoserve.runner.attention.triton_fp8 import to_fp8
 from nanoserve.runner.attention.triton_prefill import paged_prefill
 from nanoserve.runner.attention.triton_rope_store import qkv_rope_store
@@ -85,7 +85,7 @@ def eager_step_shapes(mixed: bool, max_num_seqs: int, max_num_batched_tokens: in
     prompt, which also brings the prefill kernel that leaves them out) or decode rows alone.
     Captured steps compile theirs at capture; these would otherwise compile (~1 s each) under the
     first such step served."""
-    block_n = decode_tiles(device, fp8_cache, dtype, head_dim)["BLOCK_N"]   # keys per tile
+    block_n = decode_config(device, fp8_cache, dtype, head_dim)["BLOCK_N"]   # keys per tile
     # a power of two falls in every range (a, 2a] of contexts that one merge width takes
     lengths = sorted({1 << i for i in range(max_model_len.bit_length())} | {max_model_len})
     if mixed:   # the decode rows and a prompt of at least two tokens, within the step's token budget
@@ -121,10 +121,6 @@ class TritonBackend:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         return self.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
-    @staticmethod
-    def _split_keys(q: torch.Tensor, k_cache: torch.Tensor, max_seq_len: int) -> int | None:
-        return engine_split_keys(q.shape[0], k_cache.shape[2], max_seq_len, q.device, is_fp8(k_cache))
-
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
                v_scale: float = 1.0) -> torch.Tensor:
@@ -133,7 +129,8 @@ class TritonBackend:
             return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
                                 meta.max_seq_len, k_scale=k_scale, v_scale=v_scale,
                                 seq_order=meta.decode_order,
-                                split_keys=self._split_keys(q, k_cache, meta.max_seq_len))
+                                split_keys=engine_split_keys(q.shape[0], k_cache.shape[2], meta.max_seq_len, q.device,
+                                                             is_fp8(k_cache)))
         # a mixed step: its decode rows through the decode kernel, which pads a row's query group
         # to 16, where the prefill kernel pads it to a 128-row tile (and its softmax with it)
         # (a captured step says at capture, and its staged prefill tiles leave decode rows out)
