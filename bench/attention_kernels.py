@@ -12,6 +12,7 @@ graph (as the runner replays decode) and timed with triton.testing.do_bench (med
     python bench/attention_kernels.py --prefill-sweep --group 2   # prefill tiles for lone prompts
     python bench/attention_kernels.py --ragged   # unequal contexts: split counts and launch order
     python bench/attention_kernels.py --launch-order   # a sequence's kv heads side by side, or head by head
+    python bench/attention_kernels.py --ahead   # the next tile's block or K/V read a tile ahead
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from attention_common import (DTYPE, HEAD_DIM, KV_HEADS, Caches, copy_bandwidth,  # noqa: E402
                               graph_time_us)
-from decode_sweeps import launch_order_sweep, ragged_sweep  # noqa: E402
+from decode_sweeps import ahead_sweep, launch_order_sweep, ragged_sweep  # noqa: E402
 
 from nanoserve.runner.attention.decode_splits import num_decode_splits  # noqa: E402
 from nanoserve.runner.attention.fp8 import FP8_DTYPE  # noqa: E402
@@ -201,6 +202,8 @@ def main() -> None:
                         help="only sweep the prefill kernel's tiles for lone prompts (no table)")
     parser.add_argument("--launch-order", action="store_true",
                         help="only weigh a sequence's kv heads side by side against head by head (no table)")
+    parser.add_argument("--ahead", action="store_true",
+                        help="only weigh reading the next tile's block, or its K/V, a tile ahead (no table)")
     parser.add_argument("--group", type=int, default=2, help="q heads per kv head (Qwen3-0.6B 2, 8B 4)")
     args = parser.parse_args()
     global Q_HEADS
@@ -216,6 +219,9 @@ def main() -> None:
         return
     if args.launch_order:
         launch_order_sweep(Q_HEADS)
+        return
+    if args.ahead:
+        ahead_sweep(Q_HEADS)
         return
     fp8 = args.kv_cache_dtype == "fp8"
     flash = flash_attn_with_kvcache is not None and not fp8   # flash-attn reads no fp8 cache

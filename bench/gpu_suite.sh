@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +64,19 @@ for part in $parts; do
              | tee -a "$out/fp8-steps.log" | grep -vE "it/s|Capturing"
            python3 bench/throughput.py --num-seqs 256 --runs 1 --kv-cache-dtype $kv --trace "$out/trace-$kv" 2>&1 \
              | tee -a "$out/fp8-steps.log" | grep -vE "it/s|Capturing"
+         done ;;
+    ahead) # the decode loop reading the next tile's block (A1) or its K/V (A2) a tile ahead, against reading the
+         # table per key (A0): the kernel at GQA groups 2 and 4, then the 256-sequence workload with each
+         for g in 2 4; do python3 bench/attention_kernels.py --ahead --group $g 2>&1 | tee "$out/ahead-g$g.log" | tail -20; done
+         for kv in fp8 auto; do
+           for ahead in ${AHEAD_AB:-0 1 2}; do
+             echo "kv $kv AHEAD=$ahead" | tee -a "$out/ahead-ab.log"
+             python3 -c "import nanoserve.runner.attention.triton_decode as d
+tiles = d.decode_config
+d.decode_config = lambda *a, **k: {**tiles(*a, **k), 'AHEAD': $ahead}
+from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--kv-cache-dtype', '$kv'])" 2>&1 \
+               | tee -a "$out/ahead-ab.log" | grep -E "^throughput|Error"
+           done
          done ;;
     launch-order) # decode programs with a sequence's kv heads side by side (the default) against head by head,
          # the kernel for both caches, then the 256-sequence workload each way

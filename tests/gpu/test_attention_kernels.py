@@ -199,6 +199,30 @@ def test_fixed_size_splits_match_even_splits_in_a_graph(split_keys, kv_cache_dty
         assert (out[seq_lens == 0] == 0).all()
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("block_size,tiles", [(256, dict(BLOCK_N=64, num_warps=1, num_stages=1)),
+                                              (256, dict(BLOCK_N=64, num_warps=4, num_stages=3)),
+                                              (64, dict(BLOCK_N=32, num_warps=2, num_stages=1)),
+                                              (16, dict(BLOCK_N=16, num_warps=1, num_stages=2))])
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_decode_reading_blocks_ahead_gives_the_same_bits(kv_cache_dtype, block_size, tiles, ahead):
+    """The block index (1) or the whole K/V tile (2) read a tile ahead, against the table read per
+    key with the same tiles: the same bits, even and fixed-size splits, padding rows included."""
+    rng = random.Random(block_size + ahead)
+    specs = decode_specs(rng, batch=48, max_len=3000)
+    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=block_size, kv_heads=8, group=2, head_dim=128,
+                                                dtype=torch.bfloat16, seed=block_size + ahead)
+    if kv_cache_dtype == "fp8":
+        k_cache, v_cache = (c.to(torch.float8_e4m3fn) for c in (k_cache, v_cache))
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    for split in (dict(num_splits=1), dict(num_splits=5), dict(split_keys=512)):
+        run = lambda a: paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.1, 3000,
+                                     config=dict(tiles, AHEAD=a), **split)
+        want = run(0)
+        assert want.isfinite().all() and (want[meta.seq_lens == 0] == 0).all()
+        assert torch.equal(run(ahead), want), split
+
+
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_triton_decode_32k_context_at_batch_1(block_size):
     # Qwen3-0.6B attention: 16 q heads over 8 kv heads, the split-K path fills the GPU

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from nanoserve.runner.attention.decode_splits import decode_split_count, split_span
 from nanoserve.runner.attention.fp8 import is_fp8
-from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step
+from nanoserve.runner.attention.triton_paged import load_kv_rows, load_kv_tile, online_softmax_step
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 
@@ -54,6 +54,17 @@ def _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N: tl.constexpr):
     return tiles, tl.maximum(per, 1)
 
 
+@triton.jit
+def _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of keys (masked ones left out) folded into (m, l, acc); every tile holds at least
+    one key of its split, so m stays finite."""
+    if KV_FP8:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    return online_softmax_step(qk, v, m, l, acc, PRECISION)
+
+
 # Ints that change from step to step are not specialized: Triton would otherwise compile a new
 # variant when one equals 1 or turns a multiple of 16 (a block-table width of 1 in a short warm-up,
 # 16 in a long batch), and that compile would land in the middle of serving.
@@ -70,6 +81,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
     ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, HEADS_FAST: tl.constexpr, USE_PDL: tl.constexpr,
+    AHEAD: tl.constexpr = 0,
 ):
     # lengths, order, query starts and block tables are staged by the host, never written by a
     # kernel of the step: they may be read before waiting on the kernel ahead (PDL); q and the cache may not
@@ -108,17 +120,43 @@ def _decode_kernel(
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     # empty when the split lies past seq_len (padding rows included): nothing is read
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
-                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
-        if KV_FP8:
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        # every tile holds at least one key of this split
-        m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
+    if AHEAD == 0:
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
+                                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
+            m, l, acc = _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8, PRECISION)
+    else:
+        # a tile lies in one block (BLOCK_N <= BLOCK_SIZE, tiles start on multiples of BLOCK_N), so
+        # its block is one scalar, read a tile ahead of its keys; AHEAD 2 also reads each tile's K
+        # and V a tile ahead of its dot, so a one-warp program has its next loads in flight while
+        # it computes (one stage pipelines nothing). Reads past `end` are masked: no memory is touched.
+        offs_t = tl.arange(0, BLOCK_N)
+        block = tl.load(table + start // BLOCK_SIZE, mask=start < end, other=0).to(tl.int64)
+        if AHEAD == 2:
+            k, v = load_kv_rows(k_cache_ptr, v_cache_ptr, block, start % BLOCK_SIZE + offs_t, start + offs_t < end,
+                                kv_head, offs_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh)
+            block = tl.load(table + (start + BLOCK_N) // BLOCK_SIZE, mask=start + BLOCK_N < end,
+                            other=0).to(tl.int64)
+        for n0 in range(start, end, BLOCK_N):
+            mask_n = n0 + offs_t < end
+            if AHEAD == 2:
+                nxt = n0 + BLOCK_N
+                block_next = tl.load(table + (nxt + BLOCK_N) // BLOCK_SIZE, mask=nxt + BLOCK_N < end,
+                                     other=0).to(tl.int64)
+                k_next, v_next = load_kv_rows(k_cache_ptr, v_cache_ptr, block, nxt % BLOCK_SIZE + offs_t,
+                                              nxt + offs_t < end, kv_head, offs_d, stride_kb, stride_kt,
+                                              stride_kh, stride_vb, stride_vt, stride_vh)
+                m, l, acc = _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8, PRECISION)
+                k, v, block = k_next, v_next, block_next
+            else:
+                block_next = tl.load(table + (n0 + BLOCK_N) // BLOCK_SIZE, mask=n0 + BLOCK_N < end,
+                                     other=0).to(tl.int64)
+                k, v = load_kv_rows(k_cache_ptr, v_cache_ptr, block, n0 % BLOCK_SIZE + offs_t, mask_n,
+                                    kv_head, offs_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh)
+                m, l, acc = _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8, PRECISION)
+                block = block_next
 
     has_keys = l > 0
     l = tl.where(has_keys, l, 1.0)
@@ -249,6 +287,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_lse = out   # unused
+    if cfg.get("AHEAD") and cfg["BLOCK_N"] > block_size:   # a tile spans blocks: read per key
+        cfg["AHEAD"] = 0
     heads_fast = cfg.pop("HEADS_FAST", heads_fast_enabled())
     grid = (kv_heads, batch, num_splits) if heads_fast else (batch, kv_heads, num_splits)
     _decode_kernel[grid](

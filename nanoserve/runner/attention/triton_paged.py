@@ -13,11 +13,19 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_
                  BLOCK_SIZE: tl.constexpr):
     """K and V of key positions offs_n ([BLOCK_N, HEAD_DIM] each); masked keys read as 0."""
     block = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-    tok = offs_n % BLOCK_SIZE
-    k = tl.load(k_cache_ptr + block[:, None] * stride_kb + tok[:, None] * stride_kt
-                + kv_head * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + block[:, None] * stride_vb + tok[:, None] * stride_vt
-                + kv_head * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    return load_kv_rows(k_cache_ptr, v_cache_ptr, block, offs_n % BLOCK_SIZE, mask_n, kv_head, offs_d,
+                        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh)
+
+
+@triton.jit
+def load_kv_rows(k_cache_ptr, v_cache_ptr, block, tok, mask_n, kv_head, offs_d,
+                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh):
+    """K and V of tokens `tok` of physical block(s) `block` (one per token, or one for the whole
+    tile), [BLOCK_N, HEAD_DIM] each; masked keys read as 0."""
+    k_rows = block * stride_kb + tok * stride_kt + kv_head * stride_kh
+    v_rows = block * stride_vb + tok * stride_vt + kv_head * stride_vh
+    k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
     return k, v
 
 
