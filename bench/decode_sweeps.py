@@ -114,24 +114,24 @@ def launch_order_sweep(q_heads: int) -> None:
     print("! = differs from the default by more than 2e-2")
 
 
+
 def ahead_sweep(q_heads: int) -> None:
-    """The decode loop as it was (the block table read per key, each tile's loads waited on before its
-    dot: A0) against the tile's block read a tile ahead as one scalar (A1) and the whole K/V tile
-    read a tile ahead (A2), for both caches and a few tiles: TB/s of K+V read on ragged batches (as the
-    engine launches them) and uniform ones."""
+    """The decode loop reading the block table per key (-) against each tile's block read as one
+    index a tile ahead (A), for both caches and a few tiles: TB/s of K+V read on ragged batches (as
+    the engine launches them) and uniform ones."""
     shapes = decode_shapes((("ragged b256", 256, None, {}), ("ragged b128", 128, None, {}), ("b256 c1k", 256, 1024, {}),
                             ("b64 c2k", 64, 2048, {}), ("b16 c2k", 16, 2048, {}), ("b1 c2k", 1, 2048, {})), q_heads)
-    print(f"\nreading ahead (TB/s of K+V read), {q_heads} q heads")
+    print(f"\nreading each tile's block ahead (TB/s of K+V read), {q_heads} q heads")
     print(f"{'cache BLOCK_N warps stages ahead':>34} " + " ".join(f"{c[0]:>12}" for c in shapes))
-    for dtype, tiles in ((DTYPE, ((64, 4, 3, 0), (64, 4, 3, 1), (64, 4, 3, 2), (64, 4, 1, 2), (32, 4, 1, 2),
-                                  (64, 2, 1, 2), (64, 4, 2, 1))),
-                         (FP8_DTYPE, ((64, 1, 1, 0), (64, 1, 1, 1), (64, 1, 1, 2), (32, 1, 1, 2), (32, 1, 1, 1),
-                                      (64, 2, 1, 2), (32, 2, 1, 2), (64, 1, 2, 1), (128, 4, 1, 2), (64, 4, 1, 2)))):
+    for dtype, tiles in ((DTYPE, ((64, 4, 3, False), (64, 4, 3, True), (64, 4, 2, True))),
+                         (FP8_DTYPE, ((64, 1, 1, False), (64, 1, 2, False), (64, 1, 1, True), (64, 1, 2, True),
+                                      (64, 1, 3, True), (32, 1, 2, True), (128, 1, 2, True), (64, 2, 2, True),
+                                      (128, 2, 2, True)))):
         caches = Caches(256 * 2048, dtype)
         cases = decode_cases(shapes, caches, fp8_ragged_split=True)
         for block_n, warps, stages, ahead in tiles:
-            cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, AHEAD=ahead)
-            label = f"{str(dtype).split('.')[-1][:8]} {block_n:4d} {warps} {stages} A{ahead}"
+            cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, BLOCK_AHEAD=ahead)
+            label = f"{str(dtype).split('.')[-1][:8]} {block_n:4d} {warps} {stages} {'A' if ahead else '-'}"
             try:
                 print(f"{label:>34} " + " ".join(bandwidth_cells(caches, cases, cfg, 11)), flush=True)
             except Exception as e:   # out of registers or shared memory

@@ -65,15 +65,15 @@ for part in $parts; do
            python3 bench/throughput.py --num-seqs 256 --runs 1 --kv-cache-dtype $kv --trace "$out/trace-$kv" 2>&1 \
              | tee -a "$out/fp8-steps.log" | grep -vE "it/s|Capturing"
          done ;;
-    ahead) # the decode loop reading the next tile's block (A1) or its K/V (A2) a tile ahead, against reading the
-         # table per key (A0): the kernel at GQA groups 2 and 4, then the 256-sequence workload with each
-         for g in 2 4; do python3 bench/attention_kernels.py --ahead --group $g 2>&1 | tee "$out/ahead-g$g.log" | tail -20; done
+    ahead) # the decode loop reading each tile's block a tile ahead (A) against the table read per key (-): the
+         # kernel at GQA groups 2 and 4, then the 256-sequence workload over each cache, ahead off then on
+         for g in 2 4; do python3 bench/attention_kernels.py --ahead --group $g 2>&1 | tee "$out/ahead-g$g.log" | tail -14; done
          for kv in fp8 auto; do
-           for ahead in ${AHEAD_AB:-0 1 2}; do
-             echo "kv $kv AHEAD=$ahead" | tee -a "$out/ahead-ab.log"
+           for ahead in False True; do
+             echo "kv $kv BLOCK_AHEAD=$ahead" | tee -a "$out/ahead-ab.log"
              python3 -c "import nanoserve.runner.attention.triton_decode as d
 tiles = d.decode_config
-d.decode_config = lambda *a, **k: {**tiles(*a, **k), 'AHEAD': $ahead}
+d.decode_config = lambda *a, **k: {**tiles(*a, **k), 'BLOCK_AHEAD': $ahead}
 from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--kv-cache-dtype', '$kv'])" 2>&1 \
                | tee -a "$out/ahead-ab.log" | grep -E "^throughput|Error"
            done

@@ -200,27 +200,27 @@ def test_fixed_size_splits_match_even_splits_in_a_graph(split_keys, kv_cache_dty
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-@pytest.mark.parametrize("block_size,tiles", [(256, dict(BLOCK_N=64, num_warps=1, num_stages=1)),
+@pytest.mark.parametrize("block_size,tiles", [(256, dict(BLOCK_N=64, num_warps=1, num_stages=2)),
+                                              (256, dict(BLOCK_N=64, num_warps=1, num_stages=1)),
                                               (256, dict(BLOCK_N=64, num_warps=4, num_stages=3)),
                                               (64, dict(BLOCK_N=32, num_warps=2, num_stages=1)),
                                               (16, dict(BLOCK_N=16, num_warps=1, num_stages=2))])
-@pytest.mark.parametrize("ahead", [1, 2])
-def test_decode_reading_blocks_ahead_gives_the_same_bits(kv_cache_dtype, block_size, tiles, ahead):
-    """The block index (1) or the whole K/V tile (2) read a tile ahead, against the table read per
-    key with the same tiles: the same bits, even and fixed-size splits, padding rows included."""
-    rng = random.Random(block_size + ahead)
+def test_decode_reading_each_tiles_block_ahead_gives_the_same_bits(kv_cache_dtype, block_size, tiles):
+    """Each tile's block read as one index a tile ahead, against the table read per key with the same
+    tiles: the same bits, even and fixed-size splits, padding rows included."""
+    rng = random.Random(block_size)
     specs = decode_specs(rng, batch=48, max_len=3000)
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=block_size, kv_heads=8, group=2, head_dim=128,
-                                                dtype=torch.bfloat16, seed=block_size + ahead)
+                                                dtype=torch.bfloat16, seed=block_size)
     if kv_cache_dtype == "fp8":
         k_cache, v_cache = (c.to(torch.float8_e4m3fn) for c in (k_cache, v_cache))
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     for split in (dict(num_splits=1), dict(num_splits=5), dict(split_keys=512)):
-        run = lambda a: paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.1, 3000,
-                                     config=dict(tiles, AHEAD=a), **split)
-        want = run(0)
+        run = lambda ahead: paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.1, 3000,
+                                         config=dict(tiles, BLOCK_AHEAD=ahead), **split)
+        want = run(False)
         assert want.isfinite().all() and (want[meta.seq_lens == 0] == 0).all()
-        assert torch.equal(run(ahead), want), split
+        assert torch.equal(run(True), want), split
 
 
 @pytest.mark.parametrize("block_size", [16, 256])

@@ -81,7 +81,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
     ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, HEADS_FAST: tl.constexpr, USE_PDL: tl.constexpr,
-    AHEAD: tl.constexpr = 0,
+    BLOCK_AHEAD: tl.constexpr = False,
 ):
     # lengths, order, query starts and block tables are staged by the host, never written by a
     # kernel of the step: they may be read before waiting on the kernel ahead (PDL); q and the cache may not
@@ -120,43 +120,27 @@ def _decode_kernel(
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     # empty when the split lies past seq_len (padding rows included): nothing is read
-    if AHEAD == 0:
+    if BLOCK_AHEAD:
+        # a tile lies in one block (BLOCK_N <= BLOCK_SIZE, tiles start on multiples of BLOCK_N), so
+        # its block is one scalar, read a tile ahead: the K/V loads wait on no table read, and the
+        # pipeliner can start the next tile's loads early. Past `end` the read is masked.
+        offs_t = tl.arange(0, BLOCK_N)
+        block = tl.load(table + start // BLOCK_SIZE, mask=start < end, other=0).to(tl.int64)
+        for n0 in range(start, end, BLOCK_N):
+            mask_n = n0 + offs_t < end
+            block_next = tl.load(table + (n0 + BLOCK_N) // BLOCK_SIZE, mask=n0 + BLOCK_N < end,
+                                 other=0).to(tl.int64)
+            k, v = load_kv_rows(k_cache_ptr, v_cache_ptr, block, n0 % BLOCK_SIZE + offs_t, mask_n,
+                                kv_head, offs_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh)
+            m, l, acc = _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8, PRECISION)
+            block = block_next
+    else:
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
                                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
             m, l, acc = _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8, PRECISION)
-    else:
-        # a tile lies in one block (BLOCK_N <= BLOCK_SIZE, tiles start on multiples of BLOCK_N), so
-        # its block is one scalar, read a tile ahead of its keys; AHEAD 2 also reads each tile's K
-        # and V a tile ahead of its dot, so a one-warp program has its next loads in flight while
-        # it computes (one stage pipelines nothing). Reads past `end` are masked: no memory is touched.
-        offs_t = tl.arange(0, BLOCK_N)
-        block = tl.load(table + start // BLOCK_SIZE, mask=start < end, other=0).to(tl.int64)
-        if AHEAD == 2:
-            k, v = load_kv_rows(k_cache_ptr, v_cache_ptr, block, start % BLOCK_SIZE + offs_t, start + offs_t < end,
-                                kv_head, offs_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh)
-            block = tl.load(table + (start + BLOCK_N) // BLOCK_SIZE, mask=start + BLOCK_N < end,
-                            other=0).to(tl.int64)
-        for n0 in range(start, end, BLOCK_N):
-            mask_n = n0 + offs_t < end
-            if AHEAD == 2:
-                nxt = n0 + BLOCK_N
-                block_next = tl.load(table + (nxt + BLOCK_N) // BLOCK_SIZE, mask=nxt + BLOCK_N < end,
-                                     other=0).to(tl.int64)
-                k_next, v_next = load_kv_rows(k_cache_ptr, v_cache_ptr, block, nxt % BLOCK_SIZE + offs_t,
-                                              nxt + offs_t < end, kv_head, offs_d, stride_kb, stride_kt,
-                                              stride_kh, stride_vb, stride_vt, stride_vh)
-                m, l, acc = _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8, PRECISION)
-                k, v, block = k_next, v_next, block_next
-            else:
-                block_next = tl.load(table + (n0 + BLOCK_N) // BLOCK_SIZE, mask=n0 + BLOCK_N < end,
-                                     other=0).to(tl.int64)
-                k, v = load_kv_rows(k_cache_ptr, v_cache_ptr, block, n0 % BLOCK_SIZE + offs_t, mask_n,
-                                    kv_head, offs_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh)
-                m, l, acc = _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8, PRECISION)
-                block = block_next
 
     has_keys = l > 0
     l = tl.where(has_keys, l, 1.0)
@@ -230,8 +214,10 @@ def decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = 
         # bench/attention_kernels.py --fp8-sweep on an H200: batch 256 at 1k / 8k, batch 16 at 8k.
         # Widening to f16 makes the kernel issue-bound, not memory-bound; one warp a program needs
         # no cross-warp reductions per tile and holds fewer registers, so more programs share an
-        # SM: 176 / 1,270 / 99 us a layer, against 231 / 1,778 / 128 for 128 keys on 4 warps
-        return dict(BLOCK_N=64, num_warps=1, num_stages=1)
+        # SM: 176 / 1,270 / 99 us a layer, against 231 / 1,778 / 128 for 128 keys on 4 warps.
+        # With each tile's block read a tile ahead, two stages pipeline the loads (--ahead): 3.07 ->
+        # 3.40 TB/s at batch 256, 1k; 2.71 -> 2.94 over ragged contexts (BENCHMARKS.md)
+        return dict(BLOCK_N=64, num_warps=1, num_stages=2, BLOCK_AHEAD=True)
     # best of BLOCK_N 32/64/128 x warps 4/8 x stages 2/3/4 at batch 256 on an H200 (bf16, dim 128)
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
@@ -287,8 +273,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_lse = out   # unused
-    if cfg.get("AHEAD") and cfg["BLOCK_N"] > block_size:   # a tile spans blocks: read per key
-        cfg["AHEAD"] = 0
+    if cfg.get("BLOCK_AHEAD") and cfg["BLOCK_N"] > block_size:   # a tile spans blocks: read per key
+        cfg["BLOCK_AHEAD"] = False
     heads_fast = cfg.pop("HEADS_FAST", heads_fast_enabled())
     grid = (kv_heads, batch, num_splits) if heads_fast else (batch, kv_heads, num_splits)
     _decode_kernel[grid](
