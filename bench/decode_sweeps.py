@@ -19,14 +19,12 @@ def ragged_sweep(q_heads: int) -> None:
     1/2/4, or in splits of 256/512 keys) and launch order (rows / longest first), for each cache
     dtype and, for fp8, a few tiles. Each variant's output is checked against the default's."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    splits = [dict(num_splits=n) for n in (1, 2, 4)] + [dict(split_keys=k) for k in (256, 512)]
+    splits = [dict(num_splits=n) for n in (1, 2, 4)] + [dict(split_keys=k) for k in (256, 512, 1024)]
     print("\nragged decode (TB/s of K+V read), contexts uniform in 100..2,048; "
           "s<n>: n even splits, k<n>: splits of n keys; L: longest first")
     for dtype, configs in ((DTYPE, [None]),
-                           (FP8_DTYPE, [None, dict(BLOCK_N=32), dict(num_warps=2), dict(BLOCK_N=128, num_warps=4),
-                                        # one warp with its loads pipelined: the tail of a ragged
-                                        # batch is a few programs each waiting on memory
-                                        dict(num_stages=2), dict(BLOCK_N=32, num_stages=3)])):
+                           # the default, and one warp without the block read ahead (the default before bf39b02)
+                           (FP8_DTYPE, [None, dict(num_stages=1, BLOCK_AHEAD=False), dict(num_stages=3)])):
         caches = Caches(256 * 2048, dtype)
         for batch in (64, 128, 256):
             seq_lens = torch.randint(100, 2049, (batch,), generator=gen, device="cuda", dtype=torch.int32)
