@@ -322,7 +322,7 @@ def test_fixed_size_splits_apply_over_an_fp8_cache_or_where_asked_and_only_where
     monkeypatch.delenv("NANOSERVE_DECODE_SPLIT_KEYS", raising=False)
     _split_keys_asked.cache_clear()
     assert engine_split_keys(64, 8, 4096, cpu) is None
-    assert engine_split_keys(64, 8, 4096, cpu, fp8_cache=True) == 512   # an fp8 cache's default
+    assert engine_split_keys(64, 8, 4096, cpu, fp8_cache=True) == 1024   # an fp8 cache's default
     assert engine_split_keys(1, 1, 4096, cpu, fp8_cache=True) is None   # even splits already spread a small batch
     monkeypatch.setenv("NANOSERVE_DECODE_SPLIT_KEYS", "256")
     _split_keys_asked.cache_clear()
