@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,6 +78,19 @@ from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--
                | tee -a "$out/ahead-ab.log" | grep -E "^throughput|Error"
            done
          done ;;
+    ahead-steps) # decode steps at context 1k with each tile's block read ahead, off then on, over a bf16 cache
+         # (its batch-1 kernel read 0.47 -> 0.53 TB/s in the --ahead sweep), then the fp8 default's steps and floor
+         for ahead in False True; do
+           echo "bf16 BLOCK_AHEAD=$ahead" | tee -a "$out/ahead-steps.log"
+           python3 -c "import sys; sys.argv = ['decode_step', '--batch-sizes', '1,16,64,256', '--contexts', '1024']
+import nanoserve.runner.attention.triton_decode as d
+tiles = d.decode_config
+d.decode_config = lambda *a, **k: {**tiles(*a, **k), 'BLOCK_AHEAD': $ahead}
+sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
+             | tee -a "$out/ahead-steps.log" | grep -vE "it/s|Capturing"
+         done
+         python3 bench/decode_step.py --batch-sizes 1,16,64,256 --contexts 1024 --kv-cache-dtype fp8 2>&1 \
+           | tee -a "$out/ahead-steps.log" | grep -vE "it/s|Capturing" ;;
     launch-order) # decode programs with a sequence's kv heads side by side (the default) against head by head,
          # the kernel for both caches, then the 256-sequence workload each way
          python3 bench/attention_kernels.py --launch-order 2>&1 | tee "$out/launch-order.log" | tail -16
