@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -91,6 +91,17 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py'
          done
          python3 bench/decode_step.py --batch-sizes 1,16,64,256 --contexts 1024 --kv-cache-dtype fp8 2>&1 \
            | tee -a "$out/ahead-steps.log" | grep -vE "it/s|Capturing" ;;
+    split-rule-ab) # fp8 splits by batch: 1,024 keys wherever keys apply (the default), against 1,024 from 192 sequences
+         # and SMALL keys below (the ragged sweep at batch 128 had 256-key splits at 2.44 TB/s against 2.28); the workload
+         for small in default 256 512; do
+           echo "fp8 split keys below 192 sequences: $small" | tee -a "$out/split-rule-ab.log"
+           python3 -c "import nanoserve.runner.attention.triton_kernels as t
+rule = t.engine_split_keys
+if '$small' != 'default':
+    t.engine_split_keys = lambda batch, *a: (lambda keys: keys if keys is None or batch >= 192 else int('$small'))(rule(batch, *a))
+from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--kv-cache-dtype', 'fp8'])" 2>&1 \
+             | tee -a "$out/split-rule-ab.log" | grep -E "^throughput|Error"
+         done ;;
     launch-order) # decode programs with a sequence's kv heads side by side (the default) against head by head,
          # the kernel for both caches, then the 256-sequence workload each way
          python3 bench/attention_kernels.py --launch-order 2>&1 | tee "$out/launch-order.log" | tail -16
