@@ -202,8 +202,8 @@ def merge_heads_per_program(q_heads: int, splits_pow2: int, head_dim: int) -> in
 
 def decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = torch.bfloat16,
                    head_dim: int = 128) -> dict:
-    if device.type != "cuda":   # interpreter: small tiles keep masked work (and CPU time) low
-        return dict(BLOCK_N=16, num_warps=1, num_stages=1)
+    if device.type != "cuda":   # interpreter: small tiles keep masked work (and CPU time) low; the loop is the GPU's
+        return dict(BLOCK_N=16, num_warps=1, num_stages=1, BLOCK_AHEAD=fp8)
     if fp8 and (dtype.itemsize > 2 or head_dim > 128):
         # not swept. One warp would spill: float32 queries widen the cache to float32 (a 64-key
         # tile of K alone in 256 registers a thread), and at dim 256 the accumulator and the
