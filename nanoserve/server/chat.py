@@ -192,7 +192,7 @@ async def start_chat(request: Request, state: ServerState, req: ChatCompletionRe
     settings = state.settings
     tools = plan_tools(req, settings.tool_call_parser, settings.enable_auto_tool_choice)
     asked = ("tool_choice", tools.spec) if tools.spec is not None else requested_spec(req)
-    params = await constrain(state.specs, params, asked)
+    params = await constrain(state.specs, params, asked, request)
     if tools.parser is not None and tools.parser.needs_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)  # its calls start with a special token
     length = messages_length(req.messages)

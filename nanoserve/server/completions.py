@@ -225,7 +225,7 @@ async def create_completion(request: Request) -> Response:
                                       req.logprobs if completion.scores_prompt else None)
     except ValueError as exc:
         raise sampling_error(exc) from None
-    params = await constrain(state.specs, params, requested_spec(req))
+    params = await constrain(state.specs, params, requested_spec(req), request)
     stream = await state.start(completion.engine_id, completion.prompts, params, streamed=req.stream)
     state.budget.watch(request.scope, stream, completion.id)
     timer.request_id = completion.id

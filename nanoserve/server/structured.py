@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.engine.grammar import tokenizer_info
@@ -18,6 +19,7 @@ from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoserve.server.compile_workers import CompileTimeout, CompileWorkers
 from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import SamplingFields
+from nanoserve.server.wire import unless_disconnected
 
 
 def requested_spec(req: SamplingFields) -> tuple[str, StructuredOutputsParams] | None:
@@ -83,13 +85,14 @@ def _tokenizer_info_json(tokenizer: PreTrainedTokenizerBase, vocab_size: int) ->
 
 
 async def constrain(checker: SpecChecker, params: SamplingParams,
-                    asked: tuple[str, StructuredOutputsParams] | None) -> SamplingParams:
-    """`params` with the request's grammar, once it compiles (in a worker process, within the deadline)."""
+                    asked: tuple[str, StructuredOutputsParams] | None, request: Request) -> SamplingParams:
+    """`params` with the request's grammar, once it compiles (in a worker process, within the
+    deadline); a 499 if the client leaves while it waits for a worker or for the compile."""
     if asked is None:
         return params
     param, spec = asked
     try:
-        await checker.check(spec)
+        await unless_disconnected(request, checker.check(spec))
     except ValueError as exc:
         raise APIError(str(exc), param=param, code="invalid_grammar") from None
     except CompileTimeout:

@@ -177,6 +177,24 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None
     return None
 
 
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; if the client disconnects first, `work` is cancelled and a 499 raised.
+
+    For what a request waits on before it starts (a compile worker: specs queue behind each other,
+    each up to the deadline): an abandoned request must not keep its place in that queue, nor a
+    worker, while requests whose clients are still there wait behind it."""
+    done: list[T] = []
+
+    async def run() -> None:
+        done.append(await work)
+
+    await cancel_on_disconnect(request, run())
+    if not done:
+        raise APIError("The client closed the connection before the request started", 499,
+                       code="client_closed_request")
+    return done[0]
+
+
 async def _disconnected(request: Request) -> None:
     # the body was read already: the next message is the disconnect (or never comes)
     while (await request.receive())["type"] != "http.disconnect":

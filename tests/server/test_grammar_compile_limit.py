@@ -91,3 +91,29 @@ def test_a_spec_known_to_compile_does_not_wait_behind_slow_ones(server):
         t.join()
     assert statuses == [400] * 8
     server.wait_idle()
+
+
+def test_specs_whose_clients_left_stop_holding_the_compile_workers(server):
+    assert httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "guided_regex": "[cd]+"},
+                      timeout=60).status_code == 200   # the workers are started
+
+    def abandon(i: int, stream: bool) -> None:
+        body = {**CHAT, "guided_regex": f"d{i}" + SLOW_REGEX, "stream": stream}
+        with pytest.raises(httpx.ReadTimeout):   # the client gives up long before the deadline
+            httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=0.5)
+
+    # twelve specs of one deadline (2 s) each would hold the two workers for ~12 s after their
+    # clients left; a client still there must not wait behind them
+    gone = [threading.Thread(target=abandon, args=(i, i % 2 == 0)) for i in range(12)]
+    for t in gone:
+        t.start()
+    for t in gone:
+        t.join()
+    start = time.monotonic()
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "guided_choice": ["left", "right"]},
+                   timeout=120)
+    took = time.monotonic() - start
+    assert r.status_code == 200, r.text
+    assert took < 6, f"a new spec waited {took:.1f} s behind specs whose clients had left"
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    server.wait_idle()
