@@ -198,6 +198,10 @@ async def start_chat(request: Request, state: ServerState, req: ChatCompletionRe
     length = messages_length(req.messages)
     client_id = client_request_id(request.headers.get("x-request-id"), req.request_id)
     work = rendering_work(req.messages, req.tools, length, req.documents)
+    if req.chat_template_kwargs:
+        # transformers copies every value of them before rendering, whether the template reads
+        # them or not (a million small values: 0.7 s); the body bounds their size
+        work += len(await request.body())
     chat = await off_the_loop_if_long(work, ChatCompletion, state, req, model, tools, length, client_id)
     try:
         stream = await state.start(chat.engine_id, [chat.prompt], params, streamed=req.stream)

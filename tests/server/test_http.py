@@ -299,3 +299,25 @@ def test_a_stream_of_large_chunks_gives_the_event_loop_a_turn_after_each(server_
     large = [e for e in events if len(e) > response.LARGE_EVENT_BYTES]
     assert len(large) == 3   # each choice opens with its echoed prompt's logprobs
     assert pauses.count(0) >= len(large)
+
+
+def test_large_chat_template_kwargs_are_rendered_off_the_event_loop(server_model):
+    """transformers copies every template variable before rendering: a million small values held
+    every stream for 0.7 s when the render ran on the event loop."""
+    from nanoserve import EngineConfig
+    from nanoserve.engine.async_engine import AsyncEngine
+    from nanoserve.server.app import build_app
+    from nanoserve.server.state import ServerSettings
+
+    engine = AsyncEngine(EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=128, block_size=16))
+    rendered_on = []
+    render = engine.tokenizer.apply_chat_template
+    engine.tokenizer.apply_chat_template = (lambda *args, **kwargs: rendered_on.append(threading.current_thread())
+                                            or render(*args, **kwargs))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    with in_process_server(build_app(engine, ServerSettings(served_model_names=["tiny"]))) as (url, loop_thread):
+        for kwargs in ({"unused": 1}, {"unused": list(range(5_000))}):
+            r = httpx.post(f"{url}/v1/chat/completions", json={**body, "chat_template_kwargs": kwargs}, timeout=60)
+            assert r.status_code == 200, r.text[:300]
+    small, large = rendered_on
+    assert small is loop_thread and large is not loop_thread
