@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError
 
 from nanoserve.sampling_params import MAX_INT
 from nanoserve.server.errors import APIError
-from nanoserve.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, SamplingFields, Strict,
+from nanoserve.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, Items, SamplingFields, Strict,
                                        StructuredOutputsRequest)
 
 
@@ -42,7 +42,7 @@ class Refusal(Strict):
 class MessageItem(Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText | Refusal]
+    content: str | Items[InputText | Refusal]
     id: str | None = None
     status: str | None = None
 
@@ -68,7 +68,7 @@ class FunctionCallOutputItem(Strict):
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str | list[InputText]
+    output: str | Items[InputText]
     id: str | None = None
     status: str | None = None
 
@@ -81,8 +81,8 @@ class ReasoningItem(Strict):
 
     type: Literal["reasoning"]
     id: str | None = None
-    summary: list[dict[str, Any]] = []
-    content: list[dict[str, Any]] | None = None
+    summary: Items[dict[str, Any]] = []
+    content: Items[dict[str, Any]] | None = None
     encrypted_content: str | None = None
     status: str | None = None
 
@@ -128,15 +128,15 @@ class ReasoningConfig(Strict):
 
 class ResponsesRequest(Strict):
     model: str | None = None
-    input: str | list[InputItem] = Field(min_length=1)
+    input: str | Items[InputItem] = Field(min_length=1)
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     temperature: float | None = _chat_field("temperature")
     top_p: float | None = _chat_field("top_p")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    include: list[str] | None = None
+    include: Items[str] | None = None
     stream: bool = False
-    tools: list[dict[str, Any]] | None = None   # read by tools(): a hosted tool is refused by its type
+    tools: Items[dict[str, Any]] | None = None   # read by tools(): a hosted tool is refused by its type
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     # bounds the hosted tools' turns; a function call ends the response, so one reply is all there is
@@ -164,7 +164,7 @@ class ResponsesRequest(Strict):
     presence_penalty: float | None = _chat_field("presence_penalty")
     frequency_penalty: float | None = _chat_field("frequency_penalty")
     seed: int | None = _chat_field("seed")
-    stop: str | list[str] | None = _chat_field("stop")
+    stop: str | Items[str] | None = _chat_field("stop")
     ignore_eos: bool = False
     request_id: str | None = None
     cache_salt: str | None = _chat_field("cache_salt")
