@@ -34,11 +34,13 @@ def messages_length(messages: list[ChatMessage]) -> int:
 
 
 def rendering_work(messages: list[ChatMessage], tools: list[Tool] | None, text_length: int,
-                   documents: list[dict[str, str]] | None = None) -> int:
+                   documents: list[dict[str, str]] | None = None, template_kwargs_bound: int = 0) -> int:
     """Characters a render reads, for the choice of rendering off the event loop: the text, and
     what a template may write without it counting toward the prompt (reasoning, tools, documents,
-    one role header per message)."""
-    extra = sum(len(m.thought() or "") + 32 for m in messages)
+    one role header per message). `template_kwargs_bound`: a bound on the size of the request's
+    chat_template_kwargs (its body's length), which transformers copies whole before rendering,
+    whether the template reads them or not (a million small values: 0.7 s)."""
+    extra = template_kwargs_bound + sum(len(m.thought() or "") + 32 for m in messages)
     extra += sum(len(k) + len(v) for doc in documents or () for k, v in doc.items())
     return text_length + extra + sum(len(t.model_dump_json()) for t in tools or ())
 
@@ -197,11 +199,8 @@ async def start_chat(request: Request, state: ServerState, req: ChatCompletionRe
         params = dataclasses.replace(params, skip_special_tokens=False)  # its calls start with a special token
     length = messages_length(req.messages)
     client_id = client_request_id(request.headers.get("x-request-id"), req.request_id)
-    work = rendering_work(req.messages, req.tools, length, req.documents)
-    if req.chat_template_kwargs:
-        # transformers copies every value of them before rendering, whether the template reads
-        # them or not (a million small values: 0.7 s); the body bounds their size
-        work += len(await request.body())
+    work = rendering_work(req.messages, req.tools, length, req.documents,
+                          len(await request.body()) if req.chat_template_kwargs else 0)
     chat = await off_the_loop_if_long(work, ChatCompletion, state, req, model, tools, length, client_id)
     try:
         stream = await state.start(chat.engine_id, [chat.prompt], params, streamed=req.stream)

@@ -183,16 +183,12 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     For what a request waits on before it starts (a compile worker: specs queue behind each other,
     each up to the deadline): an abandoned request must not keep its place in that queue, nor a
     worker, while requests whose clients are still there wait behind it."""
-    done: list[T] = []
-
-    async def run() -> None:
-        done.append(await work)
-
-    await cancel_on_disconnect(request, run())
-    if not done:
+    task = asyncio.ensure_future(work)   # its state tells a result of None from a disconnect
+    await cancel_on_disconnect(request, task)
+    if task.cancelled():
         raise APIError("The client closed the connection before the request started", 499,
                        code="client_closed_request")
-    return done[0]
+    return task.result()
 
 
 async def _disconnected(request: Request) -> None:
