@@ -12,7 +12,7 @@ graph (as the runner replays decode) and timed with triton.testing.do_bench (med
     python bench/attention_kernels.py --prefill-sweep --group 2   # prefill tiles for lone prompts
     python bench/attention_kernels.py --ragged   # unequal contexts: split counts and launch order
     python bench/attention_kernels.py --launch-order   # a sequence's kv heads side by side, or head by head
-    python bench/attention_kernels.py --ahead   # the next tile's block or K/V read a tile ahead
+    python bench/attention_kernels.py --ahead   # each tile's block read a tile ahead, or per key
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def main() -> None:
     parser.add_argument("--launch-order", action="store_true",
                         help="only weigh a sequence's kv heads side by side against head by head (no table)")
     parser.add_argument("--ahead", action="store_true",
-                        help="only weigh reading the next tile's block, or its K/V, a tile ahead (no table)")
+                        help="only weigh reading each tile's block a tile ahead against per key (no table)")
     parser.add_argument("--group", type=int, default=2, help="q heads per kv head (Qwen3-0.6B 2, 8B 4)")
     args = parser.parse_args()
     global Q_HEADS

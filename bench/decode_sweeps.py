@@ -91,13 +91,17 @@ def bandwidth_cells(caches: Caches, cases: list[tuple], cfg: dict, width: int) -
     return cells
 
 
+# (name, batch, context or None for ragged, split) of the launch-layout sweeps
+LAYOUT_CASES = (("ragged b256", 256, None, {}), ("ragged b128", 128, None, {}), ("b256 c1k", 256, 1024, {}),
+                ("b64 c2k", 64, 2048, {}), ("b16 c2k", 16, 2048, {}), ("b1 c2k", 1, 2048, {}))
+
+
 def launch_order_sweep(q_heads: int) -> None:
     """Decode programs launched sequence by sequence with a sequence's kv heads side by side
     (H: they share each token's cache row) against head by head (-), for both caches and a few
     tiles: TB/s of K+V read on ragged batches (as the engine launches them: longest first; an fp8
     cache in splits of 512 keys) and uniform ones."""
-    shapes = decode_shapes((("ragged b256", 256, None, {}), ("ragged b128", 128, None, {}), ("b256 c1k", 256, 1024, {}),
-                            ("b64 c2k", 64, 2048, {}), ("b16 c2k", 16, 2048, {}), ("b1 c2k", 1, 2048, {})), q_heads)
+    shapes = decode_shapes(LAYOUT_CASES, q_heads)
     print("\nlaunch order (TB/s of K+V read); H: a sequence's kv heads side by side")
     print(f"{'cache BLOCK_N warps stages order':>34} " + " ".join(f"{c[0]:>12}" for c in shapes))
     for dtype, tiles in ((DTYPE, ((64, 4, 3), (64, 2, 2), (32, 4, 3))),
@@ -112,13 +116,11 @@ def launch_order_sweep(q_heads: int) -> None:
     print("! = differs from the default by more than 2e-2")
 
 
-
 def ahead_sweep(q_heads: int) -> None:
     """The decode loop reading the block table per key (-) against each tile's block read as one
     index a tile ahead (A), for both caches and a few tiles: TB/s of K+V read on ragged batches (as
     the engine launches them) and uniform ones."""
-    shapes = decode_shapes((("ragged b256", 256, None, {}), ("ragged b128", 128, None, {}), ("b256 c1k", 256, 1024, {}),
-                            ("b64 c2k", 64, 2048, {}), ("b16 c2k", 16, 2048, {}), ("b1 c2k", 1, 2048, {})), q_heads)
+    shapes = decode_shapes(LAYOUT_CASES, q_heads)
     print(f"\nreading each tile's block ahead (TB/s of K+V read), {q_heads} q heads")
     print(f"{'cache BLOCK_N warps stages ahead':>34} " + " ".join(f"{c[0]:>12}" for c in shapes))
     for dtype, tiles in ((DTYPE, ((64, 4, 3, False), (64, 4, 3, True), (64, 4, 2, True))),
