@@ -120,10 +120,10 @@ def _decode_kernel(
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     # empty when the split lies past seq_len (padding rows included): nothing is read
-    if BLOCK_AHEAD:
-        # a tile lies in one block (BLOCK_N <= BLOCK_SIZE, tiles start on multiples of BLOCK_N), so
-        # its block is one scalar, read a tile ahead: the K/V loads wait on no table read, and the
-        # pipeliner can start the next tile's loads early. Past `end` the read is masked.
+    if BLOCK_AHEAD and BLOCK_N <= BLOCK_SIZE:   # else a tile spans blocks: the table is read per key
+        # a tile lies in one block (tiles start on multiples of BLOCK_N), so its block is one
+        # scalar, read a tile ahead: the K/V loads wait on no table read, and the pipeliner can
+        # start the next tile's loads early. Past `end` the read is masked.
         offs_t = tl.arange(0, BLOCK_N)
         block = tl.load(table + start // BLOCK_SIZE, mask=start < end, other=0).to(tl.int64)
         for n0 in range(start, end, BLOCK_N):
@@ -273,8 +273,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_lse = out   # unused
-    if cfg.get("BLOCK_AHEAD") and cfg["BLOCK_N"] > block_size:   # a tile spans blocks: read per key
-        cfg["BLOCK_AHEAD"] = False
     heads_fast = cfg.pop("HEADS_FAST", heads_fast_enabled())
     grid = (kv_heads, batch, num_splits) if heads_fast else (batch, kv_heads, num_splits)
     _decode_kernel[grid](
