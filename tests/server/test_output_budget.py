@@ -107,7 +107,9 @@ def test_a_whole_response_nobody_reads_is_ended(budgeted):
     received = read_until_closed(sock)
     sock.close()
     head, _, body = received.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200") and not body.endswith(b"}")   # the body was cut off
+    # the body was cut off; a check between the engine's end and the first write ends it before its
+    # head is sent (its outputs are held all the same), so nothing may have arrived at all
+    assert (head.startswith(b"HTTP/1.1 200") or received == b"") and not body.endswith(b"}")
     budgeted.wait_idle(timeout=10)
     r = httpx.post(f"{budgeted.url}/v1/completions", json={"model": "tiny", "prompt": "A", "max_tokens": 4},
                    timeout=30)
