@@ -45,12 +45,20 @@ class APIError(Exception):
         return Response(orjson.dumps(self.body()), self.status, self.headers, media_type="application/json")
 
 
+# characters of one part of a field's path that an error repeats: an unknown key is the
+# request's own text, and a 5 MB one came back whole twice (message and param), 10 MB of error
+MAX_PATH_PART_CHARS = 80
+
+
 def _user_path(err: dict) -> list[str]:
     """The error's location in the request; union members show up there as type names
-    ("list[int]", "NamedToolChoice"), which are left out."""
+    ("list[int]", "NamedToolChoice"), which are left out. An unknown field's own key ends its
+    location and is kept whatever it looks like ("Temperature", "str" were left out as members)."""
     loc = [str(part) for part in err.get("loc", ()) if part != "body"]
-    return [part for part in loc if not any(c in part for c in "[]()") and part not in ("str", "int", "float", "bool")
+    own = loc.pop() if err.get("type") == "extra_forbidden" and loc else None
+    path = [part for part in loc if not any(c in part for c in "[]()") and part not in ("str", "int", "float", "bool")
             and not part[:1].isupper()]
+    return [part[:MAX_PATH_PART_CHARS] for part in (path if own is None else [*path, own])]
 
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:

@@ -97,6 +97,14 @@ CASES = [
     ("stream_options without stream", "/v1/completions", completion(stream_options={"include_usage": True}), {},
      400, "stream_options", "stream"),
     ("unknown field", "/v1/completions", completion(frobnicate=1), {}, 400, "frobnicate", "Unrecognized"),
+    # the request's own key, however it looks: capitals and type names marked union members
+    ("unknown field named like a class", "/v1/completions", completion(Temperature=1), {}, 400, "Temperature",
+     "Unrecognized request argument supplied: Temperature"),
+    ("unknown field named like a type", "/v1/completions", completion(str=1), {}, 400, "str",
+     "Unrecognized request argument supplied: str"),
+    ("unknown nested field named like a class", "/v1/completions",
+     completion(stream=True, stream_options={"Include_usage": True}), {}, 400, "stream_options.Include_usage",
+     "Unrecognized request argument supplied: stream_options.Include_usage"),
     ("not JSON", "/v1/completions", b'{"prompt": "x", ', {}, 400, None, "JSON"),
     ("a JSON array", "/v1/completions", b"[1, 2]", {}, 400, None, "object"),
     ("invalid UTF-8 bytes", "/v1/completions", b'{"prompt": "\xff\xfe\xfd", "max_tokens": 2}', {}, 400, None, "JSON"),
@@ -191,6 +199,20 @@ def test_bad_request_gets_status_and_error_object(server, name, path, body, head
     assert error["message"] and words in error["message"]
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", completion(**{"frobnicate" * 100_000: 1})),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "hi", "x" * 1_000_000: 1}])),
+])
+def test_an_unknown_field_with_a_huge_name_is_named_cut(server, path, body):
+    # the key came back whole twice, in the message and in param: 10 MB of error for a 5 MB key
+    r = send(server, path, body, {})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert len(r.content) < 1024
+    assert error["code"] == "unrecognized_argument"
+    assert error["param"] and error["param"] in error["message"]
 
 
 def test_context_error_names_both_numbers(server):
