@@ -35,6 +35,13 @@ RESERVED_FDS = 512
 # bytes a request's line and headers may take: httptools has no cap, and 100 MB of small headers
 # took 1.1 GB of memory that was never given back (nginx allows 32 KB, h11 16 KB)
 MAX_HEAD_BYTES = 64 * 1024
+# chunks a request body may come in (Transfer-Encoding: chunked): each is a Python call, and
+# uvicorn joins each to the body read so far, so a 16 MB body in 1-byte chunks held the event loop,
+# and every stream, for 10 s. 32 MiB (the default body limit) in chunks of 512 bytes still fits
+MAX_BODY_CHUNKS = 65536
+# how long a connection refused mid-body is read and dropped after its answer: closed at once
+# with the client still sending, it is reset, and the reset loses the answer before it is read
+LINGER_S = 5.0
 
 
 def always_served(path: str) -> bool:
@@ -127,6 +134,9 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
         _body_deadline: asyncio.TimerHandle | None = None
         _send_deadline: asyncio.TimerHandle | None = None
         _head_bytes: int | None = None   # bytes read of a request whose headers are not complete yet
+        _body_chunks = 0                 # chunks of the current request's body read so far
+        _dropping = False                # refused mid-body: whatever else arrives is dropped unread
+        _linger: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -137,6 +147,8 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
             self._arm_header_deadline()  # a connection that never sends a request counts too
 
         def data_received(self, data: bytes) -> None:
+            if self._dropping:
+                return
             if self._between_requests() and self._header_deadline is None:
                 self._arm_header_deadline()  # the first byte of the next request on a kept-alive connection
             if self._head_bytes is not None:
@@ -157,6 +169,40 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._head_bytes = 0
+            self._body_chunks = 0
+
+        def on_chunk_header(self) -> None:
+            # httptools calls this per chunk, before the chunk's on_body (uvicorn defines none)
+            self._body_chunks += 1
+            if self._body_chunks == MAX_BODY_CHUNKS + 1:
+                self._refuse_body()
+
+        def on_body(self, body: bytes) -> None:
+            if not self._dropping:   # the rest of the read that was refused is not kept
+                super().on_body(body)
+
+        def _refuse_body(self) -> None:
+            logger.warning("a request body came in more than %d chunks: answered 413 and closed", MAX_BODY_CHUNKS)
+            self._dropping = True
+            cycle = self.cycle
+            # the answer goes first unless an earlier response is still being written (pipelining)
+            answer = not cycle.response_started and not self.pipeline
+            # its handler, waiting for the rest of the body, reads a disconnect and writes nothing
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if not answer:
+                self.transport.close()
+                return
+            refusal = APIError(f"The request body came in more than {MAX_BODY_CHUNKS} chunks (Transfer-Encoding: "
+                               "chunked); send it with a Content-Length, or in fewer, larger chunks", 413,
+                               code="too_many_body_chunks")
+            self.transport.write(_raw_response(refusal))
+            # the client is still sending: its data is read and dropped (a call per read, not per
+            # chunk) until it closes, or for LINGER_S, so that the answer reaches it
+            self.flow.resume_reading()
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self._linger = self.loop.call_later(LINGER_S, self.transport.close)
 
         def _refuse_head(self) -> None:
             self._head_bytes = None
@@ -172,6 +218,8 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
             self.transport.close()
 
         def on_headers_complete(self) -> None:
+            if self._dropping:   # a request pipelined behind a refused body is not started
+                return
             self._header_deadline = _cancelled(self._header_deadline)
             self._head_bytes = None
             super().on_headers_complete()
@@ -214,6 +262,7 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
             self._header_deadline = _cancelled(self._header_deadline)
             self._body_deadline = _cancelled(self._body_deadline)
             self._send_deadline = _cancelled(self._send_deadline)
+            self._linger = _cancelled(self._linger)
             super().connection_lost(exc)
 
         def _body_deadline_passed(self) -> None:

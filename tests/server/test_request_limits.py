@@ -3,6 +3,7 @@ prompts x n, and stop lists; each refused with an OpenAI error naming the field.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -68,6 +69,37 @@ def test_a_chunked_body_over_the_limit_is_cut_off_at_the_limit(server):
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert peak_rss_mb(server) - before < 80  # at most the 32 MiB limit was held
+
+
+def chunked_request(body: bytes, chunk: int) -> bytes:
+    """A POST /v1/completions whose body is sent in chunks of `chunk` bytes (Transfer-Encoding: chunked)."""
+    pieces = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + chunk]), body[i:i + chunk]) for i in range(0, len(body), chunk))
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + pieces + b"0\r\n\r\n")
+
+
+def test_a_body_in_too_many_chunks_is_refused_while_it_is_read(server):
+    # each chunk is a Python call, and uvicorn joins each to the body read so far: a 16 MB body in
+    # 1-byte chunks held the event loop for 10 s (a neighbour stream paused 3.6 s), where the
+    # same body in one piece took 0.15 s
+    body = b'{"model": "tiny", "prompt": "' + b"a" * 200_000 + b'", "max_tokens": 1}'
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        try:
+            sock.sendall(chunked_request(body, 1))
+        except OSError:
+            pass  # refused and closed while the rest was still being sent
+        answer = b""
+        while chunk := sock.recv(65536):  # the server closes after its answer
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+    assert b'"code":"too_many_body_chunks"' in answer
+    # a body in chunks of a sensible size is served
+    ok = json.dumps(OK).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(chunked_request(ok, 4))
+        head = sock.recv(65536)
+    assert head.startswith(b"HTTP/1.1 200"), head[:300]
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
 def test_a_5_mb_prompt_is_refused_before_tokenizing(server):
