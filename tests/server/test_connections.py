@@ -83,7 +83,8 @@ def test_a_body_that_never_finishes_is_cut_off_at_the_body_deadline(impatient):
 
 def test_a_slow_request_whose_headers_arrived_is_not_cut_off(impatient):
     # the deadline is for the headers only: a stream longer than it runs to its end
-    body = {"prompt": "A list", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    # long enough to outlast the deadline on a fast machine too (400 tokens took 1.3 s here)
+    body = {"prompt": "A list", "max_tokens": 1500, "ignore_eos": True, "stream": True}
     start = time.monotonic()
     with httpx.stream("POST", f"{impatient.url}/v1/completions", json=body, timeout=60) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
