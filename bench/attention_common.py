@@ -6,6 +6,9 @@ from __future__ import annotations
 import torch
 from triton.testing import do_bench
 
+from nanoserve.runner.attention.fp8 import FP8_DTYPE
+from nanoserve.runner.attention.kv_layout import v_cache_view
+
 KV_HEADS, HEAD_DIM, BLOCK = 8, 128, 256   # q heads: KV_HEADS x the GQA group asked
 DTYPE = torch.bfloat16
 
@@ -29,11 +32,15 @@ def copy_bandwidth() -> float:
 class Caches:
     """One cache big enough for the largest batch x context; each case takes shuffled blocks."""
 
-    def __init__(self, tokens: int, dtype: torch.dtype) -> None:
+    def __init__(self, tokens: int, dtype: torch.dtype, engine_layout: bool = True) -> None:
+        """engine_layout: V as the engine lays it out (an fp8 cache's tokens contiguous, kv_layout.py);
+        else row by row, as K."""
         self.num_blocks = tokens // BLOCK + 1
         shape = (self.num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
         self.k = torch.empty(shape, dtype=DTYPE, device="cuda").normal_().to(dtype)
         self.v = torch.empty(shape, dtype=DTYPE, device="cuda").normal_().to(dtype)
+        if engine_layout:
+            self.v = v_cache_view(self.v.clone(), dtype == FP8_DTYPE).copy_(self.v)
 
     def tables(self, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
         per_seq = -(-context // BLOCK)

@@ -28,10 +28,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from attention_common import (DTYPE, HEAD_DIM, KV_HEADS, Caches, copy_bandwidth,  # noqa: E402
                               graph_time_us)
-from decode_sweeps import ahead_sweep, launch_order_sweep, ragged_sweep  # noqa: E402
+from decode_sweeps import ahead_sweep, launch_order_sweep, ragged_sweep, v_layout_sweep  # noqa: E402
 
 from nanoserve.runner.attention.decode_splits import num_decode_splits  # noqa: E402
 from nanoserve.runner.attention.fp8 import FP8_DTYPE  # noqa: E402
+from nanoserve.runner.attention.kv_layout import v_cache_view  # noqa: E402
 from nanoserve.runner.attention.triton_decode import paged_decode  # noqa: E402
 from nanoserve.runner.attention.triton_prefill import paged_prefill  # noqa: E402
 
@@ -112,6 +113,27 @@ def mixed_lines(caches: Caches) -> list[str]:
                      f"{graph_time_us(one):8.1f} us, decode + prefill launches {graph_time_us(two):8.1f} us"
                      f"{'  ! outputs differ by more than 2e-2' if err > 2e-2 else ''}")
     return lines
+
+
+def prefill_layouts() -> None:
+    """Prefill over an fp8 cache with V row by row, then along tokens (kv_layout.py): TFLOP/s for
+    lone and batched prompts, and the largest difference between the two outputs."""
+    rows = Caches(4 * 4096, FP8_DTYPE, engine_layout=False)
+    tokens = v_cache_view(torch.empty_like(rows.v), fp8=True).copy_(rows.v)
+    for seqs, prompt in ((1, 1024), (4, 1024), (1, 4096)):
+        seq_lens, tables = rows.tables(seqs, prompt)
+        cu = torch.arange(0, (seqs + 1) * prompt, prompt, dtype=torch.int32, device="cuda")
+        q = torch.randn(seqs * prompt, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        flops = 4 * seqs * (prompt * (prompt + 1) / 2) * Q_HEADS * HEAD_DIM
+        cells, outs = [], []
+        for v in (rows.v, tokens):
+            def run(v=v) -> torch.Tensor:
+                return paged_prefill(q, rows.k, v, cu, seq_lens, tables, HEAD_DIM ** -0.5, prompt)
+            outs.append(run().float())
+            cells.append(f"{flops / graph_time_us(run) / 1e6:6.1f}")
+        err = (outs[0] - outs[1]).abs().max().item()
+        print(f"fp8 prefill {seqs}x{prompt}: V rows {cells[0]} TFLOP/s, V along tokens {cells[1]} TFLOP/s; "
+              f"largest difference {err:.2e}", flush=True)
 
 
 def prefill_sweep(caches: Caches) -> None:
@@ -204,6 +226,8 @@ def main() -> None:
                         help="only weigh a sequence's kv heads side by side against head by head (no table)")
     parser.add_argument("--ahead", action="store_true",
                         help="only weigh reading each tile's block a tile ahead against per key (no table)")
+    parser.add_argument("--v-layout", action="store_true",
+                        help="only weigh an fp8 cache's V row by row against along tokens, with its prefill (no table)")
     parser.add_argument("--group", type=int, default=2, help="q heads per kv head (Qwen3-0.6B 2, 8B 4)")
     args = parser.parse_args()
     global Q_HEADS
@@ -222,6 +246,10 @@ def main() -> None:
         return
     if args.ahead:
         ahead_sweep(Q_HEADS)
+        return
+    if args.v_layout:
+        v_layout_sweep(Q_HEADS)
+        prefill_layouts()
         return
     fp8 = args.kv_cache_dtype == "fp8"
     flash = flash_attn_with_kvcache is not None and not fp8   # flash-attn reads no fp8 cache

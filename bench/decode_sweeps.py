@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 from attention_common import BLOCK, DTYPE, HEAD_DIM, KV_HEADS, Caches, graph_time_us
 
-from nanoserve.runner.attention.decode_splits import longest_first
+from nanoserve.runner.attention.decode_splits import FP8_SPLIT_KEYS, longest_first
 from nanoserve.runner.attention.fp8 import FP8_DTYPE
+from nanoserve.runner.attention.kv_layout import v_cache_view
 from nanoserve.runner.attention.triton_decode import paged_decode
 
 
@@ -62,16 +63,16 @@ def decode_shapes(cases, q_heads: int) -> list[tuple]:
     return shapes
 
 
-def decode_cases(shapes, caches: Caches, fp8_ragged_split: bool = False) -> list[tuple]:
+def decode_cases(shapes, caches: Caches, fp8_ragged_split: bool = False, split_keys: int = 512) -> list[tuple]:
     """(q, seq_lens, tables, order, split, the default kernel's output, K+V bytes) per shape, over
     fresh shuffled blocks of `caches`; fp8_ragged_split: an fp8 cache's ragged cases in splits of
-    512 keys, as the engine runs them."""
+    split_keys keys, as the engine runs them."""
     cases = []
     for _, batch, q, seq_lens, order, split in shapes:
         per_seq = -(-2048 // BLOCK)
         tables = torch.randperm(caches.num_blocks, device="cuda")[:batch * per_seq].view(batch, per_seq).int()
         if fp8_ragged_split and order is not None and caches.k.dtype == FP8_DTYPE:
-            split = dict(split_keys=512)
+            split = dict(split_keys=split_keys)
         nbytes = 2 * int(seq_lens.sum()) * KV_HEADS * HEAD_DIM * caches.k.element_size()
         want = paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048, seq_order=order, **split)
         cases.append((q, seq_lens, tables, order, split, want, nbytes))
@@ -137,3 +138,28 @@ def ahead_sweep(q_heads: int) -> None:
             except Exception as e:   # out of registers or shared memory
                 print(f"{label:>34} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
     print("! = differs from the default by more than 2e-2")
+
+
+def v_layout_sweep(q_heads: int) -> None:
+    """An fp8 cache's V row by row (as K) against with each (kv head, dim)'s tokens contiguous
+    (kv_layout.py), over a few tiles: TB/s of K+V read on ragged batches (longest first, splits of
+    FP8_SPLIT_KEYS) and uniform ones; each output checked against the row-by-row default's."""
+    shapes = decode_shapes(LAYOUT_CASES, q_heads)
+    caches = Caches(256 * 2048, FP8_DTYPE, engine_layout=False)
+    cases = decode_cases(shapes, caches, fp8_ragged_split=True, split_keys=FP8_SPLIT_KEYS)
+    rows = caches.v
+    tokens = v_cache_view(torch.empty_like(rows), fp8=True).copy_(rows)
+    print(f"\nfp8 V layout (TB/s of K+V read), {q_heads} q heads")
+    print(f"{'V BLOCK_N warps stages':>34} " + " ".join(f"{c[0]:>12}" for c in shapes))
+    for layout, v, tiles in (("rows", rows, ((64, 1, 2),)),
+                             ("tokens", tokens, ((64, 1, 2), (64, 1, 3), (32, 1, 2), (32, 1, 3), (32, 1, 4),
+                                                 (64, 2, 2), (64, 2, 3), (128, 1, 2), (128, 2, 2), (128, 4, 2)))):
+        caches.v = v
+        for block_n, warps, stages in tiles:
+            cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, BLOCK_AHEAD=True)
+            label = f"{layout} {block_n:4d} {warps} {stages}"
+            try:
+                print(f"{label:>34} " + " ".join(bandwidth_cells(caches, cases, cfg, 11)), flush=True)
+            except Exception as e:   # out of registers or shared memory
+                print(f"{label:>34} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
+    print("! = differs from the row-by-row default by more than 2e-2")

@@ -6,7 +6,8 @@ shows here, before a device run.
     python scripts/compile_for_gpu.py --arch 80 --only decode,merge
 
 Each kernel is compiled with the tiles the engine picks on that GPU, over a bf16 and an fp8
-cache, with its flags all off and all on (splits, launch order, mixed steps' packed rows, PDL).
+cache, with its flags all off and all on (splits, launch order, mixed steps' packed rows, PDL, an fp8
+cache's V along tokens).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def variants(target: GPUTarget):
                   query_start_ptr="*i32", query_start_loc_ptr="*i32", tiles_ptr="*i32")
         for on in (False, True):
             flags = dict(SPLIT=on, ORDERED=on, PACKED_Q=on, USE_PDL=on and target.arch >= 90)
-            shared = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None, KV_FP8=fp8, FP8_VIA_F16=fp8, **flags)
+            shared = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None, KV_FP8=fp8, FP8_VIA_F16=fp8,
+                          V_TOKENS_CONTIGUOUS=fp8 and on, **flags)
             tiles = decode_config(CUDA, fp8)
             options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
             yield (f"decode {cache[1:]} flags {'on' if on else 'off'}", _decode_kernel, io,
@@ -66,7 +68,7 @@ def variants(target: GPUTarget):
             options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
             yield (f"prefill {cache[1:]} flags {'on' if on else 'off'}", _prefill_kernel, io,
                    dict(GROUP=2, BLOCK_Q=tiles["BLOCK_M"] // 2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None,
-                        KV_FP8=fp8, LAST_TILES_FIRST=on, SKIP_DECODE_ROWS=on, TILED=on,
+                        KV_FP8=fp8, LAST_TILES_FIRST=on, SKIP_DECODE_ROWS=on, TILED=on, V_TOKENS_CONTIGUOUS=fp8 and on,
                         USE_PDL=flags["USE_PDL"], **tiles), options)
     for packed in (False, True):
         yield (f"merge packed {packed}", _merge_splits_kernel,

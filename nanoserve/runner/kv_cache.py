@@ -8,6 +8,7 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.runner.attention.fp8 import FP8_DTYPE
+from nanoserve.runner.attention.kv_layout import v_cache_view
 from nanoserve.runner.batch import SequenceWork
 from nanoserve.runner.models.decoder import head_dim_of
 from nanoserve.runner.parallel import TensorParallel
@@ -83,4 +84,10 @@ class KVCache:
         hf = config.hf_config
         self.num_blocks = num_blocks
         shape = (2, hf.num_hidden_layers, num_blocks, config.block_size, local_kv_heads(config), head_dim_of(hf))
-        self.tensor = torch.empty(shape, dtype=cache_dtype(config), device=device)
+        self.fp8 = cache_dtype(config) == FP8_DTYPE
+        # an fp8 V tile is read whole, past a sequence's end too: the cache holds no NaN (kv_layout)
+        self.tensor = (torch.zeros if self.fp8 else torch.empty)(shape, dtype=cache_dtype(config), device=device)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s K and V caches, V in the layout the kernels read (attention/kv_layout.py)."""
+        return self.tensor[0, index], v_cache_view(self.tensor[1, index], self.fp8)

@@ -300,5 +300,5 @@ class ModelRunner:
     def _bind(self, cache: KVCache | None) -> None:
         """Point every attention layer at its slice of `cache` (None: at nothing)."""
         for i, layer in enumerate(layer.self_attn for layer in self.model.model.layers):
-            k, v = (cache.tensor[0, i], cache.tensor[1, i]) if cache is not None else (torch.empty(0),) * 2
+            k, v = cache.layer(i) if cache is not None else (torch.empty(0),) * 2
             layer.backend, layer.k_cache, layer.v_cache = self.backend, k, v

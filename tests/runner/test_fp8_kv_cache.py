@@ -17,6 +17,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.runner.attention import TorchBackend, select_backend
 from nanoserve.runner.attention.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8
+from nanoserve.runner.attention.kv_layout import tokens_contiguous, v_cache_view
 from nanoserve.runner.attention.torch_backend import store_kv
 from nanoserve.runner.attention.triton_kernels import TritonBackend, store_kvcache
 from nanoserve.runner.kv_cache import KVCache, block_bytes, blocks_for_cpu
@@ -43,6 +44,17 @@ def fp8_step(specs, *, dtype, magnitude=1.0, k_scale=1.0, v_scale=1.0, seed, **s
     return q.to(dtype), k.to(dtype), v.to(dtype), (k_cache, v_cache), fp8_caches, meta
 
 
+def in_layout(caches: tuple[torch.Tensor, torch.Tensor], v_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v) with V as the engine lays out an fp8 cache ("tokens": kv_layout.py) or row by row."""
+    k_cache, v_cache = caches
+    if v_layout == "rows":
+        return k_cache, v_cache
+    moved = v_cache_view(torch.empty_like(v_cache), fp8=True)
+    moved.copy_(v_cache)
+    assert tokens_contiguous(moved) and torch.equal(moved.float(), v_cache.float())
+    return k_cache, moved
+
+
 def fp8_case(specs, dtype, magnitude, k_scale, v_scale, seed, **shape):
     """fp8_step with q brought back to unit size and head dim ** -0.5 as the scale, and the torch
     reference twice: over copies of the fp8 caches (what a kernel must match; the copies end up
@@ -59,7 +71,8 @@ def fp8_case(specs, dtype, magnitude, k_scale, v_scale, seed, **shape):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.37, 3.0)])
-def test_triton_store_quantizes_like_the_torch_reference_bit_for_bit(dtype, k_scale, v_scale) -> None:
+@pytest.mark.parametrize("v_layout", ["rows", "tokens"])
+def test_triton_store_quantizes_like_the_torch_reference_bit_for_bit(dtype, k_scale, v_scale, v_layout) -> None:
     gen = torch.Generator().manual_seed(1)
     kv_heads, head_dim = 3, 64   # 3 heads: a masked head tile
     slots = torch.tensor([5, -1, 63, 16, -1, 0], dtype=torch.int64)
@@ -69,15 +82,16 @@ def test_triton_store_quantizes_like_the_torch_reference_bit_for_bit(dtype, k_sc
     kv[0, :, 0, :2] = torch.tensor([-0.0, 0.0])   # signed zeros keep their sign
     k, v = kv[:, 0], kv[:, 1]
     poison = torch.full((4, 16, kv_heads, head_dim), 0.5).to(FP8_DTYPE)
-    caches, ref = (poison.clone(), poison.clone()), (poison.clone(), poison.clone())
+    caches = in_layout((poison.clone(), poison.clone()), v_layout)
+    ref = in_layout((poison.clone(), poison.clone()), v_layout)
     store_kvcache(k, v, *caches, slots, k_scale, v_scale)
     store_kv(k, v, *ref, slots, k_scale, v_scale)
     for got, want in zip(caches, ref):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
     untouched = torch.ones(4 * 16, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
     for cache in caches:
-        flat = cache.float().view(-1, kv_heads, head_dim)
+        flat = cache.float().reshape(-1, kv_heads, head_dim)
         assert (flat[~untouched] != 0.5).any() and (flat[untouched] == 0.5).all()
 
 
@@ -119,12 +133,14 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("dtype,head_dim,group,num_splits,magnitude,k_scale,v_scale,seed",
                          DECODE_CASES)
+@pytest.mark.parametrize("v_layout", ["rows", "tokens"])
 def test_triton_decode_over_fp8_matches_the_reference(
-        dtype, head_dim, group, num_splits, magnitude, k_scale, v_scale, seed) -> None:
+        dtype, head_dim, group, num_splits, magnitude, k_scale, v_scale, seed, v_layout) -> None:
     from nanoserve.runner.attention.triton_decode import paged_decode
     specs = [(1, 70), (1, 0), (1, 33), (1, 5)]
     q, k, v, fp8, meta, scale, ref, exact_out, ref_caches = fp8_case(
         specs, dtype, magnitude, k_scale, v_scale, seed, block_size=16, group=group, head_dim=head_dim)
+    fp8 = in_layout(fp8, v_layout)   # past each sequence's end its blocks hold random values: read, never used
     store_kvcache(k, v, *fp8, meta.slot_mapping, k_scale, v_scale)
     out = paged_decode(q, *fp8, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
                        num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
@@ -144,22 +160,26 @@ PREFILL_CASES = [
 
 @pytest.mark.parametrize("dtype,block_size,head_dim,group,magnitude,k_scale,v_scale,seed",
                          PREFILL_CASES)
+@pytest.mark.parametrize("v_layout", ["rows", "tokens"])
 def test_triton_prefill_over_fp8_matches_the_reference(
-        dtype, block_size, head_dim, group, magnitude, k_scale, v_scale, seed) -> None:
+        dtype, block_size, head_dim, group, magnitude, k_scale, v_scale, seed, v_layout) -> None:
     # a fresh prompt, a prefix hit, a chunk after a chunk, and a decode row
     specs = [(23, 23), (9, 49), (17, 50), (1, 38)]
     q, k, v, fp8, meta, scale, ref, exact_out, _ = fp8_case(
         specs, dtype, magnitude, k_scale, v_scale, seed, block_size=block_size, group=group,
         head_dim=head_dim)
+    fp8 = in_layout(fp8, v_layout)
     out = TritonBackend().forward(q, k, v, *fp8, meta, scale, k_scale, v_scale)
     assert rel_err(out, ref) < TOL[dtype]
     assert rel_err(out, exact_out) < FP8_REL_ERR
 
 
-def test_backend_decode_path_applies_the_scales() -> None:
+@pytest.mark.parametrize("v_layout", ["rows", "tokens"])
+def test_backend_decode_path_applies_the_scales(v_layout) -> None:
     q, k, v, exact, fp8, meta = fp8_step([(1, 40), (1, 0), (1, 17)], dtype=torch.float32,
                                          magnitude=300.0, k_scale=4.0, v_scale=8.0, seed=31,
                                          block_size=16, kv_heads=2, group=2, head_dim=64)
+    fp8 = in_layout(fp8, v_layout)
     assert meta.decode_only
     q = q / 300.0
     ref = TorchBackend().forward(q, k, v, *(c.clone() for c in fp8), meta, 0.125, 4.0, 8.0)
@@ -184,3 +204,24 @@ def test_an_fp8_cache_takes_one_byte_per_element_so_twice_the_bf16_tokens_fit() 
     assert blocks_for_cpu(fp8) == 2 * blocks_for_cpu(bf16)
     assert KVCache(fp8, 2, torch.device("cpu")).tensor.dtype == FP8_DTYPE
     assert KVCache(bf16, 2, torch.device("cpu")).tensor.dtype == torch.bfloat16
+
+
+def test_an_fp8_cache_is_zeroed_and_lays_v_out_along_tokens() -> None:
+    fp8 = EngineConfig(device="cpu", dtype="bfloat16", kv_cache_dtype="fp8")
+    cache = KVCache(fp8, 3, torch.device("cpu"))
+    k_cache, v_cache = cache.layer(1)
+    assert k_cache.stride(-1) == 1 and tokens_contiguous(v_cache)
+    assert k_cache.shape == v_cache.shape and not cache.tensor.float().any()
+    bf16 = KVCache(EngineConfig(device="cpu", dtype="bfloat16"), 3, torch.device("cpu"))
+    assert all(c.is_contiguous() for c in bf16.layer(1))
+
+
+def test_a_nan_is_stored_as_zero_so_no_read_past_a_sequence_end_can_meet_one() -> None:
+    k = torch.randn(2, 2, 64)
+    v = torch.randn(2, 2, 64)
+    k[0, 1, 3] = v[1, 0, 7] = float("nan")
+    caches = in_layout((torch.full((2, 16, 2, 64), 1.0).to(FP8_DTYPE),) * 2, "tokens")
+    caches = (caches[0].clone(), caches[1])
+    store_kvcache(k, v, *caches, torch.tensor([3, 20]))
+    assert all(c.float().isfinite().all() for c in caches)
+    assert caches[0][0, 3, 1, 3].float() == 0 and caches[1][1, 4, 0, 7].float() == 0

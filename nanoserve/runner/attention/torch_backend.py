@@ -18,8 +18,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     k, v = k[keep], v[keep]
     if is_fp8(k_cache):
         k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v
+    block_size = k_cache.shape[1]
+    for cache, x in ((k_cache, k), (v_cache, v)):   # indexed by (block, offset): any layout (kv_layout.py)
+        cache[slots // block_size, slots % block_size] = x
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

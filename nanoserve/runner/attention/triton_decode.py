@@ -31,7 +31,8 @@ import triton.language as tl
 
 from nanoserve.runner.attention.decode_splits import decode_split_count, split_span
 from nanoserve.runner.attention.fp8 import is_fp8
-from nanoserve.runner.attention.triton_paged import load_kv_rows, load_kv_tile, online_softmax_step
+from nanoserve.runner.attention.kv_layout import tokens_contiguous
+from nanoserve.runner.attention.triton_paged import load_kv_block_tile, load_kv_tile, online_softmax_step
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 
@@ -75,13 +76,13 @@ def _decode_kernel(
     scale_log2, v_scale, num_splits, split_tiles,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    stride_vb, stride_vt, stride_vh, stride_vd,
     stride_bt, stride_sl, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
     ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, HEADS_FAST: tl.constexpr, USE_PDL: tl.constexpr,
-    BLOCK_AHEAD: tl.constexpr = False,
+    BLOCK_AHEAD: tl.constexpr = False, V_TOKENS_CONTIGUOUS: tl.constexpr = False,
 ):
     # lengths, order, query starts and block tables are staged by the host, never written by a
     # kernel of the step: they may be read before waiting on the kernel ahead (PDL); q and the cache may not
@@ -96,7 +97,7 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
     # splits start on tile bounds; the last one ends at seq_len, however long the context
     _, per_split = _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N)
-    start = split * per_split * BLOCK_N
+    start = tl.multiple_of(split * per_split * BLOCK_N, BLOCK_N)
     end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + per_split * BLOCK_N, seq_len))
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     pdl_prologue(USE_PDL)   # every program waits, even one with nothing to do: see pdl.py
@@ -130,8 +131,9 @@ def _decode_kernel(
             mask_n = n0 + offs_t < end
             block_next = tl.load(table + (n0 + BLOCK_N) // BLOCK_SIZE, mask=n0 + BLOCK_N < end,
                                  other=0).to(tl.int64)
-            k, v = load_kv_rows(k_cache_ptr, v_cache_ptr, block, n0 % BLOCK_SIZE + offs_t, mask_n,
-                                kv_head, offs_d, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh)
+            k, v = load_kv_block_tile(k_cache_ptr, v_cache_ptr, block, n0 % BLOCK_SIZE, mask_n, kv_head, offs_d,
+                                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                                      BLOCK_N, V_TOKENS_CONTIGUOUS)
             m, l, acc = _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8, PRECISION)
             block = block_next
     else:
@@ -139,7 +141,8 @@ def _decode_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
-                                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
+                                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                                BLOCK_SIZE)
             m, l, acc = _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8, PRECISION)
 
     has_keys = l > 0
@@ -260,6 +263,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cfg = {**decode_config(q.device, fp8, q.dtype, head_dim), **(config or {})}
     # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
     cfg.setdefault("FP8_VIA_F16", fp8 and q.dtype == torch.bfloat16)
+    v_tokens = tokens_contiguous(v_cache)
+    if v_tokens:   # such V is read a whole tile at a time, in tiles within one block (kv_layout.py)
+        cfg.setdefault("BLOCK_AHEAD", True)
+        cfg["BLOCK_N"] = min(cfg["BLOCK_N"], block_size)
     span = split_span(split_keys, cfg["BLOCK_N"])
     split_tiles = span // cfg["BLOCK_N"]   # 0: the kernels' flag for even division
     if num_splits is None:
@@ -283,11 +290,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale, num_splits, split_tiles,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
-        ORDERED=seq_order is not None, PACKED_Q=packed, HEADS_FAST=heads_fast, **cfg, **pdl_launch(q.device),
+        ORDERED=seq_order is not None, PACKED_Q=packed, HEADS_FAST=heads_fast, V_TOKENS_CONTIGUOUS=v_tokens,
+        **cfg, **pdl_launch(q.device),
     )
     if split:
         splits_pow2 = triton.next_power_of_2(num_splits)
@@ -340,7 +348,8 @@ def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
         raise ValueError(f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not "
                          f"match q {tuple(q.shape)}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
-                    ("block_tables", block_tables)):
+    for name, t in (("q", q), ("k_cache", k_cache), ("block_tables", block_tables)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim")
+    if v_cache.stride(-1) != 1 and not (is_fp8(v_cache) and tokens_contiguous(v_cache)):
+        raise ValueError("v_cache must be contiguous in its last dim, or (fp8) in its tokens: kv_layout.py")

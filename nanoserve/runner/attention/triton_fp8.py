@@ -17,13 +17,15 @@ _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 @triton.jit
 def to_fp8(x, inv_scale, dtype: tl.constexpr):
-    """x * inv_scale in e4m3 (dtype), rounded to nearest-even and clamped to +-FP8_MAX.
+    """x * inv_scale in e4m3 (dtype), rounded to nearest-even and clamped to +-FP8_MAX; NaN as 0.
 
     On a GPU the cast itself rounds. Under Triton's interpreter (3.9), which rounds ties away and
     drops the carry into the exponent (7.9 -> 4.0), the value is put on the e4m3 grid in float32
     first, so that the cast rounds nothing; on the GPU that emulation gave other bits than
     torch's cast for some values, so it serves the interpreter only."""
     x = x.to(tl.float32) * inv_scale
+    # no NaN goes in: a cache V tile is read whole, past a sequence's end (kv_layout.py)
+    x = tl.where(x == x, x, 0.0)
     x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
     if _INTERPRETED:
         # normal e4m3 keeps 3 of float32's 23 mantissa bits: round the other 20 away, ties to even

@@ -9,24 +9,52 @@ import triton.language as tl
 
 @triton.jit
 def load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
-                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                  BLOCK_SIZE: tl.constexpr):
     """K and V of key positions offs_n ([BLOCK_N, HEAD_DIM] each); masked keys read as 0."""
     block = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
     return load_kv_rows(k_cache_ptr, v_cache_ptr, block, offs_n % BLOCK_SIZE, mask_n, kv_head, offs_d,
-                        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh)
+                        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd)
 
 
 @triton.jit
 def load_kv_rows(k_cache_ptr, v_cache_ptr, block, tok, mask_n, kv_head, offs_d,
-                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh):
+                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd):
     """K and V of tokens `tok` of physical block(s) `block` (one per token, or one for the whole
-    tile), [BLOCK_N, HEAD_DIM] each; masked keys read as 0."""
+    tile), [BLOCK_N, HEAD_DIM] each; masked keys read as 0. V may lie in any layout (stride_vd)."""
     k_rows = block * stride_kb + tok * stride_kt + kv_head * stride_kh
     v_rows = block * stride_vb + tok * stride_vt + kv_head * stride_vh
     k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=mask_n[:, None], other=0.0)
     return k, v
+
+
+@triton.jit
+def load_kv_block_tile(k_cache_ptr, v_cache_ptr, block, first, mask_n, kv_head, offs_d,
+                       stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                       BLOCK_N: tl.constexpr, V_TOKENS_CONTIGUOUS: tl.constexpr):
+    """K and V of the BLOCK_N tokens from `first` (a multiple of BLOCK_N) of one physical block,
+    [BLOCK_N, HEAD_DIM] each; masked keys of K read as 0. V with its tokens contiguous
+    (attention/kv_layout.py) is read whole, masked keys included, in 16-byte rows along the
+    tokens, and comes out as any other V tile."""
+    tok = tl.multiple_of(first, BLOCK_N) + tl.arange(0, BLOCK_N)
+    if not V_TOKENS_CONTIGUOUS:
+        return load_kv_rows(k_cache_ptr, v_cache_ptr, block, tok, mask_n, kv_head, offs_d,
+                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd)
+    k_rows = block * stride_kb + tok * stride_kt + kv_head * stride_kh
+    k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    v_rows = block * stride_vb + kv_head * stride_vh + offs_d[:, None] * stride_vd
+    # the pipeliner carries `first` into the loop, where its divisibility is no longer known:
+    # restated here, or the tile is read one byte at a time
+    v_offs = tl.max_contiguous(tl.multiple_of(v_rows + tok[None, :], [16, BLOCK_N]), [1, BLOCK_N])
+    v_t = tl.load(v_cache_ptr + v_offs)
+    return k, tl.trans(v_t)
+
+
+@triton.jit
+def v_slot_offset(slot, BLOCK_SIZE: tl.constexpr, stride_vb, stride_vt):
+    """Where cache slot `slot` (block * BLOCK_SIZE + offset) starts in a V cache of any layout."""
+    return (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
 
 
 @triton.jit

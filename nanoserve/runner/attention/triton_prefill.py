@@ -25,18 +25,27 @@ import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.triton_decode import check_shapes, dot_precision, softmax_scale_log2
-from nanoserve.runner.attention.triton_paged import load_kv_tile, online_softmax_step
+from nanoserve.runner.attention.kv_layout import tokens_contiguous
+from nanoserve.runner.attention.triton_paged import load_kv_block_tile, load_kv_tile, online_softmax_step
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 
 @triton.jit
-def _tile_scores(q, k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
-                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, scale_log2,
-                 BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
-    """Base-2 scores of q against one tile of keys, and the tile's values (an fp8 cache widened to
-    q's dtype); masked keys read as 0."""
-    k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
-                        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
+def _tile_scores(q, k_cache_ptr, v_cache_ptr, table, n0, offs_n, mask_n, kv_head, offs_d,
+                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, scale_log2,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+                 V_TOKENS_CONTIGUOUS: tl.constexpr):
+    """Base-2 scores of q against the tile of keys from n0 (a multiple of BLOCK_N), and the
+    tile's values (an fp8 cache widened to q's dtype); masked keys of K read as 0, and of V too
+    unless V's tokens are contiguous (then the tile lies in one block: kv_layout.py)."""
+    if V_TOKENS_CONTIGUOUS:
+        block = tl.load(table + n0 // BLOCK_SIZE).to(tl.int64)
+        k, v = load_kv_block_tile(k_cache_ptr, v_cache_ptr, block, n0 % BLOCK_SIZE, mask_n, kv_head, offs_d,
+                                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                                  BLOCK_N, True)
+    else:
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
+                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, BLOCK_SIZE)
     if KV_FP8:
         k, v = k.to(q.dtype), v.to(q.dtype)
     return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2, v
@@ -49,12 +58,13 @@ def _prefill_kernel(
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tiles_ptr, scale_log2, v_scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    stride_vb, stride_vt, stride_vh, stride_vd,
     stride_bt, stride_qsl, stride_sl, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, LAST_TILES_FIRST: tl.constexpr,
     SKIP_DECODE_ROWS: tl.constexpr, TILED: tl.constexpr, USE_PDL: tl.constexpr,
+    V_TOKENS_CONTIGUOUS: tl.constexpr = False,
 ):
     pdl_prologue(USE_PDL)
     if TILED:   # (sequence, tile) from the host's list; -1 past its end
@@ -99,15 +109,15 @@ def _prefill_kernel(
     unmasked_end = tl.minimum((history + q_tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N, end)
     for n0 in range(0, unmasked_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        qk, v = _tile_scores(q, k_cache_ptr, v_cache_ptr, table, offs_n, offs_n < unmasked_end, kv_head, offs_d,
-                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, scale_log2,
-                             BLOCK_SIZE, PRECISION, KV_FP8)
+        qk, v = _tile_scores(q, k_cache_ptr, v_cache_ptr, table, n0, offs_n, offs_n < unmasked_end, kv_head, offs_d,
+                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, scale_log2,
+                             BLOCK_SIZE, BLOCK_N, PRECISION, KV_FP8, V_TOKENS_CONTIGUOUS)
         m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
     for n0 in range(unmasked_end, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        qk, v = _tile_scores(q, k_cache_ptr, v_cache_ptr, table, offs_n, offs_n < end, kv_head, offs_d,
-                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, scale_log2,
-                             BLOCK_SIZE, PRECISION, KV_FP8)
+        qk, v = _tile_scores(q, k_cache_ptr, v_cache_ptr, table, n0, offs_n, offs_n < end, kv_head, offs_d,
+                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, scale_log2,
+                             BLOCK_SIZE, BLOCK_N, PRECISION, KV_FP8, V_TOKENS_CONTIGUOUS)
         qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
         m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
 
@@ -185,6 +195,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     fp8 = is_fp8(k_cache)
     # launching the last query tiles first helped no default config (the prefill sweep): off unless asked
     cfg = {"LAST_TILES_FIRST": False, **_prefill_config(head_dim, q.dtype, q.device, fp8), **(config or {})}
+    v_tokens = tokens_contiguous(v_cache)
+    if v_tokens:   # such V is read a whole tile at a time, in tiles within one block (kv_layout.py)
+        cfg["BLOCK_N"] = min(cfg["BLOCK_N"], block_size)
     block_m, block_q = _tile_rows(cfg.pop("BLOCK_M"), group)
     out = torch.empty_like(q)
     if num_query_tokens is not None and num_query_tokens < num_tokens:
@@ -201,12 +214,12 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         block_tables.stride(0), query_start_loc.stride(0), seq_lens.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), KV_FP8=fp8, SKIP_DECODE_ROWS=skip_decode_rows,
-        TILED=tiles is not None,
+        TILED=tiles is not None, V_TOKENS_CONTIGUOUS=v_tokens,
         **cfg, **pdl_launch(q.device),
     )
     return out

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.triton_fp8 import to_fp8
+from nanoserve.runner.attention.triton_paged import v_slot_offset
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 
@@ -37,10 +38,10 @@ def _qkv_rope_store_kernel(
     qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr,
     k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps, inv_k_scale, inv_v_scale,
     stride_qkv, stride_pos, stride_cos, stride_qo, stride_slot, stride_ks, stride_kh,
-    stride_vs, stride_vh,
+    stride_vb, stride_vs, stride_vh, stride_vd,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr,
     KV_HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
-    KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     token = tl.program_id(0)
@@ -75,8 +76,8 @@ def _qkv_rope_store_kernel(
             k = k.to(qkv_ptr.dtype.element_ty)   # rounded once, like the unfused path's k
         tl.store(k_cache_ptr + slot * stride_ks + offs_kh[:, None] * stride_kh + offs_d[None, :],
                  k.to(k_cache_ptr.dtype.element_ty), mask=mask_kh[:, None])
-        tl.store(v_cache_ptr + slot * stride_vs + offs_kh[:, None] * stride_vh + offs_d[None, :],
-                 v.to(v_cache_ptr.dtype.element_ty), mask=mask_kh[:, None])
+        tl.store(v_cache_ptr + v_slot_offset(slot, BLOCK_SIZE, stride_vb, stride_vs) + offs_kh[:, None] * stride_vh
+                 + offs_d[None, :] * stride_vd, v.to(v_cache_ptr.dtype.element_ty), mask=mask_kh[:, None])
 
 
 def qkv_rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -93,10 +94,9 @@ def qkv_rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, n
     if head_dim & (head_dim - 1) or cos.stride(1) != 1 or cos.stride() != sin.stride():
         raise ValueError("qkv_rope_store needs a power-of-two head dim and cos/sin tables "
                          "[positions, head_dim] of one layout")
-    for cache in (k_cache, v_cache):
-        if cache.stride(-1) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1):
-            raise ValueError("qkv_rope_store needs caches whose slots are evenly strided "
-                             "(slot = block * block_size + offset), contiguous in head_dim")
+    if k_cache.stride(-1) != 1 or k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1):
+        raise ValueError("qkv_rope_store needs a K cache whose slots are evenly strided "
+                         "(slot = block * block_size + offset), contiguous in head_dim")
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
@@ -105,9 +105,9 @@ def qkv_rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, n
         qkv, positions, cos, sin, q_weight if norm else qkv, k_weight if norm else qkv, q,
         k_cache, v_cache, slot_mapping, eps, 1.0 / k_scale, 1.0 / v_scale,
         qkv.stride(0), positions.stride(0), cos.stride(0), q.stride(0), slot_mapping.stride(0),
-        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
-        HEADS=num_heads, KV_HEADS=num_kv_heads, HEADS_POW2=triton.next_power_of_2(num_heads),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(3), HEADS=num_heads, KV_HEADS=num_kv_heads, HEADS_POW2=triton.next_power_of_2(num_heads),
         KV_HEADS_POW2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, NORM=norm,
-        KV_FP8=is_fp8(k_cache), num_warps=4 if num_heads * head_dim >= 1024 else 1, **pdl_launch(qkv.device),
+        BLOCK_SIZE=v_cache.shape[1], KV_FP8=is_fp8(k_cache), num_warps=4 if num_heads * head_dim >= 1024 else 1, **pdl_launch(qkv.device),
     )
     return q
