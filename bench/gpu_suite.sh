@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -102,6 +102,14 @@ if '$small' != 'default':
 from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--kv-cache-dtype', 'fp8'])" 2>&1 \
              | tee -a "$out/split-rule-ab.log" | grep -E "^throughput|Error"
          done ;;
+    v-layout) # an fp8 cache's V row by row against along tokens (the default, kv_layout.py): decode tiles and prefill,
+         # then the 256-sequence workload with V row by row (the default's own run: t256 with --kv-cache-dtype fp8)
+         python3 bench/attention_kernels.py --v-layout 2>&1 | tee "$out/v-layout.log" | tail -18
+         echo "fp8 V row by row" | tee -a "$out/v-layout-ab.log"
+         python3 -c "import nanoserve.runner.kv_cache as c
+c.v_cache_view = lambda storage, fp8: storage
+from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--kv-cache-dtype', 'fp8'])" 2>&1 \
+           | tee -a "$out/v-layout-ab.log" | grep -E "^throughput|Error" ;;
     launch-order) # decode programs with a sequence's kv heads side by side (the default) against head by head,
          # the kernel for both caches, then the 256-sequence workload each way
          python3 bench/attention_kernels.py --launch-order 2>&1 | tee "$out/launch-order.log" | tail -16
