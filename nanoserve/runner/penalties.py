@@ -12,13 +12,14 @@ there, from that launch's sampled ids, so penalties never wait for the host to r
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import numpy as np
 import torch
 
 from nanoserve.runner.batch import SequenceWork
 from nanoserve.runner.inputs import to_device
+from nanoserve.sampling_params import SamplingParams
 
 
 SLOT_STEP = 64
@@ -155,14 +156,19 @@ def apply_token_choices(logits: torch.Tensor, rows: list[SequenceWork], masked_r
 
     biased = [i for i, w in enumerate(rows) if w.params.logit_bias]
     if biased:
-        biases = [rows[i].params.logit_bias for i in biased]
-        which, ids = _flat(biases)
-        values = np.fromiter(itertools.chain.from_iterable(b.values() for b in biases), dtype=np.float32,
-                             count=len(ids))
+        # one row of biases per distinct bias (a request's n choices share theirs), added to each
+        # row that has it: the entries go up once, not once per row
+        first, group = _distinct(rows, biased, lambda p: p.logit_bias)
+        arrays = [rows[i].params.logit_bias_arrays for i in first]
+        which, ids = _flat_arrays([a[0] for a in arrays])
+        values = np.concatenate([a[1] for a in arrays])
         # an id outside the vocabulary has no logit to move (clamping it would bias the last token)
         known = (ids >= 0) & (ids < vocab)
-        at = np.asarray(biased, dtype=np.int64)[which]
-        logits.index_put_((up(at[known]), up(ids[known])), up(values[known]).to(logits.dtype), accumulate=True)
+        dense = torch.zeros((len(first), vocab), dtype=logits.dtype, device=device)
+        dense.index_put_((up(which[known]), up(ids[known])), up(values[known]).to(logits.dtype), accumulate=True)
+        # (a [rows, vocab] gather only where choices share a bias: the same size as the logits)
+        per_row = dense[up(group)] if len(first) < len(biased) else dense
+        logits.index_add_(0, up(np.asarray(biased, dtype=np.int64)), per_row)
     banned = [i for i, w in enumerate(rows) if w.banned_token_ids]
     if banned:
         which, ids = _flat([rows[i].banned_token_ids for i in banned])
@@ -171,15 +177,39 @@ def apply_token_choices(logits: torch.Tensor, rows: list[SequenceWork], masked_r
     limited = [i for i, w in enumerate(rows) if w.params.allowed_token_ids is not None and i not in masked]
     if limited:
         # last: no bias or penalty can bring a token outside the list back
-        which, ids = _flat([rows[i].params.allowed_token_ids for i in limited])
+        first, group = _distinct(rows, limited, lambda p: p.allowed_token_ids)
+        which, ids = _flat_arrays([rows[i].params.allowed_token_ids_array for i in first])
         known = (ids >= 0) & (ids < vocab)
-        blocked = torch.ones((len(limited), vocab), dtype=torch.bool, device=device)
-        blocked[up(which[known]), up(ids[known])] = False
+        allowed = torch.zeros((len(first), vocab), dtype=torch.bool, device=device)
+        allowed[up(which[known]), up(ids[known])] = True
+        blocked = ~allowed[up(group)]
         if len(limited) == len(rows):
             logits.masked_fill_(blocked, float("-inf"))
         else:
             at = up(np.asarray(limited, dtype=np.int64))
             logits[at] = logits[at].masked_fill(blocked, float("-inf"))
+
+
+def _distinct(rows: list[SequenceWork], indices: list[int], field: Callable[[SamplingParams], object]
+              ) -> tuple[list[int], np.ndarray]:
+    """The rows (of `indices`) whose params hold distinct `field` objects, the first of each, and
+    per index the position of its object among those: forks share their request's objects."""
+    position: dict[int, int] = {}
+    first: list[int] = []
+    group = np.empty(len(indices), dtype=np.int64)
+    for k, i in enumerate(indices):
+        key = id(field(rows[i].params))
+        if key not in position:
+            position[key] = len(first)
+            first.append(i)
+        group[k] = position[key]
+    return first, group
+
+
+def _flat_arrays(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(index of its array, id) of every id in the arrays, as two int64 arrays."""
+    lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+    return np.repeat(np.arange(len(arrays), dtype=np.int64), lengths), np.concatenate(arrays)
 
 
 def _flat(lists: Sequence[Iterable[int]]) -> tuple[np.ndarray, np.ndarray]:
