@@ -115,9 +115,6 @@ def _leave_out(words: np.ndarray, tokens: tuple[int, ...]) -> None:
     _narrow(words, ~_token_bits(tokens, len(words)))
 
 
-def _keep_only(words: np.ndarray, tokens: list[int]) -> None:
-    """Clear every bit but the tokens' in one row of a bitmask (an allow list), on the same terms."""
-    _narrow(words, _token_bits(tokens, len(words)))
 
 
 class GrammarManager:
@@ -153,14 +150,15 @@ class GrammarManager:
         return xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None)
 
     def bitmask(self, matchers: list[xgr.GrammarMatcher | None], bans: dict[int, tuple[int, ...]] | None = None,
-                allowed: dict[int, list[int]] | None = None) -> TokenMask | None:
+                allowed: dict[int, Sequence[int]] | None = None) -> TokenMask | None:
         """The allowed next tokens of each sampling row that has a matcher; None when no row has one.
 
         A terminated matcher has no next token (xgrammar refuses to fill it): its row, whose
         token will be dropped, is left unconstrained. `bans`: per row, tokens to leave out (stop
         tokens before min_tokens) unless the grammar allows nothing else, as where it must end.
         `allowed`: per row, its allow list (allowed_token_ids), kept to on the same terms; the
-        sampler leaves such rows' logits to this mask."""
+        sampler leaves such rows' logits to this mask. Rows given the same list object (a
+        request's n choices) share its bits, made once."""
         rows = [r for r, m in enumerate(matchers) if m is not None and not m.is_terminated()]
         if not rows:
             return None
@@ -173,9 +171,13 @@ class GrammarManager:
         else:
             self.batch.batch_fill_next_token_bitmask([matchers[r] for r in rows], bitmask)
         index = {row: i for i, row in enumerate(rows)} if bans or allowed else {}
+        kept: dict[int, np.ndarray] = {}   # id of an allow list -> its bits
         for row, tokens in (allowed or {}).items():   # rare: no pass over every row without one
             if row in index:
-                _keep_only(bitmask[index[row]].numpy().view(np.uint32), tokens)
+                words = bitmask[index[row]].numpy().view(np.uint32)
+                if id(tokens) not in kept:
+                    kept[id(tokens)] = _token_bits(tokens, len(words))
+                _narrow(words, kept[id(tokens)])
         if bans:   # rare (min_tokens beside a grammar): no pass over every row without them
             for row, ban in bans.items():
                 if row in index:

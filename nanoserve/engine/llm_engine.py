@@ -23,6 +23,8 @@ from nanoserve.runner.model_runner import ModelRunner, PendingSample, StepLogits
 from nanoserve.sampling_params import SamplingParams, fork_seed
 
 if TYPE_CHECKING:  # xgrammar loads with the first structured-output request, not with the engine
+    import numpy as np
+
     from nanoserve.engine.grammar import GrammarManager
 
 logger = logging.getLogger(__name__)
@@ -278,8 +280,11 @@ class LLMEngine:
         mask = None
         if launched.constrained:
             # a constrained row's allow list goes into its mask (the sampler leaves such rows to it)
-            allowed = {row: ids for row in launched.constrained
-                       if (ids := launched.sequences[row].params.allowed_token_ids) is not None}
+            # one array per allow list, which a request's choices share: its bits are made once per step
+            arrays: dict[int, np.ndarray] = {}
+            allowed = {row: arrays.setdefault(id(ids), params.allowed_token_ids_array)
+                       for row in launched.constrained
+                       if (ids := (params := launched.sequences[row].params).allowed_token_ids) is not None}
             mask = self._grammars.bitmask(self._live_matchers(launched.sequences), launched.bans, allowed)
         launched.pending = self.runner.sample(launched.forward, mask)
         launched.forward = None

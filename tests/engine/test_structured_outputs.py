@@ -7,6 +7,7 @@ import json
 import re
 from concurrent.futures import Future
 
+import numpy as np
 import pytest
 
 from nanoserve import LLM, SamplingParams
@@ -83,6 +84,29 @@ def test_a_terminated_matcher_leaves_its_row_unconstrained_instead_of_failing_th
     assert done.is_terminated()
     mask = manager.bitmask([done, None, fresh])
     assert mask.rows == [2] and mask.bitmask.shape[0] == 1
+    manager.close()
+
+
+def test_rows_that_share_an_allow_list_have_its_bits_made_once_per_step(llm, monkeypatch):
+    # a request's n choices share its allow list; its bits were made from the list once per row,
+    # every step: n=128 with 131k ids over a 152k vocabulary took ~0.7 s of the engine's step
+    from nanoserve.engine import grammar
+
+    made = []
+    real = grammar._token_bits
+    monkeypatch.setattr(grammar, "_token_bits", lambda tokens, words: made.append(len(tokens)) or real(tokens, words))
+    manager = GrammarManager(llm.tokenizer, 4096, [0])
+    compiled = manager.compile(StructuredOutputsParams(regex="[a-z]+")).result()
+    params = SamplingParams(allowed_token_ids=list(range(0, 4096, 2)))
+    matchers = [manager.matcher(compiled, frozenset([0])) for _ in range(9)]
+    # as the engine gives them: the choices of one request, one array
+    allowed = {**dict.fromkeys(range(8), params.allowed_token_ids_array),
+               8: SamplingParams(allowed_token_ids=[5, 7]).allowed_token_ids_array}
+    mask = manager.bitmask(matchers, allowed=allowed)
+    assert sorted(made) == [2, 2048]
+    bits = mask.bitmask.numpy().view(np.uint32)
+    alone = manager.bitmask([matchers[0]], allowed={0: params.allowed_token_ids_array}).bitmask.numpy().view(np.uint32)
+    assert all((bits[row] == alone[0]).all() for row in range(8))
     manager.close()
 
 
