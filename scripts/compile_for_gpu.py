@@ -60,7 +60,7 @@ def variants(target: GPUTarget):
             flags = dict(SPLIT=on, ORDERED=on, PACKED_Q=on, USE_PDL=on and target.arch >= 90)
             shared = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None, KV_FP8=fp8, FP8_VIA_F16=fp8,
                           V_TOKENS_CONTIGUOUS=fp8 and on, **flags)
-            tiles = decode_config(CUDA, fp8)
+            tiles = decode_config(CUDA, fp8, v_tokens_contiguous=on)
             options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
             yield (f"decode {cache[1:]} flags {'on' if on else 'off'}", _decode_kernel, io,
                    dict(shared, BLOCK_H=16, HEADS_FAST=on, **tiles), options)

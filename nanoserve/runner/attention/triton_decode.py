@@ -204,7 +204,9 @@ def merge_heads_per_program(q_heads: int, splits_pow2: int, head_dim: int) -> in
 
 
 def decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = torch.bfloat16,
-                   head_dim: int = 128) -> dict:
+                  head_dim: int = 128, v_tokens_contiguous: bool = True) -> dict:
+    """The decode kernel's tiles. v_tokens_contiguous: an fp8 cache's V lies as the engine lays it
+    out (kv_layout.py), or (False) row by row as K."""
     if device.type != "cuda":   # interpreter: small tiles keep masked work (and CPU time) low; the loop is the GPU's
         return dict(BLOCK_N=16, num_warps=1, num_stages=1, BLOCK_AHEAD=fp8)
     if fp8 and (dtype.itemsize > 2 or head_dim > 128):
@@ -213,11 +215,17 @@ def decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = 
         # tiles pass 255. At dim 256 two stages of 128 float32 keys overflow shared memory.
         return dict(BLOCK_N=128, num_warps=4, num_stages=2) if head_dim <= 128 else \
             dict(BLOCK_N=64, num_warps=4, num_stages=1)
+    if fp8 and v_tokens_contiguous:
+        # bench/attention_kernels.py --v-layout on an H200, TB/s of K+V read (ragged batches of 256 /
+        # 128, batch 256 at 1k, batch 1 at 2k): 3.39 / 2.93 / 3.68 / 0.30, against 3.11 / 2.27 / 3.43 /
+        # 0.19 for V row by row on its best tiles (below). A V tile of 128 keys reads whole 128-byte
+        # lines; 64 keys on one warp read half lines and lost (2.68 / 2.22 / 2.89 / 0.22).
+        return dict(BLOCK_N=128, num_warps=4, num_stages=2, BLOCK_AHEAD=True)
     if fp8:
-        # bench/attention_kernels.py --fp8-sweep on an H200: batch 256 at 1k / 8k, batch 16 at 8k.
-        # Widening to f16 makes the kernel issue-bound, not memory-bound; one warp a program needs
-        # no cross-warp reductions per tile and holds fewer registers, so more programs share an
-        # SM: 176 / 1,270 / 99 us a layer, against 231 / 1,778 / 128 for 128 keys on 4 warps.
+        # V row by row. bench/attention_kernels.py --fp8-sweep on an H200: batch 256 at 1k / 8k, batch
+        # 16 at 8k. Widening to f16 makes the kernel issue-bound, not memory-bound; one warp a program
+        # needs no cross-warp reductions per tile and holds fewer registers, so more programs share
+        # an SM: 176 / 1,270 / 99 us a layer, against 231 / 1,778 / 128 for 128 keys on 4 warps.
         # With each tile's block read a tile ahead, two stages pipeline the loads (--ahead): 3.07 ->
         # 3.40 TB/s at batch 256, 1k; 2.71 -> 2.94 over ragged contexts (BENCHMARKS.md)
         return dict(BLOCK_N=64, num_warps=1, num_stages=2, BLOCK_AHEAD=True)
@@ -260,10 +268,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"seq_order must be a contiguous int32 permutation of the {batch} rows")
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
-    cfg = {**decode_config(q.device, fp8, q.dtype, head_dim), **(config or {})}
+    v_tokens = tokens_contiguous(v_cache)
+    cfg = {**decode_config(q.device, fp8, q.dtype, head_dim, v_tokens), **(config or {})}
     # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
     cfg.setdefault("FP8_VIA_F16", fp8 and q.dtype == torch.bfloat16)
-    v_tokens = tokens_contiguous(v_cache)
     if v_tokens:   # such V is read a whole tile at a time, in tiles within one block (kv_layout.py)
         cfg.setdefault("BLOCK_AHEAD", True)
         cfg["BLOCK_N"] = min(cfg["BLOCK_N"], block_size)
