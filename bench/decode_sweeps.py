@@ -152,8 +152,8 @@ def v_layout_sweep(q_heads: int) -> None:
     print(f"\nfp8 V layout (TB/s of K+V read), {q_heads} q heads")
     print(f"{'V BLOCK_N warps stages':>34} " + " ".join(f"{c[0]:>12}" for c in shapes))
     for layout, v, tiles in (("rows", rows, ((64, 1, 2),)),
-                             ("tokens", tokens, ((64, 1, 2), (64, 1, 3), (32, 1, 2), (32, 1, 3), (32, 1, 4),
-                                                 (64, 2, 2), (64, 2, 3), (128, 1, 2), (128, 2, 2), (128, 4, 2)))):
+                             ("tokens", tokens, ((64, 1, 2), (64, 2, 3), (128, 2, 2), (128, 4, 2), (128, 4, 3),
+                                                 (128, 8, 2), (256, 4, 2), (256, 8, 2)))):
         caches.v = v
         for block_n, warps, stages in tiles:
             cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, BLOCK_AHEAD=True)

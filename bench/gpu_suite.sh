@@ -104,7 +104,7 @@ from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--
          done ;;
     v-layout) # an fp8 cache's V row by row against along tokens (the default, kv_layout.py): decode tiles and prefill,
          # then the 256-sequence workload with V row by row (the default's own run: t256 with --kv-cache-dtype fp8)
-         python3 bench/attention_kernels.py --v-layout 2>&1 | tee "$out/v-layout.log" | tail -18
+         for g in 2 4; do python3 bench/attention_kernels.py --v-layout --group $g 2>&1 | tee "$out/v-layout-g$g.log" | tail -28; done
          echo "fp8 V row by row" | tee -a "$out/v-layout-ab.log"
          python3 -c "import nanoserve.runner.kv_cache as c
 c.v_cache_view = lambda storage, fp8: storage
