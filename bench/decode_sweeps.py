@@ -92,6 +92,14 @@ def bandwidth_cells(caches: Caches, cases: list[tuple], cfg: dict, width: int) -
     return cells
 
 
+def tile_line(label: str, caches: Caches, cases: list[tuple], cfg: dict) -> None:
+    """One sweep line: bandwidth_cells under cfg, or why the config failed to run."""
+    try:
+        print(f"{label:>34} " + " ".join(bandwidth_cells(caches, cases, cfg, 11)), flush=True)
+    except Exception as e:   # out of registers or shared memory
+        print(f"{label:>34} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
+
+
 # (name, batch, context or None for ragged, split) of the launch-layout sweeps
 LAYOUT_CASES = (("ragged b256", 256, None, {}), ("ragged b128", 128, None, {}), ("b256 c1k", 256, 1024, {}),
                 ("b64 c2k", 64, 2048, {}), ("b16 c2k", 16, 2048, {}), ("b1 c2k", 1, 2048, {}))
@@ -132,11 +140,8 @@ def ahead_sweep(q_heads: int) -> None:
         cases = decode_cases(shapes, caches, fp8_ragged_split=True)
         for block_n, warps, stages, ahead in tiles:
             cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, BLOCK_AHEAD=ahead)
-            label = f"{str(dtype).split('.')[-1][:8]} {block_n:4d} {warps} {stages} {'A' if ahead else '-'}"
-            try:
-                print(f"{label:>34} " + " ".join(bandwidth_cells(caches, cases, cfg, 11)), flush=True)
-            except Exception as e:   # out of registers or shared memory
-                print(f"{label:>34} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
+            tile_line(f"{str(dtype).split('.')[-1][:8]} {block_n:4d} {warps} {stages} {'A' if ahead else '-'}",
+                      caches, cases, cfg)
     print("! = differs from the default by more than 2e-2")
 
 
@@ -157,9 +162,5 @@ def v_layout_sweep(q_heads: int) -> None:
         caches.v = v
         for block_n, warps, stages in tiles:
             cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, BLOCK_AHEAD=True)
-            label = f"{layout} {block_n:4d} {warps} {stages}"
-            try:
-                print(f"{label:>34} " + " ".join(bandwidth_cells(caches, cases, cfg, 11)), flush=True)
-            except Exception as e:   # out of registers or shared memory
-                print(f"{label:>34} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
+            tile_line(f"{layout} {block_n:4d} {warps} {stages}", caches, cases, cfg)
     print("! = differs from the row-by-row default by more than 2e-2")
