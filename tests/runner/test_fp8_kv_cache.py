@@ -80,6 +80,7 @@ def test_triton_store_quantizes_like_the_torch_reference_bit_for_bit(dtype, k_sc
     kv = torch.randn(len(slots), 2, kv_heads, head_dim, generator=gen)
     kv = (kv * torch.logspace(-4, 3, head_dim)).to(dtype)
     kv[0, :, 0, :2] = torch.tensor([-0.0, 0.0])   # signed zeros keep their sign
+    kv[2, :, 1, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])   # stored as 0, +-FP8_MAX
     k, v = kv[:, 0], kv[:, 1]
     poison = torch.full((4, 16, kv_heads, head_dim), 0.5).to(FP8_DTYPE)
     caches = in_layout((poison.clone(), poison.clone()), v_layout)

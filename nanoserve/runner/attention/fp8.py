@@ -20,5 +20,5 @@ def is_fp8(cache: torch.Tensor) -> bool:
 
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x / scale in e4m3, computed in float32 as the Triton store kernel does (same bits)."""
-    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    """x / scale in e4m3, computed in float32 as the Triton store kernel does (same bits; NaN as 0)."""
+    return (x.float() * (1.0 / scale)).nan_to_num(nan=0.0).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
