@@ -11,6 +11,13 @@ from transformers import PreTrainedTokenizerBase
 # the tokens of the last few characters, decoded with their left context so that tokenizers that
 # merge or strip spaces at boundaries (SentencePiece's leading "▁") give the text of a full decode
 _CONTEXT_TOKENS = 5
+# tokens in a row that add no text before what they hold is shown anyway. A character has at most
+# 4 bytes, so such a run holds bytes that no later token can complete (UTF-8 continuation bytes, as
+# a logit bias or an allow list can force): held, every step decoded all of them again, O(n^2) of
+# the event loop (16k such tokens: 9.5 s), and the stream showed nothing until its end
+_MAX_UNSHOWN = 16
+# of those, the last few stay held: their bytes may still begin a character
+_KEEP_UNSHOWN = 3
 
 
 @functools.lru_cache(maxsize=8)
@@ -50,14 +57,17 @@ class _StreamDecoder(_Decoder):
         # it (a WordPiece or Metaspace decoder does; a byte-level BPE one never does)
         self.joined = {} if skip_special_tokens or spaces_between_special_tokens else _added_tokens(backend)
         self.after_added = False
-        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        # a prompt that ends inside a character would leak that character's bytes into the output
-        while context and self._decode(context).endswith("\ufffd"):
-            context = context[:-1]
+        self.recent: list[int] = []   # the last tokens fed, for the final flush
+        self.unshown = 0              # of those, how many produced no text yet
+        self._restart(context)
+
+    def _restart(self, context: list[int]) -> None:
+        """A fresh stream after `context`, tokens whose text is shown already."""
+        context = self._context(context)
+        self.stream = DecodeStream(skip_special_tokens=self.skip)
         for token in context:
-            self.stream.step(backend, token)
-        self.recent: list[int] = list(context)  # the last tokens fed, for the final flush
-        self.unshown = 0                        # of those, how many produced no text yet
+            self.stream.step(self.backend, token)
+        self.recent, self.unshown = context, 0
 
     def add(self, token: int) -> str:
         self.recent.append(token)
@@ -71,9 +81,43 @@ class _StreamDecoder(_Decoder):
             self.after_added = added is not None
         if text is None:
             self.unshown += 1
-            return ""
+            return self._show_undecodable() if self.unshown >= _MAX_UNSHOWN else ""
         self.unshown = 0
         return text
+
+    def _show_undecodable(self) -> str:
+        """The text of the held tokens but the last few, as the tokenizer renders it (U+FFFD for
+        bytes that no character can complete); the stream goes on afresh after them. Cut where the
+        two parts decode to the whole's text, so that no character (or run of bad bytes the
+        tokenizer renders as one U+FFFD) is split: such a run spans at most 4 bytes, which the
+        kept tokens' bytes decide."""
+        recent, shown = self.recent, len(self.recent) - self.unshown
+        whole, before = self._decode(recent), self._decode(recent[:shown])
+        for cut in range(len(recent) - _KEEP_UNSHOWN, shown, -1):
+            head, kept = self._decode(recent[:cut]), recent[cut:]
+            context = self._context(recent[:cut])
+            if head + self._text_after(context + kept, len(context)) == whole:
+                break
+        else:   # no cut keeps the text whole (never seen): show all of it, as at the end
+            text = self.flush()
+            self._restart(self.recent)
+            return text
+        self._restart(recent[:cut])
+        text = head[len(before):]
+        for token in kept:
+            self.recent.append(token)
+            piece = self.stream.step(self.backend, token)
+            self.unshown = self.unshown + 1 if piece is None else 0
+            text += piece or ""
+        return text
+
+    def _context(self, tokens: list[int]) -> list[int]:
+        """The last of `tokens` as a stream's context: one that ends inside a character would leak
+        that character's bytes into the output."""
+        context = list(tokens[-_CONTEXT_TOKENS:])
+        while context and self._decode(context).endswith("\ufffd"):
+            context = context[:-1]
+        return context
 
     def flush(self) -> str:
         """The text of tokens that ended inside a character, as the tokenizer renders them."""
@@ -96,8 +140,10 @@ class _WindowDecoder(_Decoder):
         self.tokens.append(token)
         prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
         full = self._decode(self.tokens[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        held = len(self.tokens) - self.read_offset
+        if (len(full) <= len(prefix) or full.endswith("\ufffd")) and held < _MAX_UNSHOWN:
             return ""
+        # a long run is shown as the tokenizer renders it (see _MAX_UNSHOWN), its bytes as U+FFFD
         del self.tokens[:self.prefix_offset]  # keep the window short: O(1) per token
         self.prefix_offset, self.read_offset = self.read_offset - self.prefix_offset, len(self.tokens)
         return full[len(prefix):]

@@ -120,6 +120,45 @@ def test_request_state_reports_stop_and_ignores_tokens_after_it(tokenizer):
     assert late.text == "The quick " and late.text_delta == "" and late.finish_reason == "stop"
 
 
+def byte_tokens(tokenizer) -> dict[int, int]:
+    """byte -> id of the byte-level tokenizer's one-byte tokens."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = tokenizer.get_vocab()
+    return {b: vocab[c] for b, c in bytes_to_unicode().items() if c in vocab}
+
+
+@pytest.mark.parametrize("decoder", ["stream", "window"])
+def test_bytes_no_character_can_complete_are_shown_as_they_come(tokenizer, decoder):
+    # a run of UTF-8 continuation bytes (forced with an allow list or a logit bias) never completes a
+    # character: it was held whole to the end, each token decoding all of it again (O(n^2): 16k
+    # tokens took 9.5 s of the front end's event loop, every stream's)
+    from nanoserve.engine.detokenizer import _WindowDecoder
+
+    ids = [byte_tokens(tokenizer)[0x80]] * 2000
+    prompt = tokenizer.encode("The list")
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    if decoder == "window":
+        detok.decoder = _WindowDecoder(tokenizer, prompt[-5:], True)
+    deltas = feed(detok, ids)
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert all("".join(deltas[i:i + 16]) for i in range(0, 1984, 16))   # text at least every 16 tokens
+
+
+def test_runs_of_stray_bytes_beside_characters_detokenize_to_the_full_decode(tokenizer):
+    import random
+
+    by_byte = byte_tokens(tokenizer)
+    # continuation and lead bytes, ASCII, and whole multi-byte characters split over tokens
+    pieces = [[by_byte[b]] for b in (0x80, 0x9F, 0xBF, 0xC3, 0xE2, 0xF0, 0x41)]
+    pieces += [tokenizer.encode(c) for c in "é€🙂日"]
+    rng = random.Random(5)
+    for _ in range(40):
+        ids = [t for _ in range(rng.randrange(20, 120)) for t in rng.choice(pieces)]
+        deltas = feed(IncrementalDetokenizer(tokenizer, tokenizer.encode("The list")), ids)
+        assert "".join(deltas) == tokenizer.decode(ids)
+
+
 @pytest.mark.parametrize("decoder", ["stream", "window"])
 def test_random_tokens_detokenize_to_the_full_decode_with_either_decoder(tokenizer, decoder):
     """DecodeStream for fast tokenizers; a short re-decoded window for those without a Rust backend."""

@@ -185,6 +185,19 @@ def test_multibyte_characters_forced_by_logit_bias_stream_whole(http, offline):
     assert len(chunks) > 1
 
 
+def test_bytes_that_complete_no_character_stream_as_they_come(http, offline):
+    # only "é"'s second byte may be drawn: a run of UTF-8 continuation bytes, which no character
+    # completes. It was held to the end (one chunk after the whole generation), every token
+    # decoding the whole run again on the event loop
+    texts = TokenTexts(offline.tokenizer)
+    second = [t for t in offline.tokenizer.encode("é", add_special_tokens=False) if len(texts.get(t)[0]) == 1][-1]
+    body = {"prompt": "Text:", "max_tokens": 200, "ignore_eos": True, "allowed_token_ids": [second]}
+    chunks = [c["choices"][0]["text"] for c in stream(http, "/v1/completions", body)]
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert "".join(chunks) == whole == offline.tokenizer.decode([second] * 200)
+    assert sum(1 for c in chunks if c) > 5
+
+
 def test_models_health_version_metrics(http):
     models = http.get("/v1/models").json()
     assert models["object"] == "list"
