@@ -18,6 +18,8 @@ _CONTEXT_TOKENS = 5
 _MAX_UNSHOWN = 16
 # of those, the last few stay held: their bytes may still begin a character
 _KEEP_UNSHOWN = 3
+# characters of text shown already that may go before it is dropped (see _forget_shown)
+_SHOWN_SLACK = 8192
 
 
 @functools.lru_cache(maxsize=8)
@@ -181,7 +183,7 @@ class IncrementalDetokenizer:
         self.num_tokens = 0     # tokens added so far
         self.stop_from = 0      # where a stop string may start: after the first min_tokens tokens' text
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.text = ""          # all text decoded so far (before stop truncation)
+        self.text = ""          # text decoded so far (before stop truncation), less what _forget_shown dropped
         self.emitted = 0        # characters of self.text already returned
         self.stopped: str | None = None  # the stop string that ended the text
 
@@ -212,4 +214,15 @@ class IncrementalDetokenizer:
         end = len(self.text) if finished else max(self.emitted, len(self.text) - self.hold)
         delta = self.text[self.emitted:end]
         self.emitted = end
+        self._forget_shown()
         return delta
+
+    def _forget_shown(self) -> None:
+        """Drop the text shown already but the tail a stop string may still start in: kept whole,
+        `self.text +=` copied all of it for every token, O(n^2) (a choice of 64k tokens: 0.5 s of
+        the event loop). Now and then, so that the copy of what is kept is not made every token."""
+        cut = self.emitted - self.hold
+        if cut > _SHOWN_SLACK:
+            self.text = self.text[cut:]
+            self.emitted -= cut
+            self.stop_from = max(0, self.stop_from - cut)   # before the cut: searching starts at it anyway

@@ -128,6 +128,21 @@ def byte_tokens(tokenizer) -> dict[int, int]:
     return {b: vocab[c] for b, c in bytes_to_unicode().items() if c in vocab}
 
 
+def test_a_long_output_keeps_only_the_text_a_stop_string_may_still_start_in(tokenizer):
+    # all of it was kept, and `self.text +=` copied all of it for every token: O(n^2), 0.5 s of the
+    # event loop for one choice of 64k tokens
+    ids = tokenizer.encode(" list dict") * 4000 + tokenizer.encode(" dict the end")
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["dict the"], include_stop=True)
+    deltas, kept = [], 0
+    for t in ids:
+        deltas.append(detok.add([t]))
+        kept = max(kept, len(detok.text))
+    text = tokenizer.decode(ids)
+    assert "".join(deltas) == text[:text.index("dict the") + len("dict the")]
+    assert detok.stopped == "dict the"
+    assert kept < 20_000 < len(text)
+
+
 @pytest.mark.parametrize("decoder", ["stream", "window"])
 def test_bytes_no_character_can_complete_are_shown_as_they_come(tokenizer, decoder):
     # a run of UTF-8 continuation bytes (forced with an allow list or a logit bias) never completes a
