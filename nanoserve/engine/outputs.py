@@ -86,7 +86,11 @@ class RequestState:
                 pending = pending[:-1]
             out.text_delta = self.detokenizer.add(pending, finished=step.finished)
             if self.keep:
-                out.text += out.text_delta
+                # with no other reference CPython appends in place; `out.text += ...` copied the
+                # whole text every update (O(n^2): 0.45 s for one choice of 64k tokens)
+                text, out.text = out.text, ""
+                text += out.text_delta
+                out.text = text
         if self.stopped:
             out.finish_reason, out.stop_reason = "stop", self.detokenizer.stopped
         elif step.finished:
