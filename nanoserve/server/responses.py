@@ -28,6 +28,14 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def _append(item: dict, key: str, text: str) -> None:
+    """item[key] += text, in place: with no other reference CPython grows the string, where the
+    `+=` on the item copied the whole of it for every delta (O(n^2) in the output's length)."""
+    whole, item[key] = item[key], ""   # the key keeps its place in the item
+    whole += text
+    item[key] = whole
+
+
 def _typed_event(kind: str, fields: dict) -> bytes:
     # the event line names the type too, as OpenAI's API sends it (its client reads the data's)
     return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **fields}) + b"\n\n"
@@ -159,14 +167,14 @@ class ResponseWriter:
             if self.open != "reasoning":
                 switch_to("reasoning", self.reasoning_item("", "in_progress"))
             part = self.items[-1]["content"][0]
-            part["text"] += delta["reasoning"]
+            _append(part, "text", delta["reasoning"])
             events.append(self.event("response.reasoning_text.delta", item_id=self.items[-1]["id"],
                                      output_index=len(self.items) - 1, content_index=0, delta=delta["reasoning"]))
         if delta.get("content"):
             if self.open != "message":
                 switch_to("message", self.message_item("", [], "in_progress"))
             part = self.items[-1]["content"][0]
-            part["text"] += delta["content"]
+            _append(part, "text", delta["content"])
             part["logprobs"] += logprobs
             events.append(self.event("response.output_text.delta", item_id=self.items[-1]["id"],
                                      output_index=len(self.items) - 1, content_index=0, delta=delta["content"],
@@ -177,7 +185,7 @@ class ResponseWriter:
                                                                   "in_progress"))
             fragment = entry["function"].get("arguments")
             if fragment:
-                self.items[-1]["arguments"] += fragment
+                _append(self.items[-1], "arguments", fragment)
                 events.append(self.event("response.function_call_arguments.delta", item_id=self.items[-1]["id"],
                                          output_index=len(self.items) - 1, delta=fragment))
         return events

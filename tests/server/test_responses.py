@@ -229,3 +229,32 @@ def test_a_large_input_becomes_a_chat_request_off_the_event_loop(server_model, m
             assert r.status_code == 200, r.text[:300]
     small, large = converted_on
     assert small is loop_thread and large is not loop_thread
+
+
+@pytest.mark.parametrize("delta", [{"content": "word "}, {"reasoning": "word "},
+                                   {"tool_calls": [{"index": 0, "function": {"arguments": "[1, "}}]}])
+def test_a_streamed_item_grows_in_place_not_by_a_copy_per_delta(delta):
+    # `part["text"] += delta` (and a call's arguments) copied the item's whole text for every delta
+    # of a stream: O(n^2) of the event loop in the length of the output. A copy per delta shows as a
+    # peak of twice the text (the old and the new one alive at once)
+    import tracemalloc
+
+    from nanoserve.server.responses import ResponseWriter
+
+    writer = ResponseWriter.__new__(ResponseWriter)   # apply() needs no request
+    writer.items, writer.sequence, writer.open = [], 0, None
+    if "tool_calls" in delta:
+        writer.apply({"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f", "arguments": ""}}]}, [])
+    for _ in range(5000):
+        writer.apply(delta, [])
+    tracemalloc.start()
+    try:
+        for _ in range(10000):
+            writer.apply(delta, [])
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    item = writer.items[-1]
+    text = item["arguments"] if "tool_calls" in delta else item["content"][0]["text"]
+    assert len(text) > 50_000
+    assert peak - held < 0.5 * len(text)
