@@ -17,6 +17,7 @@ import torch
 from nanoserve import LLM
 from nanoserve.runner.attention import TorchBackend, select_backend
 from nanoserve.runner.attention.fp8 import FP8_DTYPE, quantize_fp8
+from nanoserve.runner.attention.kv_layout import v_cache_view
 from nanoserve.runner.attention.torch_backend import store_kv
 from nanoserve.runner.attention.triton_decode import paged_decode
 from nanoserve.runner.attention.triton_kernels import TritonBackend, store_kvcache
@@ -45,9 +46,17 @@ def fp8_step(specs, *, dtype, magnitude, seed, **shape):
             (k_scale, v_scale))
 
 
-def check_fp8(specs, *, dtype, magnitude, seed, num_splits=None, config=None, **shape):
+def engine_layout(caches: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v) of an fp8 cache with V copied into the engine's layout (kv_layout.py): same values."""
+    return caches[0], v_cache_view(torch.empty_like(caches[1]), fp8=True).copy_(caches[1])
+
+
+def check_fp8(specs, *, dtype, magnitude, seed, num_splits=None, config=None, v_layout="tokens", **shape):
+    """v_layout: V as the engine lays out an fp8 cache ("tokens": kv_layout.py) or row by row."""
     q, k, v, exact, fp8, meta, scales = fp8_step(specs, dtype=dtype, magnitude=magnitude, seed=seed,
                                                  **shape)
+    if v_layout == "tokens":
+        fp8 = engine_layout(fp8)
     scale = q.shape[-1] ** -0.5
     ref_caches = tuple(c.clone() for c in fp8)
     ref = TorchBackend().forward(q.float(), k.float(), v.float(), *ref_caches, meta, scale, *scales)
@@ -93,10 +102,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype,block_size,head_dim,group,magnitude,seed", CASES)
-def test_triton_decode_over_fp8_batch_mix(dtype, block_size, head_dim, group, magnitude, seed):
+@pytest.mark.parametrize("v_layout", ["tokens", "rows"])
+def test_triton_decode_over_fp8_batch_mix(dtype, block_size, head_dim, group, magnitude, seed, v_layout):
     check_fp8(decode_specs(random.Random(seed), batch=29, max_len=3000), dtype=dtype,
               magnitude=magnitude, seed=seed, block_size=block_size, group=group,
-              head_dim=head_dim, kv_heads=2)
+              head_dim=head_dim, kv_heads=2, v_layout=v_layout)
 
 
 @pytest.mark.parametrize("dtype,block_size,head_dim,group,magnitude,seed", CASES[::2])
@@ -125,11 +135,12 @@ def test_triton_decode_over_fp8_32k_context_at_batch_1():
 
 
 @pytest.mark.parametrize("dtype,block_size,head_dim,group,magnitude,seed", CASES)
+@pytest.mark.parametrize("v_layout", ["tokens", "rows"])
 def test_triton_prefill_over_fp8_with_prefix_history(dtype, block_size, head_dim, group, magnitude,
-                                                     seed):
+                                                     seed, v_layout):
     check_fp8(prefill_specs(random.Random(seed + 200), max_len=700), dtype=dtype,
               magnitude=magnitude, seed=seed + 200, block_size=block_size, group=group,
-              head_dim=head_dim, kv_heads=2)
+              head_dim=head_dim, kv_heads=2, v_layout=v_layout)
 
 
 def test_triton_decode_over_fp8_under_cuda_graph_replay():
@@ -141,6 +152,7 @@ def test_triton_decode_over_fp8_under_cuda_graph_replay():
     specs = decode_specs(random.Random(10), batch=batch - 2, max_len=max_model_len)
     q, k, v, _, fp8, meta, scales = fp8_step(specs, dtype=torch.bfloat16, magnitude=300.0,
                                              seed=10, **shape)
+    fp8 = engine_layout(fp8)
     capture_meta = AttentionMetadata(
         meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         max_query_len=1, max_seq_len=max_model_len, query_lens_host=[], seq_lens_host=[])
