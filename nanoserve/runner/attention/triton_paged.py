@@ -46,7 +46,7 @@ def load_kv_block_tile(k_cache_ptr, v_cache_ptr, block, first, mask_n, kv_head, 
     v_rows = block * stride_vb + kv_head * stride_vh + offs_d[:, None] * stride_vd
     # the pipeliner carries `first` into the loop, where its divisibility is no longer known:
     # restated here, or the tile is read one byte at a time
-    v_offs = tl.max_contiguous(tl.multiple_of(v_rows + tok[None, :], [16, BLOCK_N]), [1, BLOCK_N])
+    v_offs = tl.max_contiguous(tl.multiple_of(v_rows + tok[None, :], [1, BLOCK_N]), [1, BLOCK_N])
     v_t = tl.load(v_cache_ptr + v_offs)
     return k, tl.trans(v_t)
 
