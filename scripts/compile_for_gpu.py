@@ -4,6 +4,7 @@ shows here, before a device run.
 
     python scripts/compile_for_gpu.py            # sm90 (H100/H200), every variant below
     python scripts/compile_for_gpu.py --arch 80 --only decode,merge
+    python scripts/compile_for_gpu.py --only "decode fp8" --byte-loads   # one-byte loads in the SASS
 
 Each kernel is compiled with the tiles the engine picks on that GPU, over a bf16 and an fp8
 cache, with its flags all off and all on (splits, launch order, mixed steps' packed rows, PDL, an fp8
@@ -14,7 +15,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -41,12 +45,31 @@ def signature(kernel, pointers: dict[str, str], constexprs: dict) -> dict[str, s
             for name in kernel.arg_names}
 
 
-def compile_one(kernel, pointers: dict[str, str], constexprs: dict, options: dict, target: GPUTarget) -> float:
-    started = time.perf_counter()
+# the strides of q, the caches and the output: multiples of 16 elements in every engine launch
+ALIGNED_STRIDES = {"stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt",
+                   "stride_vh", "stride_vd", "stride_ot", "stride_oh"}
+
+
+def compile_one(kernel, pointers: dict[str, str], constexprs: dict, options: dict, target: GPUTarget):
+    """The kernel compiled as a launch over the engine's tensors shows it to Triton: every pointer
+    and the strides above divisible by 16 (those equal to 1 are among the constexprs), which is
+    what lets loads go 16 bytes at a time."""
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if name not in constexprs and (name in pointers or name in ALIGNED_STRIDES)}
     source = ASTSource(fn=kernel, signature=signature(kernel, pointers, constexprs),
-                       constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
-    triton.compile(source, target=target, options=options)
-    return time.perf_counter() - started
+                       constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    return triton.compile(source, target=target, options=options)
+
+
+def byte_loads(compiled) -> int:
+    """Global and shared-memory loads of one byte in the compiled kernel's SASS (cuobjdump, as
+    shipped with Triton)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+    return len(re.findall(r"\b(?:LDG|LDS)(?:\.E)?\.U8\b", sass))
 
 
 def variants(target: GPUTarget):
@@ -58,8 +81,10 @@ def variants(target: GPUTarget):
                   query_start_ptr="*i32", query_start_loc_ptr="*i32", tiles_ptr="*i32")
         for on in (False, True):
             flags = dict(SPLIT=on, ORDERED=on, PACKED_Q=on, USE_PDL=on and target.arch >= 90)
+            # strides of 1 are specialized at launch: the lengths', and V's along tokens or dims
+            unit = dict(stride_sl=1, **({"stride_vt": 1} if fp8 and on else {"stride_vd": 1}))
             shared = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None, KV_FP8=fp8, FP8_VIA_F16=fp8,
-                          V_TOKENS_CONTIGUOUS=fp8 and on, **flags)
+                          V_TOKENS_CONTIGUOUS=fp8 and on, **flags, **unit)
             tiles = decode_config(CUDA, fp8, v_tokens_contiguous=on)
             options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
             yield (f"decode {cache[1:]} flags {'on' if on else 'off'}", _decode_kernel, io,
@@ -69,7 +94,7 @@ def variants(target: GPUTarget):
             yield (f"prefill {cache[1:]} flags {'on' if on else 'off'}", _prefill_kernel, io,
                    dict(GROUP=2, BLOCK_Q=tiles["BLOCK_M"] // 2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None,
                         KV_FP8=fp8, LAST_TILES_FIRST=on, SKIP_DECODE_ROWS=on, TILED=on, V_TOKENS_CONTIGUOUS=fp8 and on,
-                        USE_PDL=flags["USE_PDL"], **tiles), options)
+                        USE_PDL=flags["USE_PDL"], stride_qsl=1, **unit, **tiles), options)
     for packed in (False, True):
         yield (f"merge packed {packed}", _merge_splits_kernel,
                dict(part_acc_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", seq_lens_ptr="*i32",
@@ -82,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
     parser.add_argument("--only", default="", help="comma-separated words: only variants whose name starts with one")
+    parser.add_argument("--byte-loads", action="store_true", help="also count each variant's one-byte loads (SASS)")
     args = parser.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
     only = tuple(word for word in args.only.split(",") if word)
@@ -89,8 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     for name, kernel, pointers, constexprs, options in variants(target):
         if only and not name.startswith(only):
             continue
-        seconds = compile_one(kernel, pointers, constexprs, options, target)
-        print(f"sm{args.arch} {name}: compiled in {seconds:.1f} s", flush=True)
+        started = time.perf_counter()
+        compiled = compile_one(kernel, pointers, constexprs, options, target)
+        loads = f", {byte_loads(compiled)} one-byte loads" if args.byte_loads else ""
+        print(f"sm{args.arch} {name}: compiled in {time.perf_counter() - started:.1f} s{loads}", flush=True)
         count += 1
     print(f"{count} kernels compiled for sm{args.arch}")
 

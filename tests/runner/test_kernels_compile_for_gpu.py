@@ -5,6 +5,7 @@ code the GPU compiler refuses."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,3 +20,18 @@ def test_decode_and_merge_kernels_compile_for_sm90(tmp_path) -> None:
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "6 kernels compiled for sm90" in done.stdout, done.stdout
+
+
+def test_the_fp8_decode_kernel_loads_v_along_tokens_in_whole_rows(tmp_path) -> None:
+    """An fp8 cache keeps V along tokens so that the value dot's 8-bit operands load in 16-byte rows
+    (kv_layout.py): compiled for sm90 as the engine launches it, the decode kernel loads no single
+    bytes; over V row by row the same kernel does, 256 a tile on Triton 3.6 and 3.9."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_for_gpu.py"), "--only", "decode fp8",
+                           "--byte-loads"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loads = dict(re.findall(r"decode fp8e4nv flags (on|off): compiled in [\d.]+ s, (\d+) one-byte loads", done.stdout))
+    assert loads.keys() == {"on", "off"}, done.stdout
+    assert int(loads["on"]) == 0, done.stdout      # V along tokens: the engine's layout
+    assert int(loads["off"]) > 0, done.stdout      # V row by row: the check sees byte loads where they are
