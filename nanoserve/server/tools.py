@@ -95,8 +95,12 @@ def call_spec(schema: dict) -> StructuredOutputsParams:
 
 def calls_schema(tools: list[Tool], parallel: bool | None) -> dict:
     """A JSON array of calls, each naming one of the tools and carrying arguments valid for it."""
+    # a tool's local `$ref`s ("#/$defs/X", "#") point from the root of its own schema, which is
+    # no longer the root here: each is rebased onto where that schema now lies
     schema = {"type": "array", "minItems": 1,
-              "items": {"anyOf": [one_call(t.function.name, t.function.parameters) for t in tools]}}
+              "items": {"anyOf": [one_call(t.function.name, rebased_refs(t.function.parameters,
+                                                                          f"#/items/anyOf/{i}/properties/parameters"))
+                                  for i, t in enumerate(tools)]}}
     if parallel is False:
         schema["maxItems"] = 1
     return schema
@@ -106,6 +110,31 @@ def one_call(name: str, parameters: dict | None) -> dict:
     return {"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
                                              "parameters": parameters or ANY_ARGUMENTS},
             "required": ["name", "parameters"]}
+
+
+# values that are data, not schemas: a "$ref" key inside them is not a reference
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def rebased_refs(schema: dict | None, root: str) -> dict | None:
+    """A copy of `schema` in which each local `$ref` ("#...") points below `root` instead of "#";
+    the caller's schema (which a response echoes) is left as it was. Walked with a stack, not by
+    recursion: a schema may nest as deep as a request body may."""
+    if schema is None:
+        return None
+    top: dict = {}
+    stack: list[tuple[dict | list, dict | list]] = [(schema, top)]
+    while stack:
+        src, dst = stack.pop()
+        for key, value in (src.items() if isinstance(src, dict) else enumerate(src)):
+            if isinstance(src, dict) and key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                value = root + value[1:]
+            elif isinstance(value, (dict, list)) and not (isinstance(src, dict) and key in _DATA_KEYWORDS):
+                copy: dict | list = {} if isinstance(value, dict) else [None] * len(value)
+                stack.append((value, copy))
+                value = copy
+            dst[key] = value
+    return top
 
 
 # the fewest characters one tool adds to the `required` grammar's schema: a one-letter name, the

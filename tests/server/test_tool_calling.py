@@ -122,6 +122,37 @@ def test_a_call_a_stop_string_cuts_off_after_its_name_is_the_same_call_whole_and
     assert (message.content or "") == content and whole.choices[0].finish_reason == finish
 
 
+# two tools whose schemas name a definition alike, each under its own $defs, as pydantic writes
+# a nested model's schema (`openai.pydantic_function_tool`)
+DEFS_TOOLS = [
+    {"type": "function", "function": {"name": "Pick", "parameters": {
+        "$defs": {"Item": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"]}}},
+    {"type": "function", "function": {"name": "Tag", "parameters": {
+        "$defs": {"Item": {"type": "string", "maxLength": 3}},
+        "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"]}}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_enforces_tools_whose_schemas_refer_to_their_own_defs(client, stream):
+    # a `$ref` is a pointer from the root of the tool's own schema; `required` set every tool's
+    # schema inside one array-of-calls schema, where "#/$defs/Item" named nothing: a 400 for valid tools
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=DEFS_TOOLS, tool_choice="required", max_tokens=MAX_TOKENS,
+                  temperature=0, parallel_tool_calls=False)
+    if stream:
+        _, calls, finish, _ = streamed_message(client.chat.completions.create(**kwargs, stream=True))
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        finish = choice.finish_reason
+        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
+    assert finish == "tool_calls" and len(calls) == 1
+    item = json.loads(calls[0]["arguments"])["item"]
+    if calls[0]["name"] == "Pick":   # each call holds to its own tool's Item, not the other's
+        assert isinstance(item, int) and 0 <= item <= 9
+    else:
+        assert calls[0]["name"] == "Tag" and isinstance(item, str) and len(item) <= 3
+
+
 HERMES_CALL = r'<tool_call>\n\{"name": "GetWeather", "arguments": \{"city": "[A-Z][a-z]{2,8}", "unit": "celsius"\}\}\n</tool_call>'
 
 
