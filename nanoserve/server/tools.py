@@ -114,6 +114,8 @@ def one_call(name: str, parameters: dict | None) -> dict:
 
 # values that are data, not schemas: a "$ref" key inside them is not a reference
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+# maps from names to schemas: a property may be called "enum" or "$ref" and still be a schema
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def rebased_refs(schema: dict | None, root: str) -> dict | None:
@@ -123,15 +125,16 @@ def rebased_refs(schema: dict | None, root: str) -> dict | None:
     if schema is None:
         return None
     top: dict = {}
-    stack: list[tuple[dict | list, dict | list]] = [(schema, top)]
+    stack: list[tuple[dict | list, dict | list, bool]] = [(schema, top, False)]   # (from, to, a name map)
     while stack:
-        src, dst = stack.pop()
+        src, dst, names = stack.pop()
+        keyed = isinstance(src, dict) and not names
         for key, value in (src.items() if isinstance(src, dict) else enumerate(src)):
-            if isinstance(src, dict) and key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            if keyed and key == "$ref" and isinstance(value, str) and value.startswith("#"):
                 value = root + value[1:]
-            elif isinstance(value, (dict, list)) and not (isinstance(src, dict) and key in _DATA_KEYWORDS):
+            elif isinstance(value, (dict, list)) and not (keyed and key in _DATA_KEYWORDS):
                 copy: dict | list = {} if isinstance(value, dict) else [None] * len(value)
-                stack.append((value, copy))
+                stack.append((value, copy, keyed and key in _NAMED_SCHEMAS))
                 value = copy
             dst[key] = value
     return top

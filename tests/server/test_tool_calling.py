@@ -128,9 +128,9 @@ DEFS_TOOLS = [
     {"type": "function", "function": {"name": "Pick", "parameters": {
         "$defs": {"Item": {"type": "integer", "minimum": 0, "maximum": 9}},
         "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"]}}},
-    {"type": "function", "function": {"name": "Tag", "parameters": {
-        "$defs": {"Item": {"type": "string", "maxLength": 3}},
-        "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"]}}}]
+    {"type": "function", "function": {"name": "Tag", "parameters": {   # a property may be called "enum"
+        "$defs": {"Item": {"type": "string", "maxLength": 3}}, "type": "object",
+        "properties": {"item": {"$ref": "#/$defs/Item"}, "enum": {"$ref": "#/$defs/Item"}}, "required": ["item"]}}}]
 
 
 @pytest.mark.parametrize("stream", [False, True])
