@@ -45,6 +45,17 @@ def rendering_work(messages: list[ChatMessage], tools: list[Tool] | None, text_l
     return text_length + extra + sum(len(t.model_dump_json()) for t in tools or ())
 
 
+def template_tail(tokenizer, prompt: list[int], tags: tuple[str, ...], window: int = 16) -> str:
+    """The text of the prompt's last `window` tokens after the last special token in them (the
+    reasoning `tags` aside, should a tokenizer list them as special): what the template wrote after
+    the last message's own text (its generation prompt, or the message it continues), never a
+    "<think>" that a user wrote in a message before it."""
+    tail = prompt[-window:]
+    special = set(tokenizer.all_special_ids) - set(tokenizer.convert_tokens_to_ids(list(tags)))
+    last = max((i for i, token in enumerate(tail) if token in special), default=-1)
+    return tokenizer.decode(tail[last + 1:])
+
+
 def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
     if continue_final_message and add_generation_prompt:
         raise APIError("continue_final_message continues the last message, so add_generation_prompt must be "
@@ -102,7 +113,8 @@ class ChatCompletion(OpenAIResponse):
         self.top_n = req.top_logprobs or 0
         parser = REASONING_PARSERS.get(state.settings.reasoning_parser)
         # a template may open the reasoning for the model, in the prompt's last tokens
-        opened = parser is not None and parser.opens_in(state.tokenizer.decode(self.prompt[-16:]))
+        opened = parser is not None and parser.opens_in(
+            template_tail(state.tokenizer, self.prompt, (parser.START, parser.END)))
         self.readers = [ChoiceReader(tools, parser(opened) if parser else None, req.include_reasoning)
                         for _ in range(req.n)]
         # as vLLM answers: as the assistant, or without a generation prompt as the last message's author

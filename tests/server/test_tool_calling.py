@@ -209,6 +209,25 @@ def test_reasoning_is_split_from_content(client, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_think_tag_the_user_writes_does_not_make_the_answer_reasoning(client, stream):
+    # whether the template opened the reasoning was read from the prompt's last 16 tokens, which
+    # held the user's own "<think>": the whole answer came back as reasoning, and content null
+    body = dict(model="tiny", messages=[{"role": "user", "content": "What is <think> for?"}], max_tokens=MAX_TOKENS,
+                temperature=0, stream=stream, extra_body={"guided_regex": r"[a-z ]{3,20}"})
+    if stream:
+        content, _, _, reasoning = streamed_message(client.chat.completions.create(**body))
+    else:
+        message = client.chat.completions.create(**body).choices[0].message
+        content, reasoning = message.content, message.model_extra.get("reasoning")
+    assert content and not reasoning
+    # a "<think>" the template itself leaves open (here: a prefilled answer it continues) still is
+    prefilled = client.chat.completions.create(
+        model="tiny", messages=[*MESSAGES, {"role": "assistant", "content": "<think>"}], max_tokens=8, temperature=0,
+        extra_body={"guided_regex": r"[a-z ]{3,20}", "add_generation_prompt": False, "continue_final_message": True})
+    assert prefilled.choices[0].message.model_extra.get("reasoning") and not prefilled.choices[0].message.content
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_include_reasoning_false_drops_the_reasoning_and_keeps_the_answer(client, stream):
     body = dict(model="tiny", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=stream,
                 extra_body={"guided_regex": r"<think>[a-z ]{5,30}</think>[a-z ]{3,20}", "include_reasoning": False})
