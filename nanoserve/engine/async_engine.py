@@ -69,6 +69,7 @@ class AsyncEngine:
         self.log_level = log_level
         self.ready: EngineReady | None = None
         self.error: EngineDeadError | None = None
+        self.crashed = False                 # the core died on its own, not stopped by shutdown()
         self.dead = asyncio.Event()          # set once the core is gone, for whoever must act on it
         self._engine = engine
         self._streams: dict[str, RequestStream] = {}  # engine request id -> its stream, while unfinished
@@ -307,6 +308,7 @@ class AsyncEngine:
     def _mark_dead(self, error: EngineDeadError) -> None:
         if self.error is None:
             self.error = error
+            self.crashed = not self._stopping
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(self.error)
         self.fail_all(self.error)

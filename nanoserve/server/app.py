@@ -151,6 +151,10 @@ class Server(uvicorn.Server):
         finally:
             if cut is not None:
                 cut.cancel()
+            # an engine that died before this stop (within its grace period, or during the drain)
+            # is a failure, however the stop came: a supervisor reads the exit code, not the log
+            if self.engine.crashed:
+                self.exit_code = self.exit_code or 1
 
     async def _cut_at(self, delay: float) -> None:
         await asyncio.sleep(delay)

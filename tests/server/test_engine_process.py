@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.server.conftest import SERVER_ARGS, ServerProcess, engine_process, gone_within, spawned_children
 
@@ -61,6 +62,33 @@ def test_killing_the_engine_fails_every_stream_within_5s_then_the_server_exits_n
         assert metrics["nanoserve:kv_cache_blocks_in_use"] == 0
         assert proc.proc.poll() is None  # still up, to say so
         # after the grace period it exits non-zero, for its supervisor to restart it
+        assert proc.proc.wait(30) != 0
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("order", ["sigterm_then_engine_dies", "engine_dies_then_sigterm"])
+def test_an_engine_death_before_the_server_stops_makes_its_exit_non_zero(server_model, tmp_path, order):
+    # serve exits non-zero "if the engine died": but a SIGTERM within the grace period (a
+    # supervisor's, once /health said 503) or an engine death during the drain exited 0, as a clean stop
+    proc = ServerProcess(server_model, tmp_path, *SERVER_ARGS, "--shutdown-timeout", "60",
+                         "--engine-death-grace-period", "60")
+    try:
+        engine = engine_process(proc.proc.pid)
+        started, ends = threading.Barrier(2), {}
+        stream = threading.Thread(target=_stream_until_end, args=(proc.url, 0, started, ends))
+        stream.start()
+        started.wait(60)   # streaming: the drain waits for it
+        stop, kill = (lambda: proc.proc.send_signal(signal.SIGTERM)), (lambda: os.kill(engine, signal.SIGKILL))
+        if order == "sigterm_then_engine_dies":
+            stop()
+            kill()
+        else:
+            kill()
+            stream.join(30)   # the engine's death has reached the stream: the server knows of it
+            stop()
+        stream.join(30)
+        assert ends[0][1]["code"] == "engine_dead", ends
         assert proc.proc.wait(30) != 0
     finally:
         proc.stop()
