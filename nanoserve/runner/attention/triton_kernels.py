@@ -11,7 +11,7 @@ from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.decode_splits import decode_split_count, engine_split_keys, split_span
 from nanoserve.runner.attention.triton_decode import decode_config, paged_decode
 from nanoserve.runner.attention.triton_fp8 import to_fp8
-from nanoserve.runner.attention.triton_paged import v_slot_offset
+from nanoserve.runner.attention.triton_paged import slot_offset
 from nanoserve.runner.attention.triton_prefill import paged_prefill
 from nanoserve.runner.attention.triton_rope_store import qkv_rope_store
 from nanoserve.runner.batch import AttentionMetadata
@@ -28,7 +28,7 @@ MIXED_MIN_DECODE_ROWS = 32
 def _store_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, inv_k_scale, inv_v_scale,
     stride_slot, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ks, stride_kch, stride_vcb, stride_vs, stride_vch, stride_vcd,
+    stride_kcb, stride_ks, stride_kch, stride_vcb, stride_vs, stride_vch, stride_vcd,
     KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
@@ -45,9 +45,9 @@ def _store_kernel(
         if KV_FP8:
             k = to_fp8(k, inv_k_scale, k_cache_ptr.dtype.element_ty)
             v = to_fp8(v, inv_v_scale, v_cache_ptr.dtype.element_ty)
-        dst = slot * stride_ks + offs_h[:, None] * stride_kch + offs_d[None, :]
+        dst = slot_offset(slot, BLOCK_SIZE, stride_kcb, stride_ks) + offs_h[:, None] * stride_kch + offs_d[None, :]
         tl.store(k_cache_ptr + dst, k, mask=mask)
-        dst = v_slot_offset(slot, BLOCK_SIZE, stride_vcb, stride_vs) + offs_h[:, None] * stride_vch \
+        dst = slot_offset(slot, BLOCK_SIZE, stride_vcb, stride_vs) + offs_h[:, None] * stride_vch \
             + offs_d[None, :] * stride_vcd
         tl.store(v_cache_ptr + dst, v, mask=mask)
 
@@ -62,9 +62,6 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         raise ValueError(f"store_kvcache needs a power-of-two head dim, got {head_dim}")
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("store_kvcache needs k, v and the K cache contiguous in their last dim")
-    if k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1):
-        raise ValueError("store_kvcache needs the K cache's tokens of all blocks evenly strided "
-                         "(slot = block * block_size + offset)")
     if is_fp8(k_cache) != is_fp8(v_cache):
         raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share a dtype")
     if num_tokens == 0:
@@ -72,7 +69,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     _store_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale,
         slot_mapping.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         v_cache.stride(3), KV_HEADS=kv_heads, HEADS_POW2=triton.next_power_of_2(kv_heads), HEAD_DIM=head_dim,
         BLOCK_SIZE=v_cache.shape[1], KV_FP8=is_fp8(k_cache), num_warps=4 if kv_heads * head_dim >= 1024 else 1,
     )

@@ -52,9 +52,9 @@ def load_kv_block_tile(k_cache_ptr, v_cache_ptr, block, first, mask_n, kv_head, 
 
 
 @triton.jit
-def v_slot_offset(slot, BLOCK_SIZE: tl.constexpr, stride_vb, stride_vt):
-    """Where cache slot `slot` (block * BLOCK_SIZE + offset) starts in a V cache of any layout."""
-    return (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
+def slot_offset(slot, BLOCK_SIZE: tl.constexpr, stride_b, stride_t):
+    """Where cache slot `slot` (block * BLOCK_SIZE + offset) starts in a cache of any layout."""
+    return (slot // BLOCK_SIZE) * stride_b + (slot % BLOCK_SIZE) * stride_t
 
 
 @triton.jit

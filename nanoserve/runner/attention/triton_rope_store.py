@@ -13,7 +13,7 @@ import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.triton_fp8 import to_fp8
-from nanoserve.runner.attention.triton_paged import v_slot_offset
+from nanoserve.runner.attention.triton_paged import slot_offset
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 
@@ -37,7 +37,7 @@ def _norm_rope(row, offs_h, mask_h, offs_d, partner, sign, cos, sin, weight_ptr,
 def _qkv_rope_store_kernel(
     qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr,
     k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps, inv_k_scale, inv_v_scale,
-    stride_qkv, stride_pos, stride_cos, stride_qo, stride_slot, stride_ks, stride_kh,
+    stride_qkv, stride_pos, stride_cos, stride_qo, stride_slot, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_vd,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr,
     KV_HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
@@ -74,9 +74,9 @@ def _qkv_rope_store_kernel(
             v = to_fp8(v, inv_v_scale, v_cache_ptr.dtype.element_ty)
         else:
             k = k.to(qkv_ptr.dtype.element_ty)   # rounded once, like the unfused path's k
-        tl.store(k_cache_ptr + slot * stride_ks + offs_kh[:, None] * stride_kh + offs_d[None, :],
-                 k.to(k_cache_ptr.dtype.element_ty), mask=mask_kh[:, None])
-        tl.store(v_cache_ptr + v_slot_offset(slot, BLOCK_SIZE, stride_vb, stride_vs) + offs_kh[:, None] * stride_vh
+        tl.store(k_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_kb, stride_ks) + offs_kh[:, None] * stride_kh
+                 + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask_kh[:, None])
+        tl.store(v_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_vb, stride_vs) + offs_kh[:, None] * stride_vh
                  + offs_d[None, :] * stride_vd, v.to(v_cache_ptr.dtype.element_ty), mask=mask_kh[:, None])
 
 
@@ -94,9 +94,8 @@ def qkv_rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, n
     if head_dim & (head_dim - 1) or cos.stride(1) != 1 or cos.stride() != sin.stride():
         raise ValueError("qkv_rope_store needs a power-of-two head dim and cos/sin tables "
                          "[positions, head_dim] of one layout")
-    if k_cache.stride(-1) != 1 or k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1):
-        raise ValueError("qkv_rope_store needs a K cache whose slots are evenly strided "
-                         "(slot = block * block_size + offset), contiguous in head_dim")
+    if k_cache.stride(-1) != 1:
+        raise ValueError("qkv_rope_store needs a K cache contiguous in head_dim")
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
@@ -105,7 +104,7 @@ def qkv_rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, n
         qkv, positions, cos, sin, q_weight if norm else qkv, k_weight if norm else qkv, q,
         k_cache, v_cache, slot_mapping, eps, 1.0 / k_scale, 1.0 / v_scale,
         qkv.stride(0), positions.stride(0), cos.stride(0), q.stride(0), slot_mapping.stride(0),
-        k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         v_cache.stride(3), HEADS=num_heads, KV_HEADS=num_kv_heads, HEADS_POW2=triton.next_power_of_2(num_heads),
         KV_HEADS_POW2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, NORM=norm,
         BLOCK_SIZE=v_cache.shape[1], KV_FP8=is_fp8(k_cache), num_warps=4 if num_heads * head_dim >= 1024 else 1, **pdl_launch(qkv.device),
