@@ -7,7 +7,7 @@ import torch
 from triton.testing import do_bench
 
 from nanoserve.runner.attention.fp8 import FP8_DTYPE
-from nanoserve.runner.attention.kv_layout import v_cache_view
+from nanoserve.runner.attention.kv_layout import v_cache_copy
 
 KV_HEADS, HEAD_DIM, BLOCK = 8, 128, 256   # q heads: KV_HEADS x the GQA group asked
 DTYPE = torch.bfloat16
@@ -39,8 +39,8 @@ class Caches:
         shape = (self.num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
         self.k = torch.empty(shape, dtype=DTYPE, device="cuda").normal_().to(dtype)
         self.v = torch.empty(shape, dtype=DTYPE, device="cuda").normal_().to(dtype)
-        if engine_layout:
-            self.v = v_cache_view(self.v.clone(), dtype == FP8_DTYPE).copy_(self.v)
+        if engine_layout and dtype == FP8_DTYPE:
+            self.v = v_cache_copy(self.v)
 
     def tables(self, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
         per_seq = -(-context // BLOCK)

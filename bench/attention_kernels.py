@@ -32,7 +32,7 @@ from decode_sweeps import ahead_sweep, launch_order_sweep, ragged_sweep, v_layou
 
 from nanoserve.runner.attention.decode_splits import num_decode_splits  # noqa: E402
 from nanoserve.runner.attention.fp8 import FP8_DTYPE  # noqa: E402
-from nanoserve.runner.attention.kv_layout import v_cache_view  # noqa: E402
+from nanoserve.runner.attention.kv_layout import v_cache_copy  # noqa: E402
 from nanoserve.runner.attention.triton_decode import paged_decode  # noqa: E402
 from nanoserve.runner.attention.triton_prefill import paged_prefill  # noqa: E402
 
@@ -64,11 +64,17 @@ def kv_bytes(batch: int, context: int, caches: Caches) -> int:
     return 2 * batch * context * KV_HEADS * HEAD_DIM * caches.k.element_size()
 
 
-def prefill_line(caches: Caches, seqs: int = 16, prompt: int = 1024) -> str:
+def prompts(caches: Caches, seqs: int, prompt: int) -> tuple:
+    """(seq_lens, tables, query starts, q, causal FLOPs of QK^T + PV) of `seqs` fresh prompts of
+    `prompt` tokens each, over shuffled blocks of `caches`."""
     seq_lens, tables = caches.tables(seqs, prompt)
     cu = torch.arange(0, (seqs + 1) * prompt, prompt, dtype=torch.int32, device="cuda")
     q = torch.randn(seqs * prompt, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    flops = 4 * seqs * (prompt * (prompt + 1) / 2) * Q_HEADS * HEAD_DIM   # causal QK^T + PV
+    return seq_lens, tables, cu, q, 4 * seqs * (prompt * (prompt + 1) / 2) * Q_HEADS * HEAD_DIM
+
+
+def prefill_line(caches: Caches, seqs: int = 16, prompt: int = 1024) -> str:
+    seq_lens, tables, cu, q, flops = prompts(caches, seqs, prompt)
     us = graph_time_us(lambda: paged_prefill(q, caches.k, caches.v, cu, seq_lens, tables,
                                              HEAD_DIM ** -0.5, prompt))
     line = f"prefill {seqs}x{prompt} causal: triton {us:8.1f} us {flops / us / 1e6:6.1f} TFLOP/s"
@@ -120,15 +126,12 @@ def prefill_layouts() -> None:
     (kv_layout.py) on a few tiles: TFLOP/s for lone and batched prompts, and each output's largest
     difference from the row-by-row one."""
     rows = Caches(4 * 4096, FP8_DTYPE, engine_layout=False)
-    tokens = v_cache_view(torch.empty_like(rows.v), fp8=True).copy_(rows.v)
+    tokens = v_cache_copy(rows.v)
     configs = [("rows, default", rows.v, None)] + [
         (f"tokens {m} x {n}, {w} warps, {st} stages", tokens, dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st))
         for m, n, w, st in ((64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2))]
     for seqs, prompt in ((1, 1024), (4, 1024), (1, 4096)):
-        seq_lens, tables = rows.tables(seqs, prompt)
-        cu = torch.arange(0, (seqs + 1) * prompt, prompt, dtype=torch.int32, device="cuda")
-        q = torch.randn(seqs * prompt, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-        flops = 4 * seqs * (prompt * (prompt + 1) / 2) * Q_HEADS * HEAD_DIM
+        seq_lens, tables, cu, q, flops = prompts(rows, seqs, prompt)
         want = None
         for label, v, config in configs:
             def run(v=v, config=config) -> torch.Tensor:
@@ -148,10 +151,7 @@ def prefill_sweep(caches: Caches) -> None:
     cases = [(1, 1024), (4, 1024), (1, 4096), (1, 16384)]
     inputs = []
     for seqs, prompt in cases:
-        seq_lens, tables = caches.tables(seqs, prompt)
-        cu = torch.arange(0, (seqs + 1) * prompt, prompt, dtype=torch.int32, device="cuda")
-        q = torch.randn(seqs * prompt, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-        flops = 4 * seqs * (prompt * (prompt + 1) / 2) * Q_HEADS * HEAD_DIM
+        seq_lens, tables, cu, q, flops = prompts(caches, seqs, prompt)
         run = (lambda q=q, cu=cu, seq_lens=seq_lens, tables=tables, prompt=prompt, **cfg:
                paged_prefill(q, caches.k, caches.v, cu, seq_lens, tables, HEAD_DIM ** -0.5, prompt, **cfg))
         inputs.append((run, run(), flops))

@@ -10,7 +10,7 @@ from attention_common import BLOCK, DTYPE, HEAD_DIM, KV_HEADS, Caches, graph_tim
 
 from nanoserve.runner.attention.decode_splits import FP8_SPLIT_KEYS, longest_first
 from nanoserve.runner.attention.fp8 import FP8_DTYPE
-from nanoserve.runner.attention.kv_layout import v_cache_view
+from nanoserve.runner.attention.kv_layout import v_cache_copy
 from nanoserve.runner.attention.triton_decode import paged_decode
 
 
@@ -153,7 +153,7 @@ def v_layout_sweep(q_heads: int) -> None:
     caches = Caches(256 * 2048, FP8_DTYPE, engine_layout=False)
     cases = decode_cases(shapes, caches, fp8_ragged_split=True, split_keys=FP8_SPLIT_KEYS)
     rows = caches.v
-    tokens = v_cache_view(torch.empty_like(rows), fp8=True).copy_(rows)
+    tokens = v_cache_copy(rows)
     print(f"\nfp8 V layout (TB/s of K+V read), {q_heads} q heads")
     print(f"{'V BLOCK_N warps stages':>34} " + " ".join(f"{c[0]:>12}" for c in shapes))
     for layout, v, tiles in (("rows", rows, ((64, 1, 2),)),

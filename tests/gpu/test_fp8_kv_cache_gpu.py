@@ -17,7 +17,7 @@ import torch
 from nanoserve import LLM
 from nanoserve.runner.attention import TorchBackend, select_backend
 from nanoserve.runner.attention.fp8 import FP8_DTYPE, quantize_fp8
-from nanoserve.runner.attention.kv_layout import v_cache_view
+from nanoserve.runner.attention.kv_layout import v_cache_copy
 from nanoserve.runner.attention.torch_backend import store_kv
 from nanoserve.runner.attention.triton_decode import paged_decode
 from nanoserve.runner.attention.triton_kernels import TritonBackend, store_kvcache
@@ -48,7 +48,7 @@ def fp8_step(specs, *, dtype, magnitude, seed, **shape):
 
 def engine_layout(caches: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(k, v) of an fp8 cache with V copied into the engine's layout (kv_layout.py): same values."""
-    return caches[0], v_cache_view(torch.empty_like(caches[1]), fp8=True).copy_(caches[1])
+    return caches[0], v_cache_copy(caches[1])
 
 
 def check_fp8(specs, *, dtype, magnitude, seed, num_splits=None, config=None, v_layout="tokens", **shape):

@@ -17,7 +17,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.runner.attention import TorchBackend, select_backend
 from nanoserve.runner.attention.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8
-from nanoserve.runner.attention.kv_layout import tokens_contiguous, v_cache_view
+from nanoserve.runner.attention.kv_layout import tokens_contiguous, v_cache_copy
 from nanoserve.runner.attention.torch_backend import store_kv
 from nanoserve.runner.attention.triton_kernels import TritonBackend, store_kvcache
 from nanoserve.runner.kv_cache import KVCache, block_bytes, blocks_for_cpu
@@ -49,8 +49,7 @@ def in_layout(caches: tuple[torch.Tensor, torch.Tensor], v_layout: str) -> tuple
     k_cache, v_cache = caches
     if v_layout == "rows":
         return k_cache, v_cache
-    moved = v_cache_view(torch.empty_like(v_cache), fp8=True)
-    moved.copy_(v_cache)
+    moved = v_cache_copy(v_cache)
     assert tokens_contiguous(moved) and torch.equal(moved.float(), v_cache.float())
     return k_cache, moved
 

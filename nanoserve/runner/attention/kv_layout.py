@@ -32,6 +32,12 @@ def v_cache_view(storage: torch.Tensor, fp8: bool) -> torch.Tensor:
     return storage.view(blocks, kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
 
 
+def v_cache_copy(v: torch.Tensor) -> torch.Tensor:
+    """A copy of an fp8 V cache, [blocks, block_size, kv_heads, head_dim] in any layout, laid out
+    as the engine lays out its own (benchmarks and tests build theirs row by row)."""
+    return v_cache_view(torch.empty_like(v, memory_format=torch.contiguous_format), fp8=True).copy_(v)
+
+
 def tokens_contiguous(cache: torch.Tensor) -> bool:
     """Whether a cache view keeps a (kv head, dim)'s tokens side by side (and not its dims)."""
     return cache.stride(1) == 1 and cache.stride(3) != 1
