@@ -115,8 +115,6 @@ def _leave_out(words: np.ndarray, tokens: tuple[int, ...]) -> None:
     _narrow(words, ~_token_bits(tokens, len(words)))
 
 
-
-
 class GrammarManager:
     """Compiles specs on a thread pool, caches them by spec, and builds each step's bitmask.
 
