@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -111,6 +111,17 @@ from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--
 c.v_cache_view = lambda storage, fp8: storage
 from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--kv-cache-dtype', 'fp8'])" 2>&1 \
            | tee -a "$out/v-layout-ab.log" | grep -E "^throughput|Error" ;;
+    store-steps) # the fp8 step at batch 256, context 1k, profiled with V along tokens (the default), then row by row:
+         # the fused q/k norm + rotary + KV store took 408 us a step against bf16's 97 at 6d10d7d (BENCHMARKS.md)
+         args="'--batch-sizes', '256', '--contexts', '1024', '--kv-cache-dtype', 'fp8', '--profile'"
+         for rows in False True; do
+           echo "fp8 V row by row: $rows" | tee -a "$out/store-steps.log"
+           python3 -c "import sys; sys.argv = ['decode_step', $args]
+import nanoserve.runner.kv_cache as c
+if $rows: c.v_cache_view = lambda storage, fp8: storage
+sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
+             | tee -a "$out/store-steps.log" | grep -vE "it/s|Capturing|Warning|warn"
+         done ;;
     launch-order) # decode programs with a sequence's kv heads side by side (the default) against head by head,
          # the kernel for both caches, then the 256-sequence workload each way
          python3 bench/attention_kernels.py --launch-order 2>&1 | tee "$out/launch-order.log" | tail -16
