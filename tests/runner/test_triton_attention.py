@@ -170,6 +170,42 @@ def test_merge_programs_of_several_heads_cover_every_head_once(tile, monkeypatch
     assert_close(out, ref_out, torch.float32)
 
 
+class _RecordingNanWorkspace(_NanWorkspace):
+    """_NanWorkspace, keeping what torch.empty handed out: the split partials."""
+
+    def __init__(self) -> None:
+        self.made: list[torch.Tensor] = []
+
+    def empty(self, *shape, **kw):
+        made = _NanWorkspace.empty(*shape, **kw)
+        self.made.append(made)
+        return made
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_a_context_within_one_split_is_written_directly_with_the_unsplit_bits(kv_dtype, monkeypatch) -> None:
+    """Splits of 16 keys: the 7- and 16-key contexts fit the first, write no partial and skip the
+    merge, with the bits of a launch without splits; the 40-key one is merged."""
+    import nanoserve.runner.attention.triton_decode as triton_decode
+    workspace = _RecordingNanWorkspace()
+    monkeypatch.setattr(triton_decode, "torch", workspace)
+    q, k, v, k_cache, v_cache, meta = make_step([(1, 40), (1, 0), (1, 7), (1, 16)], block_size=16, kv_heads=2,
+                                                group=2, head_dim=64, dtype=torch.float32, seed=23)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    args = (q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.125, 4096)
+    config = dict(BLOCK_N=16)
+    split = paged_decode(*args, split_keys=16, config=config, out=torch.full_like(q, float("nan")))
+    whole = paged_decode(*args, num_splits=1, config=config)
+    part_acc = workspace.made[0]   # [batch, q heads, splits, dim]
+    assert part_acc.shape[2] > 1
+    assert part_acc[2:].isnan().all(), "a context within one split wrote a partial"
+    assert not part_acc[0, :, :3].isnan().any()
+    assert torch.equal(split[2:], whole[2:])
+    assert (split[1] == 0).all()
+    assert_close(split[0], whole[0], torch.float32)
+
+
 @pytest.mark.parametrize("split_keys,max_seq_len", [(16, 4096), (32, 4096), (16, 32), (40, 200)])
 def test_decode_with_fixed_size_splits_matches_reference(split_keys, max_seq_len, monkeypatch) -> None:
     """Splits of split_keys keys, the last taking the rest: also when a context outgrows the split

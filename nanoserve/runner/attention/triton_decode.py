@@ -1,9 +1,10 @@
 """Paged decode attention in Triton: one query token per sequence, GQA, split-K.
 
 Stage 1 runs one program per (sequence, kv head, split). It reads the K/V of its share of the
-context once and attends all the query heads of its group to it. With one split it writes the
-output directly; with several it writes a partial (normalized acc, log-sum-exp) per split to a
-float32 workspace, and stage 2 merges the splits of each (sequence, head). (Merging in the last
+context once and attends all the query heads of its group to it. A sequence whose keys fit one
+split has its output written directly; with several it writes a partial (normalized acc,
+log-sum-exp) per split to a float32 workspace, and stage 2 merges the splits of each (sequence,
+head). (Merging in the last
 split program to finish, counted with an atomic, was slower on an H200: BENCHMARKS.md.)
 How contexts are split, and the engine's choices, are decode_splits'.
 
@@ -96,7 +97,7 @@ def _decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
     # splits start on tile bounds; the last one ends at seq_len, however long the context
-    _, per_split = _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N)
+    tiles, per_split = _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N)
     start = tl.multiple_of(split * per_split * BLOCK_N, BLOCK_N)
     end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + per_split * BLOCK_N, seq_len))
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -150,7 +151,8 @@ def _decode_kernel(
     o = acc / l[:, None]   # no keys: acc is 0, so o is 0
     if KV_FP8:
         o = o * v_scale   # the merge of splits is linear in o: scaling each partial suffices
-    if SPLIT:
+    # a context that fits one split needs no merge: its one partial is its output, bit for bit
+    if SPLIT and tiles > per_split:
         row = (seq * kv_heads * GROUP + heads) * num_splits + split
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
                  mask=mask_h[:, None])
@@ -179,6 +181,8 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     # the splits that hold keys, as the decode kernel divided the context
     tiles, per_split = _split_tiles(tl.load(seq_lens_ptr + seq * stride_sl), num_splits, split_tiles, BLOCK_N)
+    if tiles > 0 and tiles <= per_split:   # one split with keys: it wrote the output itself
+        return
     mask_h = offs_h < Q_HEADS
     mask = mask_h[:, None] & (offs_s < tl.minimum(tl.cdiv(tiles, per_split), num_splits))[None, :]
     row = (seq * Q_HEADS + offs_h[:, None]) * num_splits + offs_s[None, :]   # [heads, splits]
