@@ -65,15 +65,19 @@ def check_continuation(continue_final_message: bool, add_generation_prompt: bool
 def render_chat(state: ServerState, messages: list[ChatMessage], text_length: int, add_generation_prompt: bool = True,
                 tools: list[Tool] | None = None, template_kwargs: dict | None = None,
                 continue_final_message: bool = False, add_special_tokens: bool = False,
-                documents: list[dict[str, str]] | None = None) -> list[int]:
-    """Token ids of the conversation as the model's chat template writes it (`text_length`: messages_length)."""
+                documents: list[dict[str, str]] | None = None, keep_tokens: int | None = None) -> list[int]:
+    """Token ids of the conversation as the model's chat template writes it (`text_length`:
+    messages_length); `keep_tokens` (truncate_prompt_tokens): only its last ones are wanted."""
     tok = state.tokenizer
-    # the template only adds text: contents past the bound cannot fit once rendered either
-    state.prompt_size.check(text_length, "messages")
-    if len(messages) > state.engine.config.max_model_len:   # each renders to a header at least
-        raise APIError(f"The conversation has {len(messages)} messages: more than the {state.engine.config.max_model_len} "
-                       "tokens of the context (max_model_len) can hold", param="messages",
-                       code="context_length_exceeded")
+    size = state.prompt_size
+    # the template only adds text: contents past the bound cannot fit once rendered either, unless
+    # only the end is kept (as /v1/completions keeps a long text's end: the body bounds the render)
+    if keep_tokens is None:
+        size.check(text_length, "messages")
+        if len(messages) > state.engine.config.max_model_len:   # each renders to a header at least
+            raise APIError(f"The conversation has {len(messages)} messages: more than the "
+                           f"{state.engine.config.max_model_len} tokens of the context (max_model_len) can hold",
+                           param="messages", code="context_length_exceeded")
     if not tok.chat_template:
         raise APIError("This model has no chat template, so it cannot serve /v1/chat/completions; "
                        "use /v1/completions with a prompt instead", param="messages")
@@ -87,10 +91,13 @@ def render_chat(state: ServerState, messages: list[ChatMessage], text_length: in
                                        continue_final_message=continue_final_message, **extra)
     except (jinja2.TemplateError, TypeError, ValueError) as exc:  # e.g. "roles must alternate user/assistant"
         raise APIError(f"The chat template refused these messages: {exc}", param="messages") from None
-    # tools and reasoning are written by the template but not counted above: 25 MB of a
-    # tool's description took 40 s and 3.6 GB to tokenize before the token count refused it
-    state.prompt_size.check(len(text), "messages", "conversation as the chat template writes it (tools and "
-                            "reasoning included)")
+    if keep_tokens is not None:   # its end alone is tokenized, as a long completion prompt's is
+        text = size.tail(text, keep_tokens)
+    else:
+        # tools and reasoning are written by the template but not counted above: 25 MB of a
+        # tool's description took 40 s and 3.6 GB to tokenize before the token count refused it
+        size.check(len(text), "messages", "conversation as the chat template writes it (tools and "
+                   "reasoning included)")
     # by default none: the template already wrote every special token the model expects (BOS included)
     return tok.encode(text, add_special_tokens=add_special_tokens)
 
@@ -108,7 +115,7 @@ class ChatCompletion(OpenAIResponse):
             kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
         self.prompt = req.truncate(render_chat(state, req.messages, text_length, req.add_generation_prompt, req.tools,
                                                kwargs, req.continue_final_message, req.add_special_tokens,
-                                               req.documents))
+                                               req.documents, req.truncate_prompt_tokens))
         self.prompt_lens = [len(self.prompt)]
         self.top_n = req.top_logprobs or 0
         parser = REASONING_PARSERS.get(state.settings.reasoning_parser)

@@ -149,6 +149,35 @@ def test_truncate_prompt_tokens_keeps_the_end_of_a_long_prompt_without_tokenizin
     assert r.json()["choices"][0]["text"] == same["choices"][0]["text"]
 
 
+def test_chat_truncate_prompt_tokens_keeps_the_end_of_a_conversation_longer_than_the_context(server):
+    # /v1/completions keeps a long text's end; chat refused the same text (400 context_length_exceeded)
+    # before rendering it, as it did a conversation of more messages than the context has tokens
+    chat = {"model": "tiny", "max_tokens": 4, "temperature": 0, "truncate_prompt_tokens": 20}
+
+    def long(words: int) -> list[dict]:
+        return [{"role": "user", "content": "dict " * words + "A list is a sequence of"}]
+
+    def many(messages: int) -> list[dict]:
+        return [{"role": "user", "content": "hi"}] * messages + long(0)
+
+    for messages, ending in ((long(MB), long(40)), (many(5000), many(10))):
+        start = time.monotonic()
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "messages": messages}, timeout=30)
+        elapsed = time.monotonic() - start
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 20 and elapsed < 5.0
+        # the same last 20 tokens as a short conversation of the same end renders to
+        tokens = httpx.post(f"{server.url}/tokenize", timeout=30,
+                            json={"messages": ending, "add_special_tokens": False}).json()["tokens"]
+        same = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                          json={**OK, "prompt": tokens[-20:], "temperature": 0}).json()
+        assert r.json()["choices"][0]["message"]["content"] == same["choices"][0]["text"]
+    # without truncation the same conversation is refused, by name
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "truncate_prompt_tokens": None,
+                                                              "messages": long(MB)}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
 def test_a_10000_prompt_request_is_refused_while_others_are_served(server):
     streamed: list[str] = []
 
