@@ -37,9 +37,24 @@ def template_message(m: ChatMessage) -> dict[str, Any]:
 def _arguments(text: str) -> Any:
     # Llama's and Mistral's templates write arguments with `tojson`: a JSON string would be quoted twice
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except ValueError:
         return text
+    # json.loads reads "\ud800" as a lone surrogate, which the rendered text then held and the
+    # tokenizer refused with a TypeError (a 500); the body's own strings are refused with a 400 for it
+    if "\\u" in text and _lone_surrogate(value):
+        raise APIError("A tool call's arguments hold a lone UTF-16 surrogate escape (\\ud800-\\udfff without its "
+                       "pair), which encodes no character; escape the whole pair or send the character itself",
+                       param="messages")
+    return value
+
+
+def _lone_surrogate(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def template_inputs(messages: list[ChatMessage], tools: list[Tool] | None, kwargs: dict[str, Any] | None,

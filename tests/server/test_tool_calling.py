@@ -304,6 +304,36 @@ def test_tool_call_arguments_in_history_nest_no_deeper_than_a_body_may(tool_serv
     assert r.status_code == 200, r.text
 
 
+def test_tool_call_arguments_in_history_that_escape_a_lone_surrogate_are_a_400(tool_server):
+    # the body's own strings cannot hold one (its parser refuses them), but json.loads reads the
+    # arguments' "\\ud800" as a lone surrogate: the template wrote it and the tokenizer raised (a 500)
+    def history(arguments: str) -> list[dict]:
+        return MESSAGES + [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "GetWeather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
+
+    def responses_input(arguments: str) -> list[dict]:
+        return [*MESSAGES, {"type": "function_call", "call_id": "call_1", "name": "GetWeather", "arguments": arguments},
+                {"type": "function_call_output", "call_id": "call_1", "output": "21 degrees"}]
+
+    for arguments in ('{"city": "\\ud800"}', '{"\\udfff": 1}', '"Paris\\udc00"'):
+        for path, body in (("/v1/chat/completions", {"messages": history(arguments), "max_tokens": 4}),
+                           ("/v1/chat/completions", {"messages": history(arguments), "max_tokens": 4, "stream": True}),
+                           ("/tokenize", {"messages": history(arguments)}),
+                           ("/v1/responses", {"input": responses_input(arguments), "max_output_tokens": 4})):
+            r = httpx.post(f"{tool_server.url}{path}", json={"model": "tiny", **body}, timeout=60)
+            assert r.status_code == 400, (path, arguments, r.text)
+            error = r.json()["error"]
+            assert "lone UTF-16 surrogate" in error["message"]
+            assert error["param"] == ("input" if path == "/v1/responses" else "messages")
+    # a whole pair is a character, and an escaped backslash no escape at all
+    for arguments in ('{"city": "\\ud83d\\ude00"}', '{"city": "\\\\ud800"}'):
+        r = httpx.post(f"{tool_server.url}/v1/chat/completions", timeout=60,
+                       json={"messages": history(arguments), "tools": TOOLS, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+
+
 BIG_TOOLS = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
     "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(7000)}}}} for i in range(2)]
 
