@@ -118,5 +118,8 @@ def install_handlers(app: FastAPI) -> None:
         # client an id to quote when reporting it
         error_id = uuid.uuid4().hex[:16]
         logger.exception("Unhandled error in %s %s (error id %s)", request.method, request.url.path, error_id)
+        # Starlette raises the error again once this answer is sent, and uvicorn then closes the
+        # connection: without saying so, a keep-alive client sent its next request, however good,
+        # into the closed socket and got a connection reset
         return APIError(f"Internal server error (error id {error_id}); the server log has the details",
-                        500, code="internal_error").response()
+                        500, code="internal_error", headers={"connection": "close"}).response()

@@ -43,6 +43,32 @@ def test_an_unexpected_error_is_logged_with_an_id_and_answered_without_its_text(
     assert logged and "secret detail" in str(logged[0].exc_info[1])
 
 
+def test_the_request_after_an_unexpected_error_on_a_kept_alive_connection_is_served(server_model):
+    # the server closes the connection after a 500 (Starlette raises the error again); unannounced,
+    # the client's next request on it, a good one, got a connection reset
+    from nanoserve import EngineConfig
+    from nanoserve.engine.async_engine import AsyncEngine
+    from nanoserve.server.app import build_app
+    from nanoserve.server.state import ServerSettings
+
+    engine = AsyncEngine(EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=128, block_size=16))
+    encode = engine.tokenizer.encode
+
+    def broken_for_boom(text, *args, **kwargs):
+        if text == "boom":
+            raise RuntimeError("a fault of the server's")
+        return encode(text, *args, **kwargs)
+
+    engine.tokenizer.encode = broken_for_boom
+    with in_process_server(build_app(engine, ServerSettings(served_model_names=["tiny"]))) as (url, _):
+        with httpx.Client(base_url=url, timeout=30) as client:
+            for _ in range(3):
+                failed = client.post("/tokenize", json={"prompt": "boom"})
+                assert failed.status_code == 500
+                assert client.post("/tokenize", json={"prompt": "hi"}).status_code == 200
+                assert failed.headers["connection"] == "close"
+
+
 def test_the_api_key_can_come_from_the_environment_and_stays_out_of_ps(server_model, tmp_path):
     proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "128", "--block-size", "16",
                          env={"NANOSERVE_API_KEY": "key-from-env-42"})
