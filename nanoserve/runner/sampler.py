@@ -46,7 +46,7 @@ class SamplingTensors:
         def tensor(values: list, dtype: torch.dtype, needed: bool = True) -> torch.Tensor | None:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True) if needed else None
 
-        seeds = [(i, hash((p.seed, w.start + w.num_new - w.num_prompt_tokens)) & 0x7FFF_FFFF_FFFF)
+        seeds = [(i, step_seed(p.seed, w.start + w.num_new - w.num_prompt_tokens))
                  for i, (w, p) in enumerate(zip(rows, params)) if p.seed is not None and p.temperature > 0]
         sampled = [not g for g in greedy]
         return SamplingTensors(
@@ -61,6 +61,25 @@ class SamplingTensors:
             top_logprobs=[p.logprobs for p in params],
             max_sampled_top_k=max((k for k, s in zip(top_k, sampled) if s), default=0),
         )
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    # splitmix64's finalizer: a bijection of 64-bit integers that scatters neighbouring inputs
+    x = (x + 0x9E37_79B9_7F4A_7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58_476D_1CE4_E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D0_49BB_1331_11EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def step_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded row at one output position. Every seed of the range
+    (-2^63 .. 2^64 - 1, taken modulo 2^64) is mixed whole: Python's hash() folded seeds modulo
+    2^61 - 1 and hashes -1 as -2, so seeds -1 and -2 drew the same tokens, as did 5 and 5 + 2^61 - 1,
+    and an n = 2 request with seed -2 (its choices seeded -2 and -1) got one completion twice."""
+    return _mix64(_mix64(seed & _MASK64) ^ position) & 0x7FFF_FFFF_FFFF
 
 
 def seeded_noise(seed: int, vocab_size: int, device: torch.device) -> torch.Tensor:

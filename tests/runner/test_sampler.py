@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from nanoserve.runner.batch import SequenceWork
-from nanoserve.runner.sampler import sample
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.runner.sampler import sample, step_seed
+from nanoserve.sampling_params import SEED_RANGE, SamplingParams, fork_seed
 
 VOCAB = 50
 
@@ -132,6 +132,21 @@ def run_steps(logits: torch.Tensor, target: SamplingParams, others: list[Samplin
         for o, t in zip(other_outputs, tokens[:position] + tokens[position + 1:]):
             o.append(t)
     return output
+
+
+def test_seeds_that_python_hashes_alike_draw_apart():
+    # hash() folds ints modulo 2^61 - 1 and hashes -1 as -2: those seeds drew the same tokens, and
+    # an n = 2 request seeded -2 (choices seeded -2 and -1) got one completion twice
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(3))
+    for a, b in ((-1, -2), (5, 5 + 2**61 - 1), (SEED_RANGE[0] + 3, -1), (-2, fork_seed(-2, 1))):
+        torch.manual_seed(0)
+        first = run_steps(logits, SamplingParams(temperature=1.0, seed=a), [], 0)
+        torch.manual_seed(0)
+        assert run_steps(logits, SamplingParams(temperature=1.0, seed=b), [], 0) != first, (a, b)
+    # the ends of the seed range and every position give distinct generator seeds (modulo 2^64,
+    # as torch takes a seed, the range's top is -1)
+    seeds = {step_seed(s, pos) for s in (*SEED_RANGE, -2, 0, 2**61 - 1, 2**61) for pos in range(64)}
+    assert len(seeds) == 6 * 64 and all(0 <= s < 2**47 for s in seeds)
 
 
 def test_seeded_request_gives_the_same_tokens_alone_and_in_a_busy_batch():
