@@ -109,7 +109,9 @@ class ResponseWriter:
         if message.get("reasoning") is not None:
             self.items.append(self.reasoning_item(message["reasoning"], status))
         calls = message.get("tool_calls") or []
-        if message["content"] or not calls:
+        # an answer with no text is an empty message only when there is no other item, as streamed:
+        # beside reasoning alone it was a message of "" (carrying the reasoning tokens' logprobs)
+        if message["content"] or not (calls or self.items):
             logprobs = self.chat.logprobs(out.token_ids, out.logprobs)
             self.items.append(self.message_item(message["content"] or "", logprobs["content"] if logprobs else [],
                                                 status))

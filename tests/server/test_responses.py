@@ -120,6 +120,17 @@ def test_reasoning_is_an_item_of_its_own_whole_and_streamed(client):
     assert joined(events, "response.output_text.delta") == content
 
 
+def test_reasoning_with_no_answer_is_the_only_item_whole_and_streamed(client):
+    # the whole response added an empty message beside it, which the stream did not
+    body = {"input": "Think.", "max_output_tokens": 60, "temperature": 0,
+            "extra_body": {"structured_outputs": {"regex": "<think>\nabc def"}}}
+    whole = client.responses.create(model="tiny", **body)
+    final = streamed(client, **body)[-1].response
+    for response in (whole, final):
+        assert [item.type for item in response.output] == ["reasoning"], response.output
+        assert response.output[0].content[0].text == "\nabc def" and response.output_text == ""
+
+
 def test_parse_and_the_stream_helper_give_a_validated_object(client):
     parsed = client.responses.parse(model="tiny", input="A city as JSON.", text_format=City,
                                     max_output_tokens=MAX_TOKENS, temperature=0)
