@@ -117,6 +117,8 @@ class ResponseWriter:
                                                 status))
         self.items += [self.call_item(c["id"], c["function"]["name"], c["function"]["arguments"], status)
                        for c in calls]
+        for item in self.items[:-1]:   # an item the next one follows was finished, as the stream closes it
+            item["status"] = "completed"
         return json_response(self.envelope(status, self.usage(stream), finish_reason))
 
     # items, as events

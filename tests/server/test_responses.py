@@ -8,6 +8,7 @@ as the tool-calling tests do; a regex makes the untrained model write a <think> 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -129,6 +130,22 @@ def test_reasoning_with_no_answer_is_the_only_item_whole_and_streamed(client):
     for response in (whole, final):
         assert [item.type for item in response.output] == ["reasoning"], response.output
         assert response.output[0].content[0].text == "\nabc def" and response.output_text == ""
+
+
+def test_items_before_the_last_of_a_cut_off_response_are_completed_whole_as_streamed(client):
+    # the stream closes an item as completed when the next one opens; the whole response gave every
+    # item the response's status, so a reasoning or a call that had ended read "incomplete"
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    for output, tools in ((THINKING["structured_outputs"]["regex"], []),
+                          (re.escape(call + "\n" + call), [WEATHER])):
+        body = {"input": "Think.", "temperature": 0, "tools": tools,
+                "extra_body": {"structured_outputs": {"regex": output}}}
+        whole = client.responses.create(model="tiny", max_output_tokens=MAX_TOKENS, **body)
+        assert whole.status == "completed" and len(whole.output) == 2
+        cut = {**body, "max_output_tokens": whole.usage.output_tokens - 3}   # inside the last item
+        for response in (client.responses.create(model="tiny", **cut), streamed(client, **cut)[-1].response):
+            assert response.status == "incomplete"
+            assert [item.status for item in response.output] == ["completed", "incomplete"], response.output
 
 
 def test_parse_and_the_stream_helper_give_a_validated_object(client):
