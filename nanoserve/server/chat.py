@@ -10,7 +10,6 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from nanoserve.engine.async_engine import RequestStream, RequestUpdate
-from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.errors import APIError
 from nanoserve.server.logprobs import chat_logprobs
 from nanoserve.server.metrics import RequestTimer
@@ -130,7 +129,6 @@ class ChatCompletion(OpenAIResponse):
         self.role = "assistant" if req.add_generation_prompt else last.role
         # vLLM's echo: a reply that continues a message of its own author repeats that message first
         self.echoed = last.text() if req.echo and last.role == self.role else ""
-        self.params: SamplingParams | None = None   # what the engine was asked, set by start_chat
 
     def logprobs(self, token_ids: list[int], logprobs: list | None) -> dict | None:
         return chat_logprobs(self.token_names, token_ids, logprobs or [], self.top_n) if self.req.logprobs else None
@@ -223,7 +221,6 @@ async def start_chat(request: Request, state: ServerState, req: ChatCompletionRe
     work = rendering_work(req.messages, req.tools, length, req.documents,
                           len(await request.body()) if req.chat_template_kwargs else 0)
     chat = await off_the_loop_if_long(work, ChatCompletion, state, req, model, tools, length, client_id)
-    chat.params = params   # /v1/responses detokenizes a whole output again as its stream would
     try:
         stream = await state.start(chat.engine_id, [chat.prompt], params, streamed=req.stream)
     except APIError as exc:

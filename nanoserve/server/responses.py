@@ -13,10 +13,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
-from nanoserve.engine.messages import StepOutput
-from nanoserve.engine.outputs import CompletionOutput, RequestState
 from nanoserve.server.chat import ChatCompletion, start_chat
-from nanoserve.server.chat_output import ChoiceReader
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.responses_protocol import CHAT_TO_RESPONSES_FIELD, ResponsesRequest, as_chat_request
@@ -42,57 +39,6 @@ def _append(item: dict, key: str, text: str) -> None:
 def _typed_event(kind: str, fields: dict) -> bytes:
     # the event line names the type too, as OpenAI's API sends it (its client reads the data's)
     return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **fields}) + b"\n\n"
-
-
-class AnswerTokens:
-    """Reads one choice's updates as the stream sends them. An update's tokens, with those of the
-    updates before it that showed nothing (a tag, the start of a call), go with the delta it makes;
-    their logprobs are the message's only where that delta has answer text."""
-
-    def __init__(self, chat: ChatCompletion, reader: ChoiceReader) -> None:
-        self.chat, self.reader = chat, reader
-        self.ids: list[int] = []
-        self.lps: list = []
-
-    def read(self, text: str, token_ids: list[int], logprobs: list | None,
-             finish_reason: str | None) -> tuple[dict, str | None, list] | None:
-        """(delta, finish reason, its tokens' logprob entries), or None while it shows nothing."""
-        self.ids.extend(token_ids)
-        self.lps.extend(logprobs or [])
-        if not text and finish_reason is None:
-            return None
-        delta, finish = self.reader.delta(text, finish_reason)
-        if not delta and finish is None:
-            return None   # held back by a parser
-        entries = self.chat.logprobs(self.ids, self.lps)
-        self.ids, self.lps = [], []
-        return delta, finish, entries["content"] if entries else []
-
-
-def streamed_logprobs(state: ServerState, chat: ChatCompletion, out: CompletionOutput) -> list:
-    """The answer's logprobs in a whole response, the same as its stream sends: the output is
-    streamed again here, token by token, so that reasoning, calls and the end-of-sequence token
-    leave theirs out, and a tag held back goes with the answer text after it, as streamed (whole,
-    every token's were the message's: 60 reasoning tokens' logprobs beside a 6-token answer)."""
-    if not chat.req.logprobs or not out.token_ids:
-        return []
-    shown_by = RequestState(state.tokenizer, chat.prompt, chat.params, streaming=True, keep=False)
-    first = chat.readers[0]
-    tokens = AnswerTokens(chat, ChoiceReader(first.plan, first.reasoning, first.include_reasoning))
-    # a stop string ended the text on this side, as the replay finds again: the engine's last step
-    # was not its finish, and marked so it would take the last token out of the text as a stop token
-    by_string = isinstance(out.stop_reason, str)
-    found: list = []
-    for i, token in enumerate(out.token_ids):
-        finished = i == len(out.token_ids) - 1 and not by_string
-        step = StepOutput("", [token], out.logprobs[i:i + 1], finished, out.finish_reason if finished else None, 0, 0)
-        shown = shown_by.update(step)
-        read = tokens.read(shown.text_delta, [token], step.logprobs, shown.finish_reason)
-        if read is not None and read[0].get("content"):
-            found += read[2]
-        if shown.finished:
-            break
-    return found
 
 
 class ResponseWriter:
@@ -166,8 +112,9 @@ class ResponseWriter:
         # an answer with no text is an empty message only when there is no other item, as streamed:
         # beside reasoning alone it was a message of "" (carrying the reasoning tokens' logprobs)
         if message["content"] or not (calls or self.items):
-            self.items.append(self.message_item(message["content"] or "",
-                                                streamed_logprobs(self.state, self.chat, out), status))
+            logprobs = self.chat.logprobs(out.token_ids, out.logprobs)
+            self.items.append(self.message_item(message["content"] or "", logprobs["content"] if logprobs else [],
+                                                status))
         self.items += [self.call_item(c["id"], c["function"]["name"], c["function"]["arguments"], status)
                        for c in calls]
         for item in self.items[:-1]:   # an item the next one follows was finished, as the stream closes it
@@ -248,20 +195,27 @@ class ResponseWriter:
         return events
 
     async def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
-        tokens = AnswerTokens(self.chat, self.chat.readers[0])
+        reader = self.chat.readers[0]
+        ids: list[int] = []
+        lps: list = []
         finish_reason = None
         try:
             yield self.event("response.created", response=self.envelope("in_progress", None))
             yield self.event("response.in_progress", response=self.envelope("in_progress", None))
             async for u in timed(stream, timer):
                 self.chat.cached[u.index] = u.num_cached_tokens
-                read = tokens.read(u.text, u.token_ids, u.logprobs, u.finish_reason)
-                if read is None:
+                ids.extend(u.token_ids)
+                lps.extend(u.logprobs or [])
+                if not u.text and u.finish_reason is None:
                     continue
-                delta, finish, logprobs = read
+                delta, finish = reader.delta(u.text, u.finish_reason)
                 finish_reason = finish or finish_reason
-                for event in self.apply(delta, logprobs):
+                if not delta and finish is None:
+                    continue   # held back by a parser (a tag, the start of a call)
+                logprobs = self.chat.logprobs(ids, lps)
+                for event in self.apply(delta, logprobs["content"] if logprobs else []):
                     yield event
+                ids, lps = [], []
             status = self.status(finish_reason)
             if self.open is not None:
                 for event in self.close_item(status):
