@@ -3,6 +3,7 @@ whole or as stream deltas. Reasoning is split first; tool calls are read from wh
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 from nanoserve.server.reasoning import Qwen3ReasoningParser
@@ -57,9 +58,7 @@ class ChoiceReader:
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The whole message and the finish reason ("tool_calls" when the model called)."""
         reasoning, content, parsed = self.parse(text, final=True)
-        # ended inside a call (max_tokens, a stop string or token): the call as far as it got, as
-        # OpenAI returns it and as the stream announced it once its name was written
-        calls = [c for c in parsed.calls if c.complete or c.name is not None]
+        calls = announced(parsed.calls)
         message: dict = {"role": "assistant", "content": parsed.content or None}
         if reasoning is not None and self.include_reasoning:
             # vLLM's current name, and the older one that DeepSeek-style clients read
@@ -96,7 +95,7 @@ class ChoiceReader:
         if reasoning is not None and self.include_reasoning and reasoning[1] - reasoning[0] > self.sent_reasoning:
             delta["reasoning"] = delta["reasoning_content"] = text[reasoning[0] + self.sent_reasoning:reasoning[1]]
             self.sent_reasoning = reasoning[1] - reasoning[0]
-        if final and self.plan.active and not self.ids and not any(c.complete for c in calls):
+        if final and self.plan.active and not self.ids and not announced(calls):
             # no call came of it: what was held back as a possible call is content, as in message()
             content_end = len(text)
         if content_end - begin > self.sent_content:
@@ -151,6 +150,15 @@ class ChoiceReader:
                 out.append(entry)
         self.done = max(self.done, min(settled, len(self.ids)))
         return out
+
+
+def announced(calls: list[PartialCall]) -> list[PartialCall]:
+    """The calls a reply carries: the leading ones that name their function, as a stream announces
+    them (by name, in order, each after the one before). A call cut off after its name (max_tokens,
+    a stop string) is one, as far as it got, as OpenAI returns it; one cut off before its name, or
+    an object that names no function, is not, nor are the calls after it: a whole reply and its
+    stream then hold the same calls, and the same content."""
+    return list(itertools.takewhile(lambda call: call.name is not None, calls))
 
 
 def _added(text: str, sent: str | Span, arguments: str | Span) -> str:

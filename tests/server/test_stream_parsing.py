@@ -66,7 +66,7 @@ class WholeReader:
             delta["reasoning"] = delta["reasoning_content"] = thought[self.sent_reasoning:]
             self.sent_reasoning = len(thought)
         answer = parsed.content
-        if final and r.plan.active and not self.announced and not any(c.complete for c in parsed.calls):
+        if final and r.plan.active and not self.announced and not chat_output.announced(parsed.calls):
             answer = content
         if len(answer) > self.sent_content:
             delta["content"] = answer[self.sent_content:]

@@ -170,6 +170,34 @@ def test_auto_reads_the_call_a_model_writes_whole_and_streamed(client):
     assert finish == "tool_calls" and not content
 
 
+def test_a_call_whose_name_ends_the_output_is_the_same_call_whole_and_streamed(client):
+    # the name's closing quote starts the stop string, so it is held back until the last update,
+    # the first in which the stream sees the name (max_tokens can end a call there too): the
+    # stream sent the call's own text as content beside the call, which the whole message has not
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=0,
+                  stop=['", "arguments"'], extra_body={"guided_regex": HERMES_CALL, "include_stop_str_in_output": True,
+                                                       "chat_template_kwargs": {"enable_thinking": False}})
+    whole = client.chat.completions.create(**kwargs)
+    message = whole.choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("GetWeather", "")]
+    content, calls, finish, _ = streamed_message(client.chat.completions.create(**kwargs, stream=True))
+    assert [(c["name"], c["arguments"]) for c in calls] == [("GetWeather", "")]
+    assert not message.content and not content and finish == whole.choices[0].finish_reason
+
+
+def test_a_call_object_that_names_no_function_leaves_the_output_content_whole_and_streamed(client):
+    # whole, the object was dropped and the call after it kept; the stream waited at the object
+    # for a name and sent nothing at all: no call, and no content
+    regex = r'<tool_call>\n\{"city": "Paris"\}\n</tool_call>\n' + HERMES_CALL
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=0,
+                  extra_body={"guided_regex": regex, "chat_template_kwargs": {"enable_thinking": False}})
+    whole = client.chat.completions.create(**kwargs)
+    message = whole.choices[0].message
+    assert message.tool_calls is None and message.content.startswith('<tool_call>\n{"city": "Paris"}')
+    content, calls, finish, _ = streamed_message(client.chat.completions.create(**kwargs, stream=True))
+    assert (content, calls, finish) == (message.content, [], whole.choices[0].finish_reason)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_call_whose_name_escapes_a_lone_surrogate_is_answered_with_a_replacement_character(client, stream):
     # json.loads turns "\\ud800" into a code point UTF-8 cannot encode: the body was a 500 and
