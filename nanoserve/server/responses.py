@@ -106,7 +106,7 @@ class ResponseWriter:
         out = stream.outputs[0]
         message, finish_reason = self.chat.readers[0].message(out.text, out.finish_reason)
         status = self.status(finish_reason)
-        if message.get("reasoning") is not None:
+        if message.get("reasoning"):   # an empty one (<think></think>) is no item: the stream opens one for text
             self.items.append(self.reasoning_item(message["reasoning"], status))
         calls = message.get("tool_calls") or []
         # an answer with no text is an empty message only when there is no other item, as streamed:

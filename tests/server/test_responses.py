@@ -132,6 +132,19 @@ def test_reasoning_with_no_answer_is_the_only_item_whole_and_streamed(client):
         assert response.output[0].content[0].text == "\nabc def" and response.output_text == ""
 
 
+@pytest.mark.parametrize("output", ["<think></think>Answer here", "<think>"], ids=["answered", "alone"])
+def test_reasoning_with_no_text_is_no_item_whole_as_streamed(client, output):
+    # the whole response had an empty reasoning item that the stream, which opens one for reasoning
+    # text, never sent (alone, the stream answered with an empty message instead)
+    body = {"input": "Think.", "max_output_tokens": 60, "temperature": 0,
+            "extra_body": {"structured_outputs": {"regex": re.escape(output)}}}
+    whole = client.responses.create(model="tiny", **body)
+    final = streamed(client, **body)[-1].response
+    for response in (whole, final):
+        assert [item.type for item in response.output] == ["message"], response.output
+        assert response.output_text == output.removeprefix("<think>").removeprefix("</think>")
+
+
 def test_items_before_the_last_of_a_cut_off_response_are_completed_whole_as_streamed(client):
     # the stream closes an item as completed when the next one opens; the whole response gave every
     # item the response's status, so a reasoning or a call that had ended read "incomplete"
