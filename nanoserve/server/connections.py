@@ -17,6 +17,7 @@ import resource
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
+import httptools
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -39,6 +40,8 @@ MAX_HEAD_BYTES = 64 * 1024
 # uvicorn joins each to the body read so far, so a 16 MB body in 1-byte chunks held the event loop,
 # and every stream, for 10 s. 32 MiB (the default body limit) in chunks of 512 bytes still fits
 MAX_BODY_CHUNKS = 65536
+# what is left of a read after a request that asks for an upgrade is parsed in pieces this large
+UPGRADE_PIECE_BYTES = 4096
 # how long a connection refused mid-body is read and dropped after its answer: closed at once
 # with the client still sending, it is reset, and the reset loses the answer before it is read
 LINGER_S = 5.0
@@ -157,7 +160,52 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
                 if self._head_bytes > MAX_HEAD_BYTES:
                     self._refuse_head()
                     return
-            super().data_received(data)
+            self._feed(data)
+
+        def _feed(self, data: bytes) -> None:
+            # uvicorn's data_received, but for an upgrade, which this server never makes (no
+            # WebSocket routes, no h2c): httptools skips the body of a request that asks for one,
+            # so `curl --http2` (Connection: Upgrade, Upgrade: h2c) got a 400 for an empty JSON body
+            self._unset_keepalive_if_required()
+            pieces = [data]   # what is left of the read, its last piece first
+            while pieces:
+                piece = pieces.pop()
+                try:
+                    self.parser.feed_data(piece)
+                except httptools.HttpParserError:
+                    self.send_400_response("Invalid HTTP request received.")
+                    return
+                except httptools.HttpParserUpgrade as upgrade:
+                    if not self._parse_again_without_upgrade():
+                        return
+                    # its body and what follows, in pieces: a read of thousands of such requests
+                    # is then not copied whole again for each (httptools' offset needs bytes)
+                    rest = range(upgrade.args[0], len(piece), UPGRADE_PIECE_BYTES)
+                    pieces += [piece[i:i + UPGRADE_PIECE_BYTES] for i in reversed(rest)]
+
+        def _parse_again_without_upgrade(self) -> bool:
+            """Start the request again, its head less the upgrade, on a new parser: a server may
+            ignore Upgrade (RFC 9110 7.8). False for CONNECT, refused (and the connection closed)."""
+            method = self.parser.get_method()
+            if method == b"CONNECT":   # the one method that always asks for a tunnel
+                refusal = APIError("CONNECT is not served: this server is not a proxy", 405,
+                                   code="method_not_allowed")
+                self.transport.write(_raw_response(refusal))
+                self.transport.close()
+                return False
+            head = [b"%s %s HTTP/%s\r\n" % (method, self.url, self.parser.get_http_version().encode())]
+            for name, value in self.headers:
+                if name == b"connection":
+                    value = b",".join(t for t in value.split(b",") if t.strip().lower() != b"upgrade")
+                if name != b"upgrade" and value.strip():
+                    head.append(b"%s: %s\r\n" % (name, value))
+            self.parser = httptools.HttpRequestParser(self)
+            try:
+                self.parser.feed_data(b"".join(head) + b"\r\n")   # a head it read once already
+            except httptools.HttpParserError:
+                self.send_400_response("Invalid HTTP request received.")
+                return False
+            return True
 
         def send_400_response(self, msg: str) -> None:
             # uvicorn answers what its parser cannot read in plain text; clients parse an error object
@@ -218,7 +266,9 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
             self.transport.close()
 
         def on_headers_complete(self) -> None:
-            if self._dropping:   # a request pipelined behind a refused body is not started
+            # a request pipelined behind a refused body is not started; nor one that asks for an
+            # upgrade, which is parsed again without it (_parse_again_without_upgrade)
+            if self._dropping or self.parser.should_upgrade():
                 return
             self._header_deadline = _cancelled(self._header_deadline)
             self._head_bytes = None
@@ -231,6 +281,8 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
             self._body_deadline = self.loop.call_later(limits.timeout_body, self._body_deadline_passed)
 
         def on_message_complete(self) -> None:
+            if self.parser.should_upgrade():   # its body was skipped: it is parsed again
+                return
             self._body_deadline = _cancelled(self._body_deadline)
             super().on_message_complete()
 
@@ -289,4 +341,6 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
 
 def uvicorn_options(limits: ServerLimits) -> dict:
     """Keyword arguments of uvicorn.run / uvicorn.Config that apply `limits` to connections."""
-    return {"http": connection_protocol(limits), "timeout_keep_alive": limits.timeout_keep_alive}
+    # ws "none": a WebSocket handshake is an ordinary request here (an OpenAI error object for
+    # the route), where a handshake was answered 403 or 400 in plain text
+    return {"http": connection_protocol(limits), "timeout_keep_alive": limits.timeout_keep_alive, "ws": "none"}

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, openai_client
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 
@@ -161,6 +161,43 @@ def test_a_request_http_cannot_parse_gets_an_openai_error_object(impatient, requ
     head, _, body = read_until_closed(sock).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower(), head
     assert json.loads(body)["error"]["code"] == "invalid_http_request"
+
+
+# what `curl --http2` sends to an http:// URL, asking to switch to HTTP/2 (h2c)
+H2C_UPGRADE = {"Connection": "Upgrade, HTTP2-Settings", "Upgrade": "h2c", "HTTP2-Settings": "AAMAAABkAAQCAAAAAAIAAAAA"}
+
+
+def test_a_request_that_asks_to_upgrade_is_served_over_http_1_1_body_and_all(impatient):
+    # httptools skips the body of a request that asks for an upgrade, so the route read an empty
+    # body: curl --http2 got a 400 for invalid JSON, however good the request
+    client = openai_client(impatient.url)
+    kwargs = dict(model="tiny", prompt="The function", max_tokens=6, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0].text
+    assert client.completions.create(**kwargs, extra_headers=H2C_UPGRADE).choices[0].text == plain
+    streamed = client.completions.create(**kwargs, stream=True, extra_headers={**H2C_UPGRADE, "Upgrade": "websocket"})
+    assert "".join(chunk.choices[0].text for chunk in streamed) == plain
+    # the connection goes on: a request after it on the same socket is read from where the body ended
+    body = json.dumps(kwargs).encode()
+    upgrade = "".join(f"{k}: {v}\r\n" for k, v in H2C_UPGRADE.items()).encode()
+    sock = connect(impatient)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n%bContent-Length: %d\r\n\r\n%b"
+                 % (upgrade, len(body), body) + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    replies = read_until_closed(sock).split(b"HTTP/1.1 ")
+    assert [r.split(b"\r\n")[0] for r in replies[1:]] == [b"200 OK", b"200 OK"], replies
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    (b"GET /v1/realtime HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n", b"404"),
+    (b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: 127.0.0.1:22\r\n\r\n", b"405"),
+], ids=["websocket", "connect"])
+def test_a_websocket_handshake_or_a_tunnel_gets_an_openai_error_object(impatient, request_bytes, status):
+    # a WebSocket handshake was answered 403 with an empty text body (no route takes one)
+    sock = connect(impatient)
+    sock.sendall(request_bytes)
+    head, _, body = read_until_closed(sock).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 " + status) and b"content-type: application/json" in head.lower(), head
+    assert json.loads(body)["error"]["message"]
 
 
 def test_an_http_1_0_stream_is_sent_unchunked_and_ends_with_the_connection(impatient):
