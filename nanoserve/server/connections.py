@@ -137,6 +137,7 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
         _body_deadline: asyncio.TimerHandle | None = None
         _send_deadline: asyncio.TimerHandle | None = None
         _head_bytes: int | None = None   # bytes read of a request whose headers are not complete yet
+        _last_bytes = b""                # the end of the last read, where a head's blank line may begin
         _body_chunks = 0                 # chunks of the current request's body read so far
         _dropping = False                # refused mid-body: whatever else arrives is dropped unread
         _linger: asyncio.TimerHandle | None = None
@@ -155,12 +156,23 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
             if self._between_requests() and self._header_deadline is None:
                 self._arm_header_deadline()  # the first byte of the next request on a kept-alive connection
             if self._head_bytes is not None:
-                # counted from the read after the one that began the request: at most one read over
-                self._head_bytes += len(data)
+                # counted from the read after the one that began the request (at most one read over)
+                # up to the head's blank line: what follows it in the read (a body, pipelined
+                # requests) was counted too, and a burst of pipelined requests refused as one head
+                self._head_bytes += self._head_part(data)
                 if self._head_bytes > MAX_HEAD_BYTES:
                     self._refuse_head()
                     return
             self._feed(data)
+            self._last_bytes = data[-3:]
+
+        def _head_part(self, data: bytes) -> int:
+            """The bytes of `data` up to the end of the head in progress, all of them if it goes on."""
+            joint = (self._last_bytes + data[:3]).find(b"\r\n\r\n")   # a blank line across two reads
+            if joint >= 0:
+                return joint + 4 - len(self._last_bytes)
+            end = data.find(b"\r\n\r\n")
+            return len(data) if end < 0 else end + 4
 
         def _feed(self, data: bytes) -> None:
             # uvicorn's data_received, but for an upgrade, which this server never makes (no
