@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -128,6 +128,17 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py'
          workload_ab NANOSERVE_DECODE_HEADS_FAST "$out/launch-order-ab.log" ;;
     ragged) # decode over unequal contexts: split counts and longest-first launch order, bf16 and fp8 caches
          python3 bench/attention_kernels.py --ragged 2>&1 | tee "$out/ragged.log" | tail -12 ;;
+    early-loads) # loads before the PDL wait, off then on: the skinny GEMM's first weight tile (1-2 rows) and the
+         # decode kernel's L2 prefetch of its first K/V tile, each alone and both (the default); bf16 steps at 1k
+         for loads in "False False" "True False" "False True" "True True"; do
+           set -- $loads
+           echo "skinny first tile $1, decode prefetch $2" | tee -a "$out/early-loads.log"
+           python3 -c "import sys; sys.argv = ['decode_step', '--batch-sizes', '1,2,16,256', '--contexts', '1024']
+import nanoserve.runner.layers.small_gemm as g, nanoserve.runner.attention.triton_decode as d
+g.PRELOAD_FIRST_TILE, d.PREFETCH_FIRST_TILE = $1, $2
+sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
+             | tee -a "$out/early-loads.log" | grep -vE "it/s|Capturing"
+         done ;;
     pdl) # programmatic dependent launch off, then on (the default)
          python3 -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py 2>&1 | tail -3
          for pdl in 0 1; do

@@ -8,7 +8,7 @@ shows here, before a device run.
 
 Each kernel is compiled with the tiles the engine picks on that GPU, over a bf16 and an fp8
 cache, with its flags all off and all on (splits, launch order, mixed steps' packed rows, PDL, an fp8
-cache's V along tokens).
+cache's V along tokens, the first tile's L2 prefetch), and the skinny GEMM's row paths.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from nanoserve.runner.attention.triton_decode import _decode_kernel, _merge_splits_kernel, decode_config  # noqa: E402
 from nanoserve.runner.attention.triton_prefill import _prefill_config, _prefill_kernel  # noqa: E402
+from nanoserve.runner.layers.small_gemm import _skinny_kernel, skinny_config  # noqa: E402
 
-FLOATS = {"scale_log2", "v_scale"}
+FLOATS = {"scale_log2", "v_scale", "eps"}
 CUDA = torch.device("cuda")
 
 
@@ -88,7 +89,8 @@ def variants(target: GPUTarget):
             tiles = decode_config(CUDA, fp8, v_tokens_contiguous=on)
             options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
             yield (f"decode {cache[1:]} flags {'on' if on else 'off'}", _decode_kernel, io,
-                   dict(shared, BLOCK_H=16, HEADS_FAST=on, **tiles), options)
+                   dict(shared, BLOCK_H=16, HEADS_FAST=on, PREFETCH_LINES=(1 if fp8 else 2) if on else 0, **tiles),
+                   options)
             tiles = _prefill_config(128, torch.bfloat16, CUDA, fp8)
             options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
             yield (f"prefill {cache[1:]} flags {'on' if on else 'off'}", _prefill_kernel, io,
@@ -101,6 +103,17 @@ def variants(target: GPUTarget):
                     query_start_ptr="*i32"),
                dict(Q_HEADS=16, BLOCK_HEADS=4, HEAD_DIM=128, SPLITS_POW2=4, BLOCK_N=64, PACKED_Q=packed,
                     USE_PDL=target.arch >= 90), dict(num_warps=4, num_stages=1))
+    # the skinny GEMM's CUDA-core rows (plain, normed, gated) and one tl.dot bucket, 0.6B's qkv and down
+    bf16 = {name: "*bf16" for name in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "res_ptr", "gamma_ptr", "new_res_ptr")}
+    for rows, n, k, kind in ((1, 4096, 1024, "normed"), (2, 4096, 1024, "normed"), (1, 1024, 3072, "gated"),
+                             (2, 1024, 2048, "plain"), (16, 4096, 1024, "plain")):
+        cfg = skinny_config(rows, n, k, 132)
+        for preload in (False, True):
+            yield (f"skinny {rows} rows {kind} preload {preload}", _skinny_kernel, bf16,
+                   dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+                        SPLIT=cfg.split_k > 1, HAS_BIAS=False, PRECISION=None, GATED=kind == "gated",
+                        NORMED=kind == "normed", HAS_RES=kind == "normed", USE_PDL=target.arch >= 90, PRELOAD=preload),
+                   dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
 def main(argv: list[str] | None = None) -> None:

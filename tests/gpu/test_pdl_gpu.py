@@ -1,6 +1,7 @@
 """Programmatic dependent launch changes when kernels are scheduled, never what they compute: a
 decode-shaped chain of every kernel that takes part, captured in a CUDA graph, gives the same bits
-without PDL and with it, replay after replay with new inputs."""
+without PDL and with it, replay after replay with new inputs; so do the loads some kernels start
+before their wait (the skinny GEMM's first weight tile, decode's L2 prefetch of its first tile)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 import torch
 
 from nanoserve.runner import pdl
+from nanoserve.runner.attention import triton_decode
+from nanoserve.runner.layers import small_gemm
 from nanoserve.runner.attention.triton_decode import paged_decode
 from nanoserve.runner.attention.triton_rope_store import qkv_rope_store
 from nanoserve.runner.layers.silu_mul import silu_mul
@@ -72,9 +75,12 @@ def test_a_graph_with_pdl_gives_the_same_bits(batch, monkeypatch):
     angles = torch.arange(MAX_LEN, device="cuda")[:, None] * torch.rand(DIM // 2, device="cuda")[None, :]
     cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
     outputs = {}
-    modes = ("off", "pdl")
+    modes = ("off", "pdl", "pdl, every load after the wait")
     for mode in modes:
         monkeypatch.setenv("NANOSERVE_PDL", "0" if mode == "off" else "1")
+        early = mode != "pdl, every load after the wait"
+        monkeypatch.setattr(small_gemm, "PRELOAD_FIRST_TILE", early)
+        monkeypatch.setattr(triton_decode, "PREFETCH_FIRST_TILE", early)
         pdl.pdl_enabled.cache_clear()
         assert pdl.pdl_enabled(torch.device("cuda")) == (mode != "off")
         torch.manual_seed(1)

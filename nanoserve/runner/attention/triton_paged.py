@@ -67,3 +67,37 @@ def online_softmax_step(qk, v, m, l, acc, PRECISION: tl.constexpr):
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l, acc
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask the L2 for the 128-byte lines at ptrs; nothing is read into registers, so nothing the
+    program reads can be stale (the L2 is where every write lands)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_kv_tile(k_cache_ptr, v_cache_ptr, table, first, end, kv_head,
+                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     LINES: tl.constexpr, V_TOKENS_CONTIGUOUS: tl.constexpr):
+    """L2 prefetches of the K/V tile of keys [first, first + BLOCK_N) below `end`: LINES lines a
+    key row (a row of HEAD_DIM elements), or with V's tokens contiguous one line a dim (a tile of
+    BLOCK_N tokens lies in one block). Reads only the block table, which the host stages, so it
+    may run before the PDL wait while the kernel ahead still writes the cache."""
+    tok = first + tl.arange(0, BLOCK_N)
+    valid = tok < end
+    block = tl.load(table + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    cols = tl.arange(0, LINES) * (HEAD_DIM // LINES)
+    k_rows = block * stride_kb + (tok % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+    _prefetch_l2(tl.where(valid[:, None], k_cache_ptr + k_rows[:, None] + cols[None, :], k_cache_ptr))
+    if V_TOKENS_CONTIGUOUS:
+        dims = tl.arange(0, HEAD_DIM)
+        first_block = tl.load(table + first // BLOCK_SIZE, mask=first < end, other=0).to(tl.int64)
+        v_dims = first_block * stride_vb + kv_head * stride_vh + dims * stride_vd + first % BLOCK_SIZE
+        _prefetch_l2(tl.where(first < end, v_cache_ptr + v_dims, v_cache_ptr))
+    else:
+        v_rows = block * stride_vb + (tok % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
+        _prefetch_l2(tl.where(valid[:, None], v_cache_ptr + v_rows[:, None] + cols[None, :] * stride_vd,
+                              v_cache_ptr))

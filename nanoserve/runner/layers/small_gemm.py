@@ -46,6 +46,7 @@ WAVES = 2            # programs per SM to aim for before shrinking tiles or spli
 MAX_SPLITS = 16
 FMA_TILE = 8192      # weight elements x rows per loop step in the CUDA-core path (registers)
 SMEM_BUDGET = 96 * 1024   # bytes of pipelined tiles a tl.dot program may hold in shared memory
+PRELOAD_FIRST_TILE = True  # 1-2 rows: load the first weight tile before waiting on the kernel ahead (PDL)
 
 
 @dataclass(frozen=True)
@@ -102,36 +103,59 @@ def _load_normed(x_ptrs, res_ptrs, gamma_ptrs, mask, inv_rms, HAS_RES: tl.conste
 
 
 @triton.jit
-def _fma_steps(x_ptr, x_stride, w_rows, M, K, k_start, k_end, BLOCK_M: tl.constexpr,
+def _load_w(w_rows, ks, k_end, MASKED: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] tile of the weight; masked past k_end where asked."""
+    if MASKED:
+        return tl.load(w_rows + ks[None, :], mask=ks[None, :] < k_end, other=0.0)
+    else:
+        return tl.load(w_rows + ks[None, :])
+
+
+@triton.jit
+def _fma_tile(w, ks, k_end, x_ptr, x_stride, row1, K, acc0, acc1, BLOCK_M: tl.constexpr,
+              MASKED: tl.constexpr, GATED: tl.constexpr, res_ptr, gamma_ptr, inv_rms0, inv_rms1,
+              NORMED: tl.constexpr, HAS_RES: tl.constexpr):
+    """acc{0,1} += w * x{0,1} over the columns ks: the rows of x loaded (and normed or gated) here."""
+    mask = ks < k_end
+    if NORMED:
+        x0 = _load_normed(x_ptr + ks, res_ptr + ks, gamma_ptr + ks, mask, inv_rms0, HAS_RES)
+    elif MASKED:
+        x0 = _load_x(x_ptr + ks, mask, K, GATED)
+    else:
+        x0 = tl.load(x_ptr + ks)
+    w = w.to(tl.float32)
+    acc0 += w * x0.to(tl.float32)[None, :]
+    if BLOCK_M == 2:
+        if NORMED:
+            x1 = _load_normed(x_ptr + row1 * x_stride + ks, res_ptr + row1 * K + ks, gamma_ptr + ks,
+                              mask, inv_rms1, HAS_RES)
+        else:
+            x1 = _load_x(x_ptr + row1 * x_stride + ks, mask, K, GATED)
+        acc1 += w * x1.to(tl.float32)[None, :]
+    return acc0, acc1
+
+
+@triton.jit
+def _fma_steps(x_ptr, x_stride, w_rows, w_first, M, K, k_start, k_end, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                GATED: tl.constexpr, res_ptr, gamma_ptr, inv_rms0, inv_rms1,
                NORMED: tl.constexpr, HAS_RES: tl.constexpr):
     """One or two rows on CUDA cores: products add up elementwise in [BLOCK_N, BLOCK_K] and are
     summed over K once at the end, so the loop is loads and FMAs only. Plain 2D tiles with x
-    broadcast along N keep the weight load coalesced (a 3D rows x N x K product would not)."""
+    broadcast along N keep the weight load coalesced (a 3D rows x N x K product would not).
+    w_first is the split's first weight tile, loaded by the caller (masked: a split may be empty)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)   # the second row; dead code for one row
     row1 = tl.minimum(M - 1, 1)   # a lone row reads itself again as row 1; those sums are never stored
-    for k0 in range(k_start, k_end, BLOCK_K):
+    acc0, acc1 = _fma_tile(w_first, k_start + offs_k, k_end, x_ptr, x_stride, row1, K, acc0, acc1,
+                           BLOCK_M, True, GATED, res_ptr, gamma_ptr, inv_rms0, inv_rms1, NORMED, HAS_RES)
+    masked: tl.constexpr = NORMED or GATED or not EVEN_K
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         ks = k0 + offs_k
-        if NORMED:
-            w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < k_end, other=0.0).to(tl.float32)
-            x0 = _load_normed(x_ptr + ks, res_ptr + ks, gamma_ptr + ks, ks < k_end, inv_rms0, HAS_RES)
-        elif EVEN_K and not GATED:
-            w = tl.load(w_rows + ks[None, :]).to(tl.float32)
-            x0 = tl.load(x_ptr + ks)
-        else:
-            w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < k_end, other=0.0).to(tl.float32)
-            x0 = _load_x(x_ptr + ks, ks < k_end, K, GATED)
-        acc0 += w * x0.to(tl.float32)[None, :]
-        if BLOCK_M == 2:
-            if NORMED:
-                x1 = _load_normed(x_ptr + row1 * x_stride + ks, res_ptr + row1 * K + ks, gamma_ptr + ks,
-                                  ks < k_end, inv_rms1, HAS_RES)
-            else:
-                x1 = _load_x(x_ptr + row1 * x_stride + ks, ks < k_end, K, GATED)
-            acc1 += w * x1.to(tl.float32)[None, :]
+        w = _load_w(w_rows, ks, k_end, masked)
+        acc0, acc1 = _fma_tile(w, ks, k_end, x_ptr, x_stride, row1, K, acc0, acc1, BLOCK_M, masked,
+                               GATED, res_ptr, gamma_ptr, inv_rms0, inv_rms1, NORMED, HAS_RES)
     rows = tl.arange(0, BLOCK_M)[:, None]
     return tl.where(rows == 0, tl.sum(acc0, 1)[None, :], tl.sum(acc1, 1)[None, :])
 
@@ -165,7 +189,7 @@ def _skinny_kernel(
     res_ptr, gamma_ptr, new_res_ptr, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
-    NORMED: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
+    NORMED: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -182,7 +206,13 @@ def _skinny_kernel(
     w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    if BLOCK_M < 16 and PRELOAD:
+        # weights are written by no kernel of the step: the first tile's load may start while the
+        # kernel ahead still runs, and a program of two or three tiles hides most of its latency
+        w_first = _load_w(w_rows, k_start + tl.arange(0, BLOCK_K), k_end, True)
     pdl_prologue(USE_PDL)   # x is read only past this point: the kernel ahead may write it
+    if BLOCK_M < 16 and not PRELOAD:
+        w_first = _load_w(w_rows, k_start + tl.arange(0, BLOCK_K), k_end, True)
     if BLOCK_M >= 16:
         acc = _dot_steps(x_ptr, x_stride, w_rows, M, K, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
                          EVEN_K, PRECISION, GATED)
@@ -196,7 +226,7 @@ def _skinny_kernel(
                 row1 = tl.minimum(M - 1, 1)
                 inv_rms1 = _inv_rms(x_ptr + row1 * x_stride, res_ptr + row1 * K, new_res_ptr + row1 * K, K, eps,
                                     store & (M > 1), HAS_RES, BLOCK_K)
-        acc = _fma_steps(x_ptr, x_stride, w_rows, M, K, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
+        acc = _fma_steps(x_ptr, x_stride, w_rows, w_first, M, K, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
                          EVEN_K, GATED, res_ptr, gamma_ptr, inv_rms0, inv_rms1, NORMED, HAS_RES)
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT:
@@ -321,6 +351,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         NORMED=norm is not None, HAS_RES=res is not None,
         # float32 inputs keep full precision (tf32 would cost ~1e-3 relative error)
         PRECISION="ieee" if x.dtype == torch.float32 else None,
+        PRELOAD=PRELOAD_FIRST_TILE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
     )
     if split:
