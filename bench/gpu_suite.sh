@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -139,6 +139,18 @@ g.PRELOAD_FIRST_TILE, d.PREFETCH_FIRST_TILE = $1, $2
 sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
              | tee -a "$out/early-loads.log" | grep -vE "it/s|Capturing"
          done ;;
+    rope-ab) # a decode-only step's q/k norm, rotary and K/V store in their own launch, then inside the decode
+         # kernel (the default): its GPU tests, decode steps at 1k over both caches, then the 256-sequence workload
+         timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_rope_store_gpu.py tests/gpu/test_model_gpu.py 2>&1 \
+           | tee "$out/tests-rope.log" | tail -4
+         for rope in 0 1; do
+           for kv in auto fp8; do
+             echo "NANOSERVE_DECODE_ROPE=$rope kv $kv" | tee -a "$out/rope-ab.log"
+             NANOSERVE_DECODE_ROPE=$rope python3 bench/decode_step.py --batch-sizes 1,16,256 --contexts 1024 \
+               --kv-cache-dtype $kv 2>&1 | tee -a "$out/rope-ab.log" | grep -vE "it/s|Capturing"
+           done
+         done
+         workload_ab NANOSERVE_DECODE_ROPE "$out/rope-ab-workload.log" ;;
     pdl) # programmatic dependent launch off, then on (the default)
          python3 -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py 2>&1 | tail -3
          for pdl in 0 1; do

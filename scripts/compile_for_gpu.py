@@ -35,7 +35,7 @@ from nanoserve.runner.attention.triton_decode import _decode_kernel, _merge_spli
 from nanoserve.runner.attention.triton_prefill import _prefill_config, _prefill_kernel  # noqa: E402
 from nanoserve.runner.layers.small_gemm import _skinny_kernel, skinny_config  # noqa: E402
 
-FLOATS = {"scale_log2", "v_scale", "eps"}
+FLOATS = {"scale_log2", "v_scale", "eps", "norm_eps", "inv_k_scale", "inv_v_scale"}
 CUDA = torch.device("cuda")
 
 
@@ -79,7 +79,8 @@ def variants(target: GPUTarget):
         cache = "*fp8e4nv" if fp8 else "*bf16"
         io = dict(q_ptr="*bf16", out_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, part_acc_ptr="*fp32",
                   part_lse_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32", seq_order_ptr="*i32",
-                  query_start_ptr="*i32", query_start_loc_ptr="*i32", tiles_ptr="*i32")
+                  query_start_ptr="*i32", query_start_loc_ptr="*i32", tiles_ptr="*i32", cos_ptr="*fp32",
+                  sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16")
         for on in (False, True):
             flags = dict(SPLIT=on, ORDERED=on, PACKED_Q=on, USE_PDL=on and target.arch >= 90)
             # strides of 1 are specialized at launch: the lengths', and V's along tokens or dims
@@ -91,6 +92,10 @@ def variants(target: GPUTarget):
             yield (f"decode {cache[1:]} flags {'on' if on else 'off'}", _decode_kernel, io,
                    dict(shared, BLOCK_H=16, HEADS_FAST=on, PREFETCH_LINES=(1 if fp8 else 2) if on else 0, **tiles),
                    options)
+            if on:   # a decode-only step's: q, k and v made from the packed projection in the kernel
+                yield (f"decode {cache[1:]} rope", _decode_kernel, io,
+                       dict(shared, PACKED_Q=False, BLOCK_H=16, HEADS_FAST=on, PREFETCH_LINES=0 if fp8 else 2,
+                            ROPE=True, NORM=True, Q_HEADS=16, **tiles), options)
             tiles = _prefill_config(128, torch.bfloat16, CUDA, fp8)
             options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
             yield (f"prefill {cache[1:]} flags {'on' if on else 'off'}", _prefill_kernel, io,

@@ -44,3 +44,55 @@ def test_fused_kernel_matches_qkv_rope_then_store_on_the_gpu(kv_cache_dtype, qk_
         written = (want != 0).any(-1).any(-1).flatten()
         assert written.sum() == (slots >= 0).sum()   # padding tokens wrote nothing
         assert torch.equal((got != 0).any(-1).any(-1).flatten(), written)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("batch, splits", [(1, None), (16, None), (256, None), (64, 3)])
+def test_decode_with_rope_stores_and_attends_as_the_two_launches_on_the_gpu(kv_cache_dtype, batch, splits):
+    """paged_decode(rope=...), a decode-only step's one launch, against qkv_rope_store then
+    paged_decode, at the 0.6B shape over the engine's cache layouts (an fp8 V along tokens)."""
+    from nanoserve.runner.attention.decode_splits import longest_first
+    from nanoserve.runner.attention.kv_layout import v_cache_copy
+    from nanoserve.runner.attention.triton_decode import paged_decode
+    from nanoserve.runner.layers.rotary import NewTokenRope
+
+    heads, kv_heads, head_dim, block, dev = 16, 8, 128, 256, "cuda"
+    fp8 = kv_cache_dtype == "fp8"
+    gen = torch.Generator(device=dev).manual_seed(batch)
+    seq_lens = torch.randint(1, 2049, (batch,), device=dev, generator=gen, dtype=torch.int32)
+    seq_lens[batch // 2] = 0 if batch > 1 else 1   # a padding row, or a lone key
+    blocks = batch * 8 + 1
+    tables = torch.randperm(blocks, device=dev, generator=gen)[:batch * 8].reshape(batch, 8).int()
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, device=dev, generator=gen).bfloat16()
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim))
+    emb = torch.arange(4096, device=dev).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((emb, emb), dim=-1)
+    weights = (1 + 0.3 * torch.randn(2, head_dim, device=dev, generator=gen)).bfloat16().unbind(0)
+    rope = NewTokenRope(emb.cos(), emb.sin(), *weights, 1e-6)
+    shape = (blocks, block, kv_heads, head_dim)
+    caches = [torch.randn(shape, device=dev, generator=gen).to(FP8_DTYPE if fp8 else torch.bfloat16)
+              for _ in range(2)]
+    if fp8:
+        caches[1] = v_cache_copy(caches[1])
+    want_k, want_v = (torch.empty_strided(c.shape, c.stride(), dtype=c.dtype, device=dev).copy_(c) for c in caches)
+    positions = (seq_lens - 1).clamp_min(0).long()
+    slots = torch.where(seq_lens > 0, tables.long().gather(1, (positions // block)[:, None])[:, 0] * block
+                        + positions % block, -1)
+    scales = dict(k_scale=0.5, v_scale=2.0) if fp8 else {}
+    kw = dict(num_splits=splits) if splits else dict(split_keys=512, seq_order=longest_first(seq_lens))
+    q = qkv_rope_store(positions, qkv, heads, kv_heads, head_dim, rope.cos, rope.sin, *weights, 1e-6,
+                       want_k, want_v, slots, scales.get("k_scale", 1.0), scales.get("v_scale", 1.0))
+    want = paged_decode(q, want_k, want_v, seq_lens, tables, head_dim ** -0.5, 2048, **kw, **scales)
+    got = paged_decode(qkv[:, :heads * head_dim].unflatten(1, (heads, head_dim)), *caches, seq_lens, tables,
+                       head_dim ** -0.5, 2048, rope=rope, **kw, **scales)
+    torch.cuda.synchronize()
+    written = torch.zeros(blocks * block, dtype=torch.bool, device=dev)
+    written[slots[slots >= 0]] = True
+    for cache, want_cache in zip(caches, (want_k, want_v)):
+        same = (cache.view(torch.uint8) == want_cache.view(torch.uint8)).reshape(blocks * block, -1)
+        assert same[~written].all(), "a slot no row owns was written"
+        # the same float32 math in both kernels; a contraction into FMAs that the compiler chose
+        # differently could move a rare value by a rounding step
+        assert same[written].float().mean() > 0.999
+    assert torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-2)

@@ -1,7 +1,8 @@
 """Attention backends behind one interface:
 forward(q, k, v, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0), the scales applying
 only to an fp8 cache (attention/fp8.py). A backend with `fuses_kv_store` also offers
-qkv_rope_store (q/k norm + rotary + K/V store in one kernel) and attend (forward without the store).
+attend_qkv (from the packed q/k/v projection: q/k norm, rotary, the K/V store and attention) and
+attend (forward without the store).
 
 torch (reference, CPU), triton (our kernels, CUDA or the Triton interpreter), flash_attn (when
 the package imports). Kernel modules import lazily: importing this package loads no Triton.

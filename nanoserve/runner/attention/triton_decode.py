@@ -23,7 +23,6 @@ per key: k_scale folds into the softmax scale and v_scale into the output.
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
@@ -34,8 +33,11 @@ from nanoserve.runner.attention.decode_splits import decode_split_count, split_s
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.kv_layout import tokens_contiguous
 from nanoserve.runner.attention.triton_paged import (
-    load_kv_block_tile, load_kv_tile, online_softmax_step, prefetch_kv_tile,
+    check_shapes, dot_precision, load_kv_block_tile, load_kv_tile, online_softmax_step, prefetch_kv_tile,
+    softmax_scale_log2,
 )
+from nanoserve.runner.attention.triton_rope_store import check_rope, rope_kernel_args, rope_new_token
+from nanoserve.runner.layers.rotary import NewTokenRope
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 
@@ -81,11 +83,13 @@ def _decode_kernel(
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_bt, stride_sl, stride_ot, stride_oh,
+    cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, norm_eps, inv_k_scale, inv_v_scale, stride_cos,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
     ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, HEADS_FAST: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_AHEAD: tl.constexpr = False, V_TOKENS_CONTIGUOUS: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
+    ROPE: tl.constexpr = False, NORM: tl.constexpr = False, Q_HEADS: tl.constexpr = 0,
 ):
     # lengths, order, query starts and block tables are staged by the host, never written by a
     # kernel of the step: they may be read before waiting on the kernel ahead (PDL); q and the cache may not
@@ -120,8 +124,15 @@ def _decode_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_h
     mask_h = offs_h < GROUP
-    q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None], other=0.0)
+    if ROPE:   # q_ptr is the packed q/k/v projection: see rope_new_token
+        q = rope_new_token(q_ptr + q_row.to(tl.int64) * stride_qt, seq_len, start, end, kv_head, heads, mask_h,
+                           table, cos_ptr, sin_ptr, stride_cos, q_norm_ptr, k_norm_ptr, norm_eps,
+                           k_cache_ptr, v_cache_ptr, inv_k_scale, inv_v_scale, stride_kb, stride_kt, stride_kh,
+                           stride_vb, stride_vt, stride_vh, stride_vd, Q_HEADS, Q_HEADS // GROUP,
+                           HEAD_DIM, BLOCK_SIZE, NORM, KV_FP8).to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_h[:, None], other=0.0)
     if KV_FP8 and FP8_VIA_F16:
         # e4m3 widens to f16 in one instruction per pair (to bf16 it takes several); a bf16 q
         # loses no mantissa in f16, and attention queries stay far inside f16's range
@@ -265,7 +276,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  config: dict | None = None, k_scale: float = 1.0,
                  v_scale: float = 1.0, seq_order: torch.Tensor | None = None,
                  split_keys: int | None = None, query_start_loc: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, rope: NewTokenRope | None = None) -> torch.Tensor:
     """Attention of one query per sequence, q [batch, q_heads, dim], over its paged keys.
 
     max_seq_len only sizes the split count (pass max_model_len when capturing a graph);
@@ -278,6 +289,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     being divided evenly; a ragged batch's long contexts then spread over more programs.
     query_start_loc (a mixed step): q and the output hold packed rows, [tokens, q_heads, dim];
     only sequences of one query are computed, into `out`, and the other rows are left as they are.
+    rope (a decode-only step): q is the q columns of the packed projection, [batch, (q_heads +
+    2 kv_heads) * dim] seen as [batch, q_heads, dim]; the kernel norms and rotates q and k at each
+    row's position (seq_len - 1) and stores the row's k and v in the cache before reading it: the
+    store of _qkv_rope_store_kernel, without its launch.
     """
     _, q_heads, head_dim = q.shape
     batch = q.shape[0] if query_start_loc is None else seq_lens.shape[0]
@@ -292,6 +307,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if seq_order is not None and (seq_order.shape != (batch,) or seq_order.dtype != torch.int32
                                   or seq_order.stride(0) != 1):
         raise ValueError(f"seq_order must be a contiguous int32 permutation of the {batch} rows")
+    if rope is not None:
+        check_rope(rope, q, kv_heads, query_start_loc)
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
     v_tokens = tokens_contiguous(v_cache)
@@ -305,7 +322,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     split_tiles = span // cfg["BLOCK_N"]   # 0: the kernels' flag for even division
     if num_splits is None:
         num_splits = decode_split_count(batch, kv_heads, max_seq_len, q.device, span)
-    out = torch.empty_like(q) if out is None else out
+    out = q.new_empty(q.shape) if out is None else out
     packed = query_start_loc is not None
     split = num_splits > 1
     if split:
@@ -326,6 +343,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1),
+        *rope_kernel_args(rope, q, k_scale, v_scale),
+        ROPE=rope is not None, NORM=rope is not None and rope.q_weight is not None, Q_HEADS=q_heads,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
         ORDERED=seq_order is not None, PACKED_Q=packed, HEADS_FAST=heads_fast, V_TOKENS_CONTIGUOUS=v_tokens,
@@ -351,39 +370,3 @@ def heads_fast_enabled() -> bool:
     H200 over ragged contexts: 3.84 -> 4.16 TB/s (bf16), 2.49 -> 2.74 (fp8) at batch 256;
     3.18 -> 3.91 (bf16) at 128 (BENCHMARKS.md, launch order)."""
     return os.environ.get("NANOSERVE_DECODE_HEADS_FAST", "1") == "1"
-
-
-def softmax_scale_log2(scale: float, k_scale: float) -> float:
-    """The kernels' exp2 scores: log2(e) folded in, and an fp8 cache's k_scale, so that stored
-    keys enter the dot product as they are (k_scale 1.0 leaves the product bit for bit)."""
-    return scale * k_scale * math.log2(math.e)
-
-
-def dot_precision(dtype: torch.dtype) -> str | None:
-    # float32 inputs keep full precision (tf32 would cost ~1e-3 relative error)
-    return "ieee" if dtype == torch.float32 else None
-
-
-def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor) -> None:
-    """Shared by decode and prefill: the layouts the kernels index without checking."""
-    head_dim = q.shape[-1]
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"Triton attention needs a power-of-two head dim >= 16, got {head_dim}")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"Triton attention needs a power-of-two block size >= 16, "
-                         f"got {block_size}")
-    if q.shape[1] % kv_heads:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({kv_heads})")
-    if k_cache.dtype != v_cache.dtype or (k_cache.dtype != q.dtype and not is_fp8(k_cache)):
-        raise ValueError(f"caches of {k_cache.dtype} / {v_cache.dtype} for q of {q.dtype}: the "
-                         f"cache holds q's dtype, or fp8 (e4m3) for --kv-cache-dtype fp8")
-    if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
-        raise ValueError(f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not "
-                         f"match q {tuple(q.shape)}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("block_tables", block_tables)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dim")
-    if v_cache.stride(-1) != 1 and not (is_fp8(v_cache) and tokens_contiguous(v_cache)):
-        raise ValueError("v_cache must be contiguous in its last dim, or (fp8) in its tokens: kv_layout.py")

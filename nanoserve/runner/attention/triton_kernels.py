@@ -3,6 +3,8 @@ prefill (triton_prefill). Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -14,6 +16,7 @@ from nanoserve.runner.attention.triton_fp8 import to_fp8
 from nanoserve.runner.attention.triton_paged import slot_offset
 from nanoserve.runner.attention.triton_prefill import paged_prefill
 from nanoserve.runner.attention.triton_rope_store import qkv_rope_store
+from nanoserve.runner.layers.rotary import NewTokenRope
 from nanoserve.runner.batch import AttentionMetadata
 
 __all__ = ["TritonBackend", "paged_decode", "paged_prefill", "qkv_rope_store", "store_kvcache", "to_fp8"]
@@ -22,6 +25,11 @@ __all__ = ["TritonBackend", "paged_decode", "paged_prefill", "qkv_rope_store", "
 # launches a layer, which an eager mixed step pays on the host. On an H200 (attention_kernels.py's
 # mixed lines) the split already won at 32 decode rows of 1k keys: 77.7 against 96.8 us.
 MIXED_MIN_DECODE_ROWS = 32
+# a decode-only step of at most this many rows does its q/k norm, rotary and K/V store inside the
+# decode kernel; larger ones launch them first, as a step with prompts does (NANOSERVE_DECODE_ROPE=0:
+# always). On an H200 at 1k contexts (BENCHMARKS.md) it took batch 1 from 0.999 to 0.977 ms (bf16) and
+# 0.925 to 0.854 (fp8), and lost at 16 (bf16 1.743 -> 1.782 ms) and 256 (8.61 -> 9.66; fp8 6.19 -> 6.34)
+DECODE_ROPE_MAX_ROWS = 1 if os.environ.get("NANOSERVE_DECODE_ROPE", "1") == "1" else 0
 
 
 @triton.jit
@@ -104,13 +112,13 @@ class TritonBackend:
     """Attention through our own Triton kernels. The decode path reads no host lists and
     syncs nothing, so it can be captured in a CUDA graph (see triton_decode).
 
-    The model may store K/V itself with `qkv_rope_store` (fuses_kv_store) and call `attend`;
-    `forward` is the store and `attend` in two launches."""
+    The model hands it the packed q/k/v projection (fuses_kv_store: `attend_qkv`), whose q/k
+    norm, rotary and K/V store then take one launch before attention, or none in a decode-only
+    step, where the decode kernel does them; `forward` is the store and `attend` in two launches."""
 
     name = "triton"
     supports_cuda_graphs = True
     fuses_kv_store = True
-    qkv_rope_store = staticmethod(qkv_rope_store)
     eager_step_shapes = staticmethod(eager_step_shapes)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -119,16 +127,27 @@ class TritonBackend:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         return self.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
+    def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   head_dim: int, rope: NewTokenRope, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> torch.Tensor:
+        """Attention of the packed projection [tokens, (num_heads + 2 num_kv_heads) * head_dim]:
+        q/k normed (rope's weights) and rotated, k/v stored at meta.slot_mapping, then attended."""
+        if meta.decode_only and qkv.shape[0] <= DECODE_ROPE_MAX_ROWS:
+            # a decode row's position is its last key's (seq_len - 1) and its slot that key's
+            q = qkv[:, :num_heads * head_dim].unflatten(1, (num_heads, head_dim))
+            return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, rope)
+        q = qkv_rope_store(positions, qkv, num_heads, num_kv_heads, head_dim, rope.cos, rope.sin,
+                           rope.q_weight, rope.k_weight, rope.eps, k_cache, v_cache, meta.slot_mapping,
+                           k_scale, v_scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
                v_scale: float = 1.0) -> torch.Tensor:
         """Attention over keys already in the cache (the new tokens' included)."""
         if meta.decode_only:
-            return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
-                                meta.max_seq_len, k_scale=k_scale, v_scale=v_scale,
-                                seq_order=meta.decode_order,
-                                split_keys=engine_split_keys(q.shape[0], k_cache.shape[2], meta.max_seq_len, q.device,
-                                                             is_fp8(k_cache)))
+            return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
         # a mixed step: its decode rows through the decode kernel, which pads a row's query group
         # to 16, where the prefill kernel pads it to a 128-row tile (and its softmax with it)
         # (a captured step says at capture, and its staged prefill tiles leave decode rows out)
@@ -142,3 +161,11 @@ class TritonBackend:
             paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
                          k_scale=k_scale, v_scale=v_scale, query_start_loc=meta.query_start_loc, out=out)
         return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, k_scale: float, v_scale: float, rope: NewTokenRope | None = None) -> torch.Tensor:
+        return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
+                            k_scale=k_scale, v_scale=v_scale, seq_order=meta.decode_order, rope=rope,
+                            split_keys=engine_split_keys(q.shape[0], k_cache.shape[2], meta.max_seq_len, q.device,
+                                                         is_fp8(k_cache)))

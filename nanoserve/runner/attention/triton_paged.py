@@ -1,10 +1,16 @@
-"""The inner loop that paged decode and prefill share: a K/V tile through the block table, and
-one online-softmax step over it. Inlined into both kernels by Triton."""
+"""What paged decode and prefill share: a K/V tile through the block table, one online-softmax
+step over it (inlined into both kernels by Triton), and the checks and scales of their launches."""
 
 from __future__ import annotations
 
+import math
+
+import torch
 import triton
 import triton.language as tl
+
+from nanoserve.runner.attention.fp8 import is_fp8
+from nanoserve.runner.attention.kv_layout import tokens_contiguous
 
 
 @triton.jit
@@ -101,3 +107,39 @@ def prefetch_kv_tile(k_cache_ptr, v_cache_ptr, table, first, end, kv_head,
         v_rows = block * stride_vb + (tok % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
         _prefetch_l2(tl.where(valid[:, None], v_cache_ptr + v_rows[:, None] + cols[None, :] * stride_vd,
                               v_cache_ptr))
+
+
+def softmax_scale_log2(scale: float, k_scale: float) -> float:
+    """The kernels' exp2 scores: log2(e) folded in, and an fp8 cache's k_scale, so that stored
+    keys enter the dot product as they are (k_scale 1.0 leaves the product bit for bit)."""
+    return scale * k_scale * math.log2(math.e)
+
+
+def dot_precision(dtype: torch.dtype) -> str | None:
+    # float32 inputs keep full precision (tf32 would cost ~1e-3 relative error)
+    return "ieee" if dtype == torch.float32 else None
+
+
+def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor) -> None:
+    """Shared by decode and prefill: the layouts the kernels index without checking."""
+    head_dim = q.shape[-1]
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"Triton attention needs a power-of-two head dim >= 16, got {head_dim}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"Triton attention needs a power-of-two block size >= 16, "
+                         f"got {block_size}")
+    if q.shape[1] % kv_heads:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({kv_heads})")
+    if k_cache.dtype != v_cache.dtype or (k_cache.dtype != q.dtype and not is_fp8(k_cache)):
+        raise ValueError(f"caches of {k_cache.dtype} / {v_cache.dtype} for q of {q.dtype}: the "
+                         f"cache holds q's dtype, or fp8 (e4m3) for --kv-cache-dtype fp8")
+    if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not "
+                         f"match q {tuple(q.shape)}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("block_tables", block_tables)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim")
+    if v_cache.stride(-1) != 1 and not (is_fp8(v_cache) and tokens_contiguous(v_cache)):
+        raise ValueError("v_cache must be contiguous in its last dim, or (fp8) in its tokens: kv_layout.py")

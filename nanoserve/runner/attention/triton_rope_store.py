@@ -14,6 +14,7 @@ import triton.language as tl
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.triton_fp8 import to_fp8
 from nanoserve.runner.attention.triton_paged import slot_offset
+from nanoserve.runner.layers.rotary import NewTokenRope
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 
@@ -80,6 +81,45 @@ def _qkv_rope_store_kernel(
                  + offs_d[None, :] * stride_vd, v.to(v_cache_ptr.dtype.element_ty), mask=mask_kh[:, None])
 
 
+@triton.jit
+def rope_new_token(row, seq_len, start, end, kv_head, heads, mask_h, table, cos_ptr, sin_ptr, stride_cos,
+                   q_weight_ptr, k_weight_ptr, eps, k_cache_ptr, v_cache_ptr, inv_k_scale, inv_v_scale,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                   HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, KV_FP8: tl.constexpr):
+    """Inside decode attention: a decode row's query `heads` from its packed projection `row`,
+    normed and rotated at the row's position (seq_len - 1), in float32. The program whose keys
+    [start, end) hold that position first stores its kv head's k and v there, as
+    _qkv_rope_store_kernel stores them, and waits for its own threads' stores before it reads the
+    cache. No other program reads that key: kv heads and splits each read their own keys."""
+    pos = (seq_len - 1).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    half: tl.constexpr = HEAD_DIM // 2
+    partner = (offs_d + half) % HEAD_DIM
+    sign = tl.where(offs_d < half, -1.0, 1.0)
+    at = tl.maximum(pos, 0) * stride_cos   # a padding row (seq_len 0) is rotated as position 0 and attends nothing
+    cos = tl.load(cos_ptr + at + offs_d)
+    sin = tl.load(sin_ptr + at + offs_d)
+    q = _norm_rope(row, heads, mask_h, offs_d, partner, sign, cos, sin, q_weight_ptr, eps, NORM, HEAD_DIM)
+    if (pos >= start) & (pos < end):
+        one = tl.arange(0, 1)
+        k = _norm_rope(row + HEADS * HEAD_DIM, kv_head + one, one < 1, offs_d, partner, sign, cos, sin,
+                       k_weight_ptr, eps, NORM, HEAD_DIM)
+        v = tl.load(row + (HEADS + KV_HEADS + kv_head + one[:, None]) * HEAD_DIM + offs_d[None, :])
+        if KV_FP8:
+            k = to_fp8(k, inv_k_scale, k_cache_ptr.dtype.element_ty)
+            v = to_fp8(v, inv_v_scale, v_cache_ptr.dtype.element_ty)
+        else:
+            k = k.to(row.dtype.element_ty)   # rounded once, as the cache holds it
+        slot = tl.load(table + pos // BLOCK_SIZE).to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        tl.store(k_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_kb, stride_kt) + kv_head * stride_kh
+                 + one[:, None] * 0 + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty))
+        tl.store(v_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_vb, stride_vt) + kv_head * stride_vh
+                 + one[:, None] * 0 + offs_d[None, :] * stride_vd, v.to(v_cache_ptr.dtype.element_ty))
+        tl.debug_barrier()   # the stores above are seen by every thread of the program below
+    return q
+
+
 def qkv_rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
                    head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
                    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
@@ -110,3 +150,25 @@ def qkv_rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, n
         BLOCK_SIZE=v_cache.shape[1], KV_FP8=is_fp8(k_cache), num_warps=4 if num_heads * head_dim >= 1024 else 1, **pdl_launch(qkv.device),
     )
     return q
+
+
+def check_rope(rope: NewTokenRope, q: torch.Tensor, kv_heads: int, query_start_loc: torch.Tensor | None) -> None:
+    """The layouts the decode kernel's rope reads without checking."""
+    _, heads, head_dim = q.shape
+    if query_start_loc is not None:
+        raise ValueError("a mixed step stores its K/V with qkv_rope_store: rope takes decode rows only")
+    # a lone row's stride is whatever the view chose: the kernel never steps over it
+    if q.stride(1) != head_dim or (q.shape[0] > 1 and q.stride(0) < (heads + 2 * kv_heads) * head_dim):
+        raise ValueError(f"with rope, q must be the q columns of a packed projection [batch, "
+                         f"{(heads + 2 * kv_heads) * head_dim}], got strides {q.stride()}")
+    if rope.cos.stride(1) != 1 or rope.cos.stride() != rope.sin.stride() or rope.cos.shape[1] != head_dim:
+        raise ValueError(f"rope needs cos/sin tables [positions, {head_dim}] of one layout")
+
+
+def rope_kernel_args(rope: NewTokenRope | None, q: torch.Tensor, k_scale: float, v_scale: float) -> tuple:
+    """The decode kernel's rope arguments in its order; placeholders, never read, without rope."""
+    if rope is None:
+        return (q, q, q, q, 0.0, 1.0, 1.0, 0)
+    norm = rope.q_weight is not None
+    return (rope.cos, rope.sin, rope.q_weight if norm else q, rope.k_weight if norm else q, rope.eps,
+            1.0 / k_scale, 1.0 / v_scale, rope.cos.stride(0))

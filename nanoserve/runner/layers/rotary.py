@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -38,3 +40,16 @@ class RotaryTables(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+
+@dataclass(frozen=True)
+class NewTokenRope:
+    """What an attention backend needs to make q, k and v from the packed projection itself: the
+    rotary tables [positions, head_dim] and the per-head q/k RMSNorm weights (None: no norm, as
+    in Llama) with their eps."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float

@@ -14,7 +14,7 @@ from nanoserve.runner.batch import AttentionMetadata
 from nanoserve.runner.layers.linear import PackedLinear, RowParallelLinear
 from nanoserve.runner.layers.norm import RMSNorm
 from nanoserve.runner.layers.ops import EAGER_OPS, LayerOps
-from nanoserve.runner.layers.rotary import RotaryTables
+from nanoserve.runner.layers.rotary import NewTokenRope, RotaryTables
 from nanoserve.runner.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.runner.parallel import SINGLE, TensorParallel
 
@@ -57,12 +57,10 @@ class Attention(nn.Module):
         """Attention of the packed q/k/v projection (qkv_proj's output), through o_proj."""
         norms = (self.q_norm.weight, self.k_norm.weight, self.eps) if self.q_norm is not None else ()
         if self.backend.fuses_kv_store:
-            # one kernel for q/k norm, rotary and the K/V store; attention then reads the cache
-            q = self.backend.qkv_rope_store(positions, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
-                                            self.rotary.cos, self.rotary.sin, *(norms or (None, None, 0.0)),
-                                            self.k_cache, self.v_cache, meta.slot_mapping,
-                                            self.k_scale, self.v_scale)
-            o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
+            # q/k norm, rotary and the K/V store inside the backend's kernels; attention then reads the cache
+            rope = NewTokenRope(self.rotary.cos, self.rotary.sin, *(norms or (None, None, 0.0)))
+            o = self.backend.attend_qkv(positions, qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope,
+                                        self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
         else:
             q, k, v = self.ops.qkv_rope(positions, qkv, self.num_heads, self.num_kv_heads,
                                         self.head_dim, self.rotary.cos, self.rotary.sin, *norms)
