@@ -270,6 +270,18 @@ def server(server_model, tmp_path_factory):
         yield proc
 
 
+QWEN3_TEMPLATE = REPO / "tests" / "assets" / "chat_templates" / "qwen3.jinja"
+
+
+@pytest.fixture(scope="module")
+def tool_server(server_model, tmp_path_factory):
+    """A server that parses tool calls (hermes) and reasoning (qwen3) under Qwen3's chat template."""
+    with ServerProcess(server_model, tmp_path_factory.mktemp("tools"), "--num-kvcache-blocks", "256",
+                       "--block-size", "16", "--chat-template", str(QWEN3_TEMPLATE), "--enable-auto-tool-choice",
+                       "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3") as proc:
+        yield proc
+
+
 @pytest.fixture(scope="session")
 def offline(server_model):
     """The offline LLM on the same model and settings: the reference for the server's greedy outputs."""

@@ -18,8 +18,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.server.conftest import DEVICE, in_process_server, openai_client
-# the tool-calling tests' server, started again for this file (module scope)
-from tests.server.test_tool_calling import tool_server  # noqa: F401
+# tool_server (conftest): the tool-calling tests' server, started again for this file (module scope)
 
 MAX_TOKENS = 300
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
