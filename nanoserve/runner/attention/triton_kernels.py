@@ -13,7 +13,7 @@ from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.decode_splits import decode_split_count, engine_split_keys, split_span
 from nanoserve.runner.attention.triton_decode import decode_config, paged_decode
 from nanoserve.runner.attention.triton_fp8 import to_fp8
-from nanoserve.runner.attention.triton_paged import slot_offset
+from nanoserve.runner.attention.triton_paged import store_kv_rows
 from nanoserve.runner.attention.triton_prefill import paged_prefill
 from nanoserve.runner.attention.triton_rope_store import qkv_rope_store
 from nanoserve.runner.layers.rotary import NewTokenRope
@@ -50,14 +50,9 @@ def _store_kernel(
         k = tl.load(k_ptr + src, mask=mask)
         src = token.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
         v = tl.load(v_ptr + src, mask=mask)
-        if KV_FP8:
-            k = to_fp8(k, inv_k_scale, k_cache_ptr.dtype.element_ty)
-            v = to_fp8(v, inv_v_scale, v_cache_ptr.dtype.element_ty)
-        dst = slot_offset(slot, BLOCK_SIZE, stride_kcb, stride_ks) + offs_h[:, None] * stride_kch + offs_d[None, :]
-        tl.store(k_cache_ptr + dst, k, mask=mask)
-        dst = slot_offset(slot, BLOCK_SIZE, stride_vcb, stride_vs) + offs_h[:, None] * stride_vch \
-            + offs_d[None, :] * stride_vcd
-        tl.store(v_cache_ptr + dst, v, mask=mask)
+        store_kv_rows(k, v, slot, offs_h, offs_h < KV_HEADS, offs_d, k_cache_ptr, v_cache_ptr, inv_k_scale,
+                      inv_v_scale, stride_kcb, stride_ks, stride_kch, stride_vcb, stride_vs, stride_vch, stride_vcd,
+                      BLOCK_SIZE, KV_FP8)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

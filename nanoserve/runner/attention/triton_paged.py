@@ -11,6 +11,7 @@ import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.kv_layout import tokens_contiguous
+from nanoserve.runner.attention.triton_fp8 import to_fp8
 
 
 @triton.jit
@@ -61,6 +62,21 @@ def load_kv_block_tile(k_cache_ptr, v_cache_ptr, block, first, mask_n, kv_head, 
 def slot_offset(slot, BLOCK_SIZE: tl.constexpr, stride_b, stride_t):
     """Where cache slot `slot` (block * BLOCK_SIZE + offset) starts in a cache of any layout."""
     return (slot // BLOCK_SIZE) * stride_b + (slot % BLOCK_SIZE) * stride_t
+
+
+@triton.jit
+def store_kv_rows(k, v, slot, heads, mask_h, offs_d, k_cache_ptr, v_cache_ptr, inv_k_scale, inv_v_scale,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
+                  BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr):
+    """One token's k and v ([heads, HEAD_DIM], rows mask_h) into cache slot `slot`, as the cache
+    holds them: rounded once to its dtype, or for an fp8 cache k / k_scale and v / v_scale in e4m3."""
+    if KV_FP8:
+        k = to_fp8(k, inv_k_scale, k_cache_ptr.dtype.element_ty)
+        v = to_fp8(v, inv_v_scale, v_cache_ptr.dtype.element_ty)
+    tl.store(k_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_kb, stride_ks) + heads[:, None] * stride_kh
+             + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask_h[:, None])
+    tl.store(v_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_vb, stride_vs) + heads[:, None] * stride_vh
+             + offs_d[None, :] * stride_vd, v.to(v_cache_ptr.dtype.element_ty), mask=mask_h[:, None])
 
 
 @triton.jit

@@ -24,9 +24,10 @@ import triton
 import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
-from nanoserve.runner.attention.triton_paged import check_shapes, dot_precision, softmax_scale_log2
 from nanoserve.runner.attention.kv_layout import tokens_contiguous
-from nanoserve.runner.attention.triton_paged import load_kv_block_tile, load_kv_tile, online_softmax_step
+from nanoserve.runner.attention.triton_paged import (
+    check_shapes, dot_precision, load_kv_block_tile, load_kv_tile, online_softmax_step, softmax_scale_log2,
+)
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 

@@ -12,8 +12,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
-from nanoserve.runner.attention.triton_fp8 import to_fp8
-from nanoserve.runner.attention.triton_paged import slot_offset
+from nanoserve.runner.attention.triton_paged import store_kv_rows
 from nanoserve.runner.layers.rotary import NewTokenRope
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
@@ -70,15 +69,8 @@ def _qkv_rope_store_kernel(
                        k_weight_ptr, eps, NORM, HEAD_DIM)
         v = tl.load(row + (HEADS + KV_HEADS) * HEAD_DIM + offs_kh[:, None] * HEAD_DIM
                     + offs_d[None, :], mask=mask_kh[:, None])
-        if KV_FP8:
-            k = to_fp8(k, inv_k_scale, k_cache_ptr.dtype.element_ty)
-            v = to_fp8(v, inv_v_scale, v_cache_ptr.dtype.element_ty)
-        else:
-            k = k.to(qkv_ptr.dtype.element_ty)   # rounded once, like the unfused path's k
-        tl.store(k_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_kb, stride_ks) + offs_kh[:, None] * stride_kh
-                 + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask_kh[:, None])
-        tl.store(v_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_vb, stride_vs) + offs_kh[:, None] * stride_vh
-                 + offs_d[None, :] * stride_vd, v.to(v_cache_ptr.dtype.element_ty), mask=mask_kh[:, None])
+        store_kv_rows(k, v, slot, offs_kh, mask_kh, offs_d, k_cache_ptr, v_cache_ptr, inv_k_scale, inv_v_scale,
+                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, BLOCK_SIZE, KV_FP8)
 
 
 @triton.jit
@@ -106,16 +98,9 @@ def rope_new_token(row, seq_len, start, end, kv_head, heads, mask_h, table, cos_
         k = _norm_rope(row + HEADS * HEAD_DIM, kv_head + one, one < 1, offs_d, partner, sign, cos, sin,
                        k_weight_ptr, eps, NORM, HEAD_DIM)
         v = tl.load(row + (HEADS + KV_HEADS + kv_head + one[:, None]) * HEAD_DIM + offs_d[None, :])
-        if KV_FP8:
-            k = to_fp8(k, inv_k_scale, k_cache_ptr.dtype.element_ty)
-            v = to_fp8(v, inv_v_scale, v_cache_ptr.dtype.element_ty)
-        else:
-            k = k.to(row.dtype.element_ty)   # rounded once, as the cache holds it
         slot = tl.load(table + pos // BLOCK_SIZE).to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        tl.store(k_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_kb, stride_kt) + kv_head * stride_kh
-                 + one[:, None] * 0 + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty))
-        tl.store(v_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_vb, stride_vt) + kv_head * stride_vh
-                 + one[:, None] * 0 + offs_d[None, :] * stride_vd, v.to(v_cache_ptr.dtype.element_ty))
+        store_kv_rows(k, v, slot, kv_head + one, one < 1, offs_d, k_cache_ptr, v_cache_ptr, inv_k_scale, inv_v_scale,
+                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, BLOCK_SIZE, KV_FP8)
         tl.debug_barrier()   # the stores above are seen by every thread of the program below
     return q
 
