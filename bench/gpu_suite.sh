@@ -140,7 +140,8 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py'
              | tee -a "$out/early-loads.log" | grep -vE "it/s|Capturing"
          done ;;
     rope-ab) # a decode-only step's q/k norm, rotary and K/V store in their own launch, then inside the decode
-         # kernel (the default): its GPU tests, decode steps at 1k over both caches, then the 256-sequence workload
+         # kernel (the default, at batch 1 only since the run of cdbfc62 that took it at every batch): its GPU
+         # tests, decode steps at 1k over both caches, then the 256-sequence workload
          timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_rope_store_gpu.py tests/gpu/test_model_gpu.py 2>&1 \
            | tee "$out/tests-rope.log" | tail -4
          for rope in 0 1; do
