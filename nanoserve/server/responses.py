@@ -194,6 +194,22 @@ class ResponseWriter:
                                          output_index=len(self.items) - 1, delta=fragment))
         return events
 
+    def unshown_logprobs(self, entries: list) -> list[bytes]:
+        """The last tokens' logprobs where they add no text (the end-of-sequence token, the token
+        that completed a stop string), in a delta of "" as chat's last chunk carries them: the
+        whole message has them, as a whole chat message does. Tokens after a reasoning or a call
+        item belong to no message, whole or streamed."""
+        if self.open != "message" and self.items:
+            return []
+        events: list[bytes] = []
+        if self.open is None:   # nothing was written: the empty answer is still a message
+            self.open = "message"
+            events += self.open_item(self.message_item("", [], "in_progress"))
+        self.items[-1]["content"][0]["logprobs"] += entries
+        events.append(self.event("response.output_text.delta", item_id=self.items[-1]["id"],
+                                 output_index=len(self.items) - 1, content_index=0, delta="", logprobs=entries))
+        return events
+
     async def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
         reader = self.chat.readers[0]
         ids: list[int] = []
@@ -213,7 +229,11 @@ class ResponseWriter:
                 if not delta and finish is None:
                     continue   # held back by a parser (a tag, the start of a call)
                 logprobs = self.chat.logprobs(ids, lps)
-                for event in self.apply(delta, logprobs["content"] if logprobs else []):
+                entries = logprobs["content"] if logprobs else []
+                events = self.apply(delta, entries)
+                if finish is not None and entries and not delta.get("content"):
+                    events += self.unshown_logprobs(entries)
+                for event in events:
                     yield event
                 ids, lps = [], []
             status = self.status(finish_reason)

@@ -179,6 +179,31 @@ def test_logprobs_come_with_the_text_when_included(client):
                for entry in logprobs)
 
 
+@pytest.mark.parametrize("extra", [{"extra_body": {"structured_outputs": {"regex": "Answer here"}}},
+                                   {"extra_body": {"structured_outputs": {"regex": "Answer here"}, "stop": ["here"]}},
+                                   {"extra_body": {"structured_outputs": {"regex": "Answer here"}, "stop": ["An"]}},
+                                   {"max_output_tokens": 4}],
+                         ids=["end of sequence", "stop string", "stop string first", "max_output_tokens"])
+def test_logprobs_are_the_same_whole_and_streamed_and_as_chat_gives_them(client, extra):
+    # whole, the message carried the end-of-sequence token's (as chat does, whole and streamed); the
+    # stream sent none for it, nor for the token that completed a stop string
+    body = {"input": "Hi", "max_output_tokens": 40, "temperature": 0, "top_logprobs": 1,
+            "include": ["message.output_text.logprobs"], **extra}
+    whole = client.responses.create(model="tiny", **body).output[0].content[0]
+    events = streamed(client, **body)
+    sent = [entry for e in events if e.type == "response.output_text.delta" for entry in e.logprobs]
+    final = events[-1].response.output[0].content[0]
+    chat_body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": body["max_output_tokens"],
+                 "temperature": 0, "logprobs": True, "top_logprobs": 1, "extra_body": extra.get("extra_body")}
+    chat = client.chat.completions.create(model="tiny", **chat_body).choices[0].logprobs.content
+    chat_sent = [entry for chunk in client.chat.completions.create(model="tiny", stream=True, **chat_body)
+                 for choice in chunk.choices if choice.logprobs for entry in choice.logprobs.content]
+    assert whole.text == final.text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    for entries in (whole.logprobs, final.logprobs, chat, chat_sent):   # runs of the model: equal up to rounding
+        assert [e.token for e in entries] == [e.token for e in sent]
+        assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in sent], abs=1e-4)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
