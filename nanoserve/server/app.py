@@ -24,7 +24,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError
 from nanoserve.server import chat, completions, info, responses
 from nanoserve.server.backlog import BudgetMiddleware
-from nanoserve.server.connections import always_served, uvicorn_options
+from nanoserve.server.connections import always_served, canonical_path, uvicorn_options
 from nanoserve.server.errors import APIError, install_handlers
 from nanoserve.server.limits import BodyLimitMiddleware
 from nanoserve.server.openapi import install_openapi
@@ -49,6 +49,23 @@ class APIKeyMiddleware:
                                     "with the key given to --api-key", 401, code="invalid_api_key").response()
                 await response(scope, receive, send)
                 return
+        await self.app(scope, receive, send)
+
+
+class CanonicalPathMiddleware:
+    """Serves a path with a trailing slash or doubled slashes ("/v1/completions/", "//health",
+    "/v1//models") as its route's own path. Starlette answered a trailing slash with a 307 to the
+    canonical path, which some clients follow by re-sending a POST's body, others by dropping it;
+    doubled slashes come from a base URL that ends in "/" joined to a path that starts with one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = canonical_path(scope["path"])
+            if path != scope["path"]:
+                scope = {**scope, "path": path}
         await self.app(scope, receive, send)
 
 
@@ -95,9 +112,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings,
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_request_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
-    if settings.allowed_origins:  # added last, so it is outermost and answers preflights without a key
+    if settings.allowed_origins:  # outside the key check, so it answers preflights without a key
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
+    # outermost: the key check, the limits and the routes all see the path that is served
+    app.add_middleware(CanonicalPathMiddleware)
+    app.router.redirect_slashes = False   # no route answers with a redirect, whatever the path
     return app
 
 

@@ -47,9 +47,14 @@ UPGRADE_PIECE_BYTES = 4096
 LINGER_S = 5.0
 
 
+def canonical_path(path: str) -> str:
+    """The path a route serves it under: no trailing slash, no doubled slashes ("//health/" is "/health")."""
+    return "/" + "/".join(part for part in path.split("/") if part)
+
+
 def always_served(path: str) -> bool:
     """A probe path: served without the API key and past the connection cap ("/health/" too)."""
-    return path.rstrip("/") in ALWAYS_SERVED
+    return canonical_path(path) in ALWAYS_SERVED
 
 
 def raise_open_file_limit(max_connections: int) -> None:

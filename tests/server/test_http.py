@@ -223,6 +223,24 @@ def test_every_get_route_answers_head_with_no_body(http, path):
     assert http.head("/v1/models/nope").status_code == 404
 
 
+@pytest.mark.parametrize("method, path", [("GET", "//health"), ("GET", "/health/"), ("GET", "/v1/models/"),
+                                          ("GET", "/v1//models"), ("POST", "/v1/completions/"),
+                                          ("POST", "//v1/completions"), ("POST", "/v1//chat/completions/")])
+def test_a_trailing_or_doubled_slash_is_served_as_the_route_not_redirected(http, server, method, path):
+    # Starlette answered a trailing slash with a 307, which some clients follow by posting again
+    canonical = "/" + "/".join(part for part in path.split("/") if part)
+    asked = {"messages": MESSAGES} if "chat" in path else {"prompt": "hi"}
+    body = {"model": "tiny", "max_tokens": 3, "temperature": 0, **asked} if method == "POST" else None
+    # the whole URL: a path of its own that starts with "//" would name a host
+    got, expected = http.request(method, server.url + path, json=body), http.request(method, canonical, json=body)
+    assert got.status_code == expected.status_code == 200, got.text
+    assert got.headers["content-type"] == expected.headers["content-type"]
+    if method == "POST":
+        assert got.json()["choices"][0] == expected.json()["choices"][0]
+    unknown = http.post("/v1/nothing/", json=body or {})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
+
+
 def test_tokenize_and_detokenize_round_trip(http, offline):
     text = "A dict maps keys to values: 日本"
     tok = http.post("/tokenize", json={"prompt": text}).json()
