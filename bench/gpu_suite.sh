@@ -134,7 +134,6 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py'
            for extra in "--batch-sizes 1,4,8,16,32,64" "--batch-sizes 16 --profile"; do
              echo "normed buckets up to $cap: $extra" | tee -a "$out/normed-ab.log"
              python3 -c "import sys; sys.argv = ['decode_step', '--contexts', '1024'] + '$extra'.split()
-import logging; logging.basicConfig(level=logging.INFO, format='%(message)s')
 import nanoserve.runner.layers.skinny_choice as c
 choose = c.choose_normed
 c.choose_normed = lambda wins, shapes, max_rows, *a, **k: choose(wins, shapes, min(max_rows, $cap), *a, **k)
