@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [normed-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -128,19 +128,6 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py'
          workload_ab NANOSERVE_DECODE_HEADS_FAST "$out/launch-order-ab.log" ;;
     ragged) # decode over unequal contexts: split counts and longest-first launch order, bf16 and fp8 caches
          python3 bench/attention_kernels.py --ragged 2>&1 | tee "$out/ragged.log" | tail -12 ;;
-    normed-ab) # the add + RMSNorm folded into the skinny GEMM after it at 1-2 rows only (as before), then at
-         # every row bucket where it times faster (the default): bf16 steps at 1k, then the same with --profile at 16
-         for cap in 2 32; do
-           for extra in "--batch-sizes 1,4,8,16,32,64" "--batch-sizes 16 --profile"; do
-             echo "normed buckets up to $cap: $extra" | tee -a "$out/normed-ab.log"
-             python3 -c "import sys; sys.argv = ['decode_step', '--contexts', '1024'] + '$extra'.split()
-import nanoserve.runner.layers.skinny_choice as c
-choose = c.choose_normed
-c.choose_normed = lambda wins, shapes, max_rows, *a, **k: choose(wins, shapes, min(max_rows, $cap), *a, **k)
-sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
-               | tee -a "$out/normed-ab.log" | grep -vE "it/s|Capturing"
-           done
-         done ;;
     early-loads) # loads before the PDL wait, off then on: the skinny GEMM's first weight tile (1-2 rows) and the
          # decode kernel's L2 prefetch of its first K/V tile, each alone and both (the default); bf16 steps at 1k
          for loads in "False False" "True False" "False True" "True True"; do

@@ -122,7 +122,7 @@ def test_the_gated_choice_stays_within_the_plain_wins():
 
 
 @pytest.mark.parametrize("name", ["0.6b-qkv", "0.6b-gate_up", "8b-qkv", "8b-gate_up"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 16, 32])
+@pytest.mark.parametrize("rows", [1, 2])
 def test_a_normed_input_matches_add_rms_norm_then_the_product(name, rows):
     """The residual add and RMSNorm done as the kernel loads: the new residual bit for bit, the
     product against the unfused path's normed input in float32."""
@@ -142,9 +142,9 @@ def test_a_normed_input_matches_add_rms_norm_then_the_product(name, rows):
 
 def test_the_normed_choice_names_only_the_shapes_and_buckets_it_timed():
     shapes = [SHAPES["0.6b-qkv"], SHAPES["0.6b-gate_up"]]
-    wins = choose_skinny(shapes, 8, torch.device("cuda"), torch.bfloat16)
-    normed = choose_normed(wins, shapes, 8, torch.device("cuda"), torch.bfloat16)
-    assert all((n, k) in shapes and rows in (1, 2, 4, 8) for n, k, rows in normed)
+    wins = choose_skinny(shapes, 2, torch.device("cuda"), torch.bfloat16)
+    normed = choose_normed(wins, shapes, torch.device("cuda"), torch.bfloat16)
+    assert all((n, k) in shapes and rows in (1, 2) for n, k, rows in normed)
 
 
 def test_the_cublaslt_choice_names_only_shapes_and_rows_it_timed():

@@ -172,11 +172,14 @@ def choose_gated(wins: set[tuple[int, int, int]], gated_shapes: Iterable[tuple[i
     return chosen
 
 
+NORMED_ROWS = (1, 2)   # the row buckets whose tiles can fold a norm in (small_gemm.py)
+
+
 @torch.inference_mode()
-def choose_normed(wins: set[tuple[int, int, int]], normed_shapes: Iterable[tuple[int, int]], max_rows: int,
-                  device: torch.device, dtype: torch.dtype, add_rms_norm: Callable = ops.add_rms_norm,
-                  eps: float = 1e-6) -> set[tuple[int, int, int]]:
-    """The (N, K, row bucket <= max_rows) of projections that follow an RMSNorm where the skinny kernel that
+def choose_normed(wins: set[tuple[int, int, int]], normed_shapes: Iterable[tuple[int, int]], device: torch.device,
+                  dtype: torch.dtype, add_rms_norm: Callable = ops.add_rms_norm, eps: float = 1e-6
+                  ) -> set[tuple[int, int, int]]:
+    """The (N, K, row bucket) of projections that follow an RMSNorm where the skinny kernel that
     adds the residual and norms as it loads gives the unfused result (the same new residual, bit
     for bit) and takes less time than the norm kernel and the GEMM that runs without it (skinny
     where it won, else cuBLAS), timed together in one graph (`add_rms_norm`: the model's own)."""
@@ -186,7 +189,7 @@ def choose_normed(wins: set[tuple[int, int, int]], normed_shapes: Iterable[tuple
     for n, k in sorted(set(normed_shapes)):
         weights = rotated_weights(n, k, dtype, device)
         gamma = torch.rand(k, dtype=dtype, device=device) + 0.5
-        for rows in row_buckets(max_rows):
+        for rows in NORMED_ROWS:
             x, residual = (torch.randn(rows, k, dtype=dtype, device=device) for _ in range(2))
             normed, summed = ops.add_rms_norm(x, residual, gamma, eps)
 
@@ -256,7 +259,7 @@ def use_skinny_gemm_where_faster(model: nn.Module, max_rows: int, device: torch.
     gated_shapes = {tuple(layer.weight.shape) for layer in layers if getattr(layer, "takes_gated_input", False)}
     gated = choose_gated(wins, gated_shapes, device, dtype, silu_mul)
     normed_shapes = {tuple(layer.weight.shape) for layer in layers if getattr(layer, "takes_normed_input", False)}
-    normed = choose_normed(wins, normed_shapes, max_rows, device, dtype, add_rms_norm)
+    normed = choose_normed(wins, normed_shapes, device, dtype, add_rms_norm)
     enabled = enable_skinny_gemm(model, wins, gated, normed)
     logger.info("skinny GEMM: Triton for %s (%d of %d linear layers), cuBLAS elsewhere; SiLU-mul "
                 "inside it for %s; RMSNorm inside it for %s; chosen in %.1f s", describe(wins), enabled,

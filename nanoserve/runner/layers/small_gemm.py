@@ -17,15 +17,12 @@ Gated input (the `down` projection of a gated MLP): x holds [gate | up] and the 
 silu(gate) * up as it loads, rounded to x's dtype as the separate SiLU-mul kernel stores it, so
 that kernel and its launch drop out of the step.
 
-Normed input (the projections that follow a layer's RMSNorm): the kernel takes the norm's
-input and residual and adds them as it loads, and the programs of the first column block write
-the new residual. The norm's launch drops out. On CUDA cores (1-2 rows) each program first reads
-its rows whole for their mean squares (a few KB, from L2), then normalizes as it loads, rounding
-where the eager add + RMSNorm (ops.py) rounds. Tensor-core tiles take gamma * (x + residual) into
-the dot and scale each row's sums by 1 / rms at the end, from squares summed in the same pass
-over K (which these programs never split); that rounds once where the norm rounds twice. Either
-way the product can differ from the unfused path's by about a bf16 step; the new residual is
-the same bits.
+Normed input (1-2 rows: the projections that follow a layer's RMSNorm): the kernel takes the
+norm's input and residual, adds them, and normalizes as it loads, rounding where the eager add +
+RMSNorm (ops.py) rounds; each program first reads the whole rows for their mean square (a few KB,
+from L2), and the first program also writes the new residual. The norm's launch drops out. The
+compiled norm keeps float32 between its steps, so the product can differ from its path by about
+a bf16 step; the new residual is the same bits.
 
 CUDA-graph safe: no host syncs; the config depends on (rows, N, K) and the device only, and the
 partials come from torch's allocator (the graph pool during capture).
@@ -33,7 +30,6 @@ partials come from torch's allocator (the graph pool during capture).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -99,12 +95,11 @@ def _inv_rms(x_row, res_row, new_res_row, K, eps, store, HAS_RES: tl.constexpr, 
 
 
 @triton.jit
-def _load_normed(x_ptrs, res_ptrs, gamma, mask, inv_rms, HAS_RES: tl.constexpr):
-    """gamma * (h * inv_rms), rounded to x's dtype after each step as the eager RMSNorm rounds;
-    gamma is loaded by the caller (once for every row of a tile)."""
+def _load_normed(x_ptrs, res_ptrs, gamma_ptrs, mask, inv_rms, HAS_RES: tl.constexpr):
+    """gamma * (h * inv_rms), rounded to x's dtype after each step as the eager RMSNorm rounds."""
     dtype = x_ptrs.dtype.element_ty
     h = (_load_sum(x_ptrs, res_ptrs, mask, HAS_RES) * inv_rms).to(dtype).to(tl.float32)
-    return (h * gamma.to(tl.float32)).to(dtype)
+    return (h * tl.load(gamma_ptrs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
 
 
 @triton.jit
@@ -123,8 +118,7 @@ def _fma_tile(w, ks, k_end, x_ptr, x_stride, row1, K, acc0, acc1, BLOCK_M: tl.co
     """acc{0,1} += w * x{0,1} over the columns ks: the rows of x loaded (and normed or gated) here."""
     mask = ks < k_end
     if NORMED:
-        gamma = tl.load(gamma_ptr + ks, mask=mask, other=0.0)
-        x0 = _load_normed(x_ptr + ks, res_ptr + ks, gamma, mask, inv_rms0, HAS_RES)
+        x0 = _load_normed(x_ptr + ks, res_ptr + ks, gamma_ptr + ks, mask, inv_rms0, HAS_RES)
     elif MASKED:
         x0 = _load_x(x_ptr + ks, mask, K, GATED)
     else:
@@ -133,7 +127,8 @@ def _fma_tile(w, ks, k_end, x_ptr, x_stride, row1, K, acc0, acc1, BLOCK_M: tl.co
     acc0 += w * x0.to(tl.float32)[None, :]
     if BLOCK_M == 2:
         if NORMED:
-            x1 = _load_normed(x_ptr + row1 * x_stride + ks, res_ptr + row1 * K + ks, gamma, mask, inv_rms1, HAS_RES)
+            x1 = _load_normed(x_ptr + row1 * x_stride + ks, res_ptr + row1 * K + ks, gamma_ptr + ks,
+                              mask, inv_rms1, HAS_RES)
         else:
             x1 = _load_x(x_ptr + row1 * x_stride + ks, mask, K, GATED)
         acc1 += w * x1.to(tl.float32)[None, :]
@@ -168,41 +163,23 @@ def _fma_steps(x_ptr, x_stride, w_rows, w_first, M, K, k_start, k_end, BLOCK_M: 
 @triton.jit
 def _dot_steps(x_ptr, x_stride, w_rows, M, K, k_start, k_end, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               PRECISION: tl.constexpr, GATED: tl.constexpr, res_ptr, gamma_ptr, new_res_ptr, eps, store,
-               NORMED: tl.constexpr, HAS_RES: tl.constexpr):
+               PRECISION: tl.constexpr, GATED: tl.constexpr):
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
     x_rows = x_ptr + offs_m[:, None] * x_stride
-    res_rows = res_ptr + offs_m[:, None] * K
     mask_m = offs_m[:, None] < M
-    stored = tl.where(store, K, 0)   # a normed input's new residual: every column, or none
-    squares = tl.zeros([BLOCK_M], tl.float32)
     # W x^T: the weight is the tall operand, x^T the narrow one
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + offs_k
         if EVEN_K:
             w = tl.load(w_rows + ks[None, :])
+            x = _load_x(x_rows + ks[None, :], mask_m, K, GATED)
         else:
             w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < k_end, other=0.0)
-        mask = mask_m if EVEN_K else mask_m & (ks[None, :] < k_end)
-        if NORMED:
-            # gamma * h goes into the dot and 1 / rms scales the sums at the end: one pass over
-            # the rows (the program's K range is all of K), no prologue that reads them whole first
-            h = _load_sum(x_rows + ks[None, :], res_rows + ks[None, :], mask, HAS_RES)
-            squares += tl.sum(h * h, 1)
-            if HAS_RES:
-                tl.store(new_res_ptr + offs_m[:, None] * K + ks[None, :], h.to(new_res_ptr.dtype.element_ty),
-                         mask=mask & (ks[None, :] < stored))
-            gamma = tl.load(gamma_ptr + ks, mask=ks < k_end, other=0.0).to(tl.float32)
-            x = (h * gamma[None, :]).to(x_ptr.dtype.element_ty)
-        else:
-            x = _load_x(x_rows + ks[None, :], mask, K, GATED)
+            x = _load_x(x_rows + ks[None, :], mask_m & (ks[None, :] < k_end), K, GATED)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
-    out = tl.trans(acc)
-    if NORMED:
-        out = out * (1.0 / tl.sqrt(squares / K + eps))[:, None]
-    return out
+    return tl.trans(acc)
 
 
 # M changes with the batch: unspecialized, one compile serves every row count of a bucket
@@ -219,8 +196,6 @@ def _skinny_kernel(
     row0 = tl.program_id(2) * BLOCK_M   # this program's first row
     parts = out_ptr + split * M * N     # the split's partial (SPLIT), else the output itself
     x_ptr += row0 * x_stride
-    res_ptr += row0 * K                 # a normed input's residual rows (contiguous), old and new
-    new_res_ptr += row0 * K
     out_ptr = parts + row0 * N
     M -= row0                           # rows from row0 on
     offs_m = tl.arange(0, BLOCK_M)
@@ -238,14 +213,14 @@ def _skinny_kernel(
     pdl_prologue(USE_PDL)   # x is read only past this point: the kernel ahead may write it
     if BLOCK_M < 16 and not PRELOAD:
         w_first = _load_w(w_rows, k_start + tl.arange(0, BLOCK_K), k_end, True)
-    store = (pid_n == 0) & (split == 0)   # a normed input: the program that writes the new residual
     if BLOCK_M >= 16:
         acc = _dot_steps(x_ptr, x_stride, w_rows, M, K, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
-                         EVEN_K, PRECISION, GATED, res_ptr, gamma_ptr, new_res_ptr, eps, store, NORMED, HAS_RES)
+                         EVEN_K, PRECISION, GATED)
     else:
         inv_rms0 = 1.0
         inv_rms1 = 1.0
-        if NORMED:   # 1-2 rows, row0 0
+        if NORMED:   # 1-2 rows, row0 0; the first program writes the new residual
+            store = (pid_n == 0) & (split == 0)
             inv_rms0 = _inv_rms(x_ptr, res_ptr, new_res_ptr, K, eps, store, HAS_RES, BLOCK_K)
             if BLOCK_M == 2:
                 row1 = tl.minimum(M - 1, 1)
@@ -325,10 +300,10 @@ def skinny_config(rows: int, n: int, k: int, sms: int, elem_bytes: int = 2) -> S
 def skinny_linear_normed(x: torch.Tensor, residual: torch.Tensor | None, gamma: torch.Tensor, eps: float,
                          weight: torch.Tensor, bias: torch.Tensor | None = None,
                          config: SkinnyConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual) @ weight^T (+ bias), x + residual), as the add +
+    """(rms_norm(x + residual) @ weight^T (+ bias), x + residual) for 1-2 rows, as the add +
     RMSNorm kernel and skinny_linear give them apart; without a residual, rms_norm(x) and x."""
-    if x.dim() != 2 or not x.is_contiguous() or (residual is not None and residual.shape != x.shape):
-        raise ValueError(f"skinny_linear_normed takes contiguous rows and a residual of their shape, "
+    if x.shape[0] > 2 or not x.is_contiguous() or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"skinny_linear_normed takes 1-2 contiguous rows and a residual of their shape, "
                          f"got x {tuple(x.shape)}, residual {None if residual is None else tuple(residual.shape)}")
     new_residual = torch.empty_like(x) if residual is not None else x
     norm = (residual.contiguous() if residual is not None else None, gamma, new_residual, eps)
@@ -360,11 +335,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     cfg = config or skinny_config(m, n, k, num_sms(x.device), x.element_size())
     if cfg.block_m < 16 and (cfg.block_m > 2 or cfg.block_m < m):
         raise ValueError(f"{cfg} cannot take {m} rows: block_m is 1 or 2 (and >= rows), or >= 16")
-    if norm is not None and gated:
-        raise ValueError("an input is normed or gated, not both")
-    if norm is not None and cfg.block_m >= 16 and cfg.split_k > 1:
-        # tensor-core tiles scale by 1 / rms from the squares of their own pass over all of K
-        cfg = dataclasses.replace(cfg, split_k=1)
+    if norm is not None and (cfg.block_m > 2 or gated):
+        raise ValueError(f"a normed input needs the 1-2 row tiles and no gate, got {cfg}")
     # every split but the last starts on a block boundary
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = cfg.split_k > 1
