@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -128,6 +128,18 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py'
          workload_ab NANOSERVE_DECODE_HEADS_FAST "$out/launch-order-ab.log" ;;
     ragged) # decode over unequal contexts: split counts and longest-first launch order, bf16 and fp8 caches
          python3 bench/attention_kernels.py --ragged 2>&1 | tee "$out/ragged.log" | tail -12 ;;
+    sum-ab) # split-K partials summed by a second kernel, then by the last split of each tile (the default):
+         # bf16 steps at 1k, then the same with --profile at 16
+         for last in False True; do
+           for extra in "--batch-sizes 1,4,8,16,32,64" "--batch-sizes 16 --profile"; do
+             echo "sum in the last split $last: $extra" | tee -a "$out/sum-ab.log"
+             python3 -c "import sys; sys.argv = ['decode_step', '--contexts', '1024'] + '$extra'.split()
+import nanoserve.runner.layers.small_gemm as g
+g.SUM_IN_LAST_SPLIT = $last
+sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
+               | tee -a "$out/sum-ab.log" | grep -vE "it/s|Capturing"
+           done
+         done ;;
     early-loads) # loads before the PDL wait, off then on: the skinny GEMM's first weight tile (1-2 rows) and the
          # decode kernel's L2 prefetch of its first K/V tile, each alone and both (the default); bf16 steps at 1k
          for loads in "False False" "True False" "False True" "True True"; do

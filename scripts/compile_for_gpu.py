@@ -109,15 +109,20 @@ def variants(target: GPUTarget):
                dict(Q_HEADS=16, BLOCK_HEADS=4, HEAD_DIM=128, SPLITS_POW2=4, BLOCK_N=64, PACKED_Q=packed,
                     USE_PDL=target.arch >= 90), dict(num_warps=4, num_stages=1))
     # the skinny GEMM's CUDA-core rows (plain, normed, gated) and one tl.dot bucket, 0.6B's qkv and down
-    bf16 = {name: "*bf16" for name in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "res_ptr", "gamma_ptr", "new_res_ptr")}
+    # (16 rows of `down` split K: its last split sums the partials)
+    bf16 = {name: "*bf16" for name in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "sum_ptr", "res_ptr", "gamma_ptr",
+                                       "new_res_ptr")}
+    bf16["counts_ptr"] = "*i32"
     for rows, n, k, kind in ((1, 4096, 1024, "normed"), (2, 4096, 1024, "normed"), (1, 1024, 3072, "gated"),
-                             (2, 1024, 2048, "plain"), (16, 4096, 1024, "plain")):
+                             (2, 1024, 2048, "plain"), (16, 4096, 1024, "plain"), (16, 1024, 3072, "plain")):
         cfg = skinny_config(rows, n, k, 132)
         for preload in (False, True):
-            yield (f"skinny {rows} rows {kind} preload {preload}", _skinny_kernel, bf16,
+            pointers = {**bf16, "out_ptr": "*fp32"} if cfg.split_k > 1 else bf16   # split: the float32 partials
+            yield (f"skinny {rows} rows {kind} split {cfg.split_k} preload {preload}", _skinny_kernel, pointers,
                    dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
                         SPLIT=cfg.split_k > 1, HAS_BIAS=False, PRECISION=None, GATED=kind == "gated",
-                        NORMED=kind == "normed", HAS_RES=kind == "normed", USE_PDL=target.arch >= 90, PRELOAD=preload),
+                        NORMED=kind == "normed", HAS_RES=kind == "normed", USE_PDL=target.arch >= 90, PRELOAD=preload,
+                        SPLIT_K=cfg.split_k, SUM_IN_LAST=cfg.split_k > 1),
                    dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 

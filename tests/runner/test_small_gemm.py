@@ -87,6 +87,43 @@ def test_splits_past_the_end_of_k_add_nothing(config) -> None:
     check(config.block_m, 20, 72, torch.float32, config, bias=True, seed=4)
 
 
+@pytest.mark.parametrize("config,rows", [(SkinnyConfig(1, 8, 32, 4), 1), (SkinnyConfig(2, 4, 16, 8), 2),
+                                         (SkinnyConfig(16, 16, 32, 4), 21), (SkinnyConfig(64, 16, 32, 2), 100)],
+                         ids=["fma-1", "fma-2", "dot-2-row-tiles", "dot-row-tiles"])
+def test_the_last_split_sums_as_the_sum_kernel_does_and_leaves_the_counts_at_zero(monkeypatch, config, rows) -> None:
+    """The partials summed by the last split of each tile: the sum kernel's bits (the same order),
+    call after call over the same counters, bias or none, several row tiles; the counts end at 0.
+    The partials start as NaN: a sum that ran before every split had written its own would show."""
+    monkeypatch.setattr(small_gemm, "split_partials", lambda *shape_and_device: torch.full(
+        shape_and_device[:3], float("nan"), device=shape_and_device[3]))
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 72, generator=gen).to(torch.bfloat16)
+    w, b = torch.randn(40, 72, generator=gen).to(torch.bfloat16), torch.randn(40, generator=gen).to(torch.bfloat16)
+    counts = small_gemm.tile_counts(x.device)
+    for bias in (b, None, b):
+        monkeypatch.setattr(small_gemm, "SUM_IN_LAST_SPLIT", False)
+        want = skinny_linear(x, w, bias, config)
+        monkeypatch.setattr(small_gemm, "SUM_IN_LAST_SPLIT", True)
+        got = skinny_linear(x, w, bias, config)
+        assert torch.equal(got, want)
+        assert not counts.any()
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b.float()), rtol=2**-7, atol=1e-3 * 72**0.5)
+
+
+def test_a_split_without_counters_sums_in_a_second_kernel(monkeypatch) -> None:
+    """Too many tiles for the counters (or a capture before they exist): the sum kernel runs."""
+    launched = []
+    real = small_gemm._sum_splits_kernel
+    monkeypatch.setattr(small_gemm, "_sum_splits_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
+    x, w = torch.randn(3, 64), torch.randn(32, 64)
+    skinny_linear(x, w, config=SkinnyConfig(16, 16, 16, 4))
+    assert launched == []
+    monkeypatch.setattr(small_gemm, "TILE_COUNTS", 1)
+    torch.testing.assert_close(skinny_linear(x, w, config=SkinnyConfig(16, 16, 16, 4)), F.linear(x, w))
+    assert len(launched) == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bias_is_added_once_with_and_without_split(dtype) -> None:
     for config in (SkinnyConfig(1, 8, 64, 1), SkinnyConfig(1, 8, 64, 4), SkinnyConfig(16, 16, 64, 4)):

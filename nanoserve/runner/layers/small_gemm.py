@@ -9,9 +9,11 @@ too (64 a program), for the medium batches where cuBLAS leaves narrow layers (N 
 fraction of the device.
 
 When the output has too few column blocks to fill the device, the programs also split K. Each
-split writes a float32 partial [split, rows, N] and a second kernel sums them in split order
-(and adds the bias): two launches, deterministic, no zeroed buffer. fp32 atomics into a zeroed
-buffer would need three (memset, matmul, cast to the output dtype) and sum in a varying order.
+split writes a float32 partial [split, rows, N]; the last split of a tile to finish, counted
+with an atomic, sums the tile's partials in split order (and adds the bias), then resets its
+count for the next call. One launch, deterministic. (A second kernel summed them before: at 4-32
+rows that launch took ~3.6 us a layer's linear, as long as the matmul's own.) fp32 atomics
+into a zeroed buffer would need three launches (memset, matmul, cast) and sum in a varying order.
 
 Gated input (the `down` projection of a gated MLP): x holds [gate | up] and the kernel computes
 silu(gate) * up as it loads, rounded to x's dtype as the separate SiLU-mul kernel stores it, so
@@ -47,6 +49,8 @@ MAX_SPLITS = 16
 FMA_TILE = 8192      # weight elements x rows per loop step in the CUDA-core path (registers)
 SMEM_BUDGET = 96 * 1024   # bytes of pipelined tiles a tl.dot program may hold in shared memory
 PRELOAD_FIRST_TILE = True  # 1-2 rows: load the first weight tile before waiting on the kernel ahead (PDL)
+SUM_IN_LAST_SPLIT = True   # split K: the last split of a tile sums the partials (else a second kernel)
+TILE_COUNTS = 1 << 16      # tiles the split counters cover; a call with more sums in a second kernel
 
 
 @dataclass(frozen=True)
@@ -185,15 +189,18 @@ def _dot_steps(x_ptr, x_stride, w_rows, M, K, k_start, k_end, BLOCK_M: tl.conste
 # M changes with the batch: unspecialized, one compile serves every row count of a bucket
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, x_stride, k_per_split,
+    x_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr, counts_ptr, M, N, K, x_stride, k_per_split,
     res_ptr, gamma_ptr, new_res_ptr, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
     NORMED: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1, SUM_IN_LAST: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     row0 = tl.program_id(2) * BLOCK_M   # this program's first row
+    first_part = out_ptr + row0 * N     # split 0's partial of this program's rows (SPLIT)
+    split_stride = M * N
     parts = out_ptr + split * M * N     # the split's partial (SPLIT), else the output itself
     x_ptr += row0 * x_stride
     out_ptr = parts + row0 * N
@@ -231,11 +238,35 @@ def _skinny_kernel(
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT:
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
+        if SUM_IN_LAST:
+            _sum_if_last(first_part, split_stride, sum_ptr + row0 * N, bias_ptr, counts_ptr,
+                         tl.program_id(2) * tl.num_programs(0) + pid_n, offs_m, offs_n, mask, N,
+                         SPLIT_K, HAS_BIAS, BLOCK_M, BLOCK_N)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_if_last(first_part, split_stride, out_ptr, bias_ptr, counts_ptr, tile, offs_m, offs_n, mask, N,
+                 SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Count this split of the tile done; the last one sums every split's partial in split order
+    into out (+ bias) and sets the count back to 0. The barrier and the count's acquire-release
+    order every thread's partial before the count that reports it (a semaphore, as in split-K
+    GEMMs that reduce in place); the sums read L2 (.cg), where the other SMs' partials are."""
+    tl.debug_barrier()
+    done = tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if done == SPLIT_K - 1:
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(first_part + s * split_stride + offs_m[:, None] * N + offs_n[None, :], mask=mask,
+                             other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(counts_ptr + tile, 0)   # the next call (or graph replay) starts from 0
 
 
 @triton.jit(do_not_specialize=["MN"])
@@ -250,6 +281,23 @@ def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def split_partials(splits: int, rows: int, n: int, device: torch.device) -> torch.Tensor:
+    """Room for each split's float32 partial: every one is written before any is summed."""
+    return torch.empty(splits, rows, n, dtype=torch.float32, device=device)
+
+
+_tile_counts: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counts(device: torch.device) -> torch.Tensor | None:
+    """The device's split counters, zeroed once and left at zero by every call that uses them;
+    None while a graph is being captured before they exist (a zeroing would be captured too)."""
+    counts = _tile_counts.get(device)
+    if counts is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        counts = _tile_counts[device] = torch.zeros(TILE_COUNTS, dtype=torch.int32, device=device)
+    return counts
 
 
 @functools.lru_cache(maxsize=None)
@@ -340,21 +388,24 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     # every split but the last starts on a block boundary
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = cfg.split_k > 1
-    part = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device) if split else out
+    part = split_partials(cfg.split_k, m, n, x.device) if split else out
     has_bias = bias is not None
     res, gamma, new_res, eps = norm or (None, weight, x, 0.0)
-    _skinny_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))](
-        x, weight, bias if has_bias else weight, part, m, n, k, width, k_per_split,
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))
+    counts = tile_counts(x.device) if split and SUM_IN_LAST_SPLIT and grid[0] * grid[2] <= TILE_COUNTS else None
+    _skinny_kernel[grid](
+        x, weight, bias if has_bias else weight, part, out, out if counts is None else counts,
+        m, n, k, width, k_per_split,
         x if res is None else res, gamma, new_res, eps,   # x stands in for pointers that go unread
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, SPLIT=split, HAS_BIAS=has_bias, GATED=gated,
         NORMED=norm is not None, HAS_RES=res is not None,
         # float32 inputs keep full precision (tf32 would cost ~1e-3 relative error)
         PRECISION="ieee" if x.dtype == torch.float32 else None,
-        PRELOAD=PRELOAD_FIRST_TILE,
+        PRELOAD=PRELOAD_FIRST_TILE, SPLIT_K=cfg.split_k, SUM_IN_LAST=counts is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
     )
-    if split:
+    if split and counts is None:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
             part, bias if has_bias else part, out, m * n, n, SPLIT_K=cfg.split_k,
