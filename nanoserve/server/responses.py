@@ -44,13 +44,16 @@ def _typed_event(kind: str, fields: dict) -> bytes:
 class ResponseWriter:
     """One response's items and envelope, from the chat request that generates it."""
 
+    sending = True   # the events are written (a stream), or only read for the items they make (whole)
+
     def __init__(self, state: ServerState, req: ResponsesRequest, chat: ChatCompletion) -> None:
         self.state, self.req, self.chat = state, req, chat
         # the client's request id, where it gave one, follows the prefix as in chat's id
         self.id = "resp_" + chat.id.split("-", 1)[1]
         self.items: list[dict] = []
         self.sequence = 0
-        self.open: str | None = None   # streamed: the kind of the item still being written
+        self.open: str | None = None   # the kind of the item still being written
+        self.result: dict | None = None   # the response, once its last event is written
 
     def envelope(self, status: str, usage: dict | None, finish_reason: str | None = None) -> dict:
         req = self.req
@@ -84,7 +87,7 @@ class ResponseWriter:
     def status(finish_reason: str | None) -> str:
         return "incomplete" if finish_reason == "length" else "completed"
 
-    # items, whole
+    # items
 
     @staticmethod
     def reasoning_item(text: str, status: str) -> dict:
@@ -102,29 +105,25 @@ class ResponseWriter:
                 "arguments": arguments, "status": status}
 
     async def collect(self, stream: RequestStream, timer: RequestTimer) -> Response:
-        await self.chat.drain(stream, timer)
-        out = stream.outputs[0]
-        message, finish_reason = self.chat.readers[0].message(out.text, out.finish_reason)
-        status = self.status(finish_reason)
-        if message.get("reasoning"):   # an empty one (<think></think>) is no item: the stream opens one for text
-            self.items.append(self.reasoning_item(message["reasoning"], status))
-        calls = message.get("tool_calls") or []
-        # an answer with no text is an empty message only when there is no other item, as streamed:
-        # beside reasoning alone it was a message of "" (carrying the reasoning tokens' logprobs)
-        if message["content"] or not (calls or self.items):
-            logprobs = self.chat.logprobs(out.token_ids, out.logprobs)
-            self.items.append(self.message_item(message["content"] or "", logprobs["content"] if logprobs else [],
-                                                status))
-        self.items += [self.call_item(c["id"], c["function"]["name"], c["function"]["arguments"], status)
-                       for c in calls]
-        for item in self.items[:-1]:   # an item the next one follows was finished, as the stream closes it
-            item["status"] = "completed"
-        return json_response(self.envelope(status, self.usage(stream), finish_reason))
+        """The whole response: its stream, read to the end and not sent. Read whole apart from the
+        stream, the message's logprobs were every generated token's (the reasoning's, the calls'),
+        where the stream gives each with the text it shows; read this way the two cannot differ."""
+        self.sending = False
+        try:
+            async for _ in self.written(stream, timer):
+                pass
+        except (EngineDeadError, RequestFailedError) as exc:
+            raise engine_error(exc) from None
+        finally:
+            stream.close()
+        return json_response(self.result)
 
     # items, as events
 
     def event(self, kind: str, **fields) -> bytes:
         self.sequence += 1
+        if not self.sending:   # a whole response: the events change the items, and are not written
+            return b""
         return _typed_event(kind, {**fields, "sequence_number": self.sequence - 1})
 
     def open_item(self, item: dict) -> list[bytes]:
@@ -210,41 +209,48 @@ class ResponseWriter:
                                  output_index=len(self.items) - 1, content_index=0, delta="", logprobs=entries))
         return events
 
-    async def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
+    async def written(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
+        """The response's events, created to completed; `result` is the response then. The engine's
+        errors are raised."""
         reader = self.chat.readers[0]
         ids: list[int] = []
         lps: list = []
         finish_reason = None
+        yield self.event("response.created", response=self.envelope("in_progress", None))
+        yield self.event("response.in_progress", response=self.envelope("in_progress", None))
+        async for u in timed(stream, timer):
+            self.chat.cached[u.index] = u.num_cached_tokens
+            ids.extend(u.token_ids)
+            lps.extend(u.logprobs or [])
+            if not u.text and u.finish_reason is None:
+                continue
+            delta, finish = reader.delta(u.text, u.finish_reason)
+            finish_reason = finish or finish_reason
+            if not delta and finish is None:
+                continue   # held back by a parser (a tag, the start of a call)
+            logprobs = self.chat.logprobs(ids, lps)
+            entries = logprobs["content"] if logprobs else []
+            events = self.apply(delta, entries)
+            if finish is not None and entries and not delta.get("content"):
+                events += self.unshown_logprobs(entries)
+            for event in events:
+                yield event
+            ids, lps = [], []
+        status = self.status(finish_reason)
+        if self.open is not None:
+            for event in self.close_item(status):
+                yield event
+        elif not self.items:   # nothing was written: an empty answer is still a message
+            for event in self.open_item(self.message_item("", [], status)) + self.close_item(status):
+                yield event
+        self.result = self.envelope(status, self.usage(stream), finish_reason)
+        yield self.event("response.incomplete" if status == "incomplete" else "response.completed",
+                         response=self.result)
+
+    async def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
         try:
-            yield self.event("response.created", response=self.envelope("in_progress", None))
-            yield self.event("response.in_progress", response=self.envelope("in_progress", None))
-            async for u in timed(stream, timer):
-                self.chat.cached[u.index] = u.num_cached_tokens
-                ids.extend(u.token_ids)
-                lps.extend(u.logprobs or [])
-                if not u.text and u.finish_reason is None:
-                    continue
-                delta, finish = reader.delta(u.text, u.finish_reason)
-                finish_reason = finish or finish_reason
-                if not delta and finish is None:
-                    continue   # held back by a parser (a tag, the start of a call)
-                logprobs = self.chat.logprobs(ids, lps)
-                entries = logprobs["content"] if logprobs else []
-                events = self.apply(delta, entries)
-                if finish is not None and entries and not delta.get("content"):
-                    events += self.unshown_logprobs(entries)
-                for event in events:
-                    yield event
-                ids, lps = [], []
-            status = self.status(finish_reason)
-            if self.open is not None:
-                for event in self.close_item(status):
-                    yield event
-            elif not self.items:   # nothing was written: an empty answer is still a message
-                for event in self.open_item(self.message_item("", [], status)) + self.close_item(status):
-                    yield event
-            kind = "response.incomplete" if status == "incomplete" else "response.completed"
-            yield self.event(kind, response=self.envelope(status, self.usage(stream), finish_reason))
+            async for event in self.written(stream, timer):
+                yield event
         except (EngineDeadError, RequestFailedError) as exc:
             for event in self.failed(engine_error(exc)):
                 yield event

@@ -204,6 +204,29 @@ def test_logprobs_are_the_same_whole_and_streamed_and_as_chat_gives_them(client,
         assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in sent], abs=1e-4)
 
 
+CALL_AFTER_TEXT = re.escape('Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+                            '"unit": "celsius"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("extra", [{"extra_body": THINKING}, {"extra_body": {**THINKING, "stop": ["here"]}},
+                                   {"tools": [WEATHER], "extra_body": {"structured_outputs": {"regex": CALL_AFTER_TEXT}}}],
+                         ids=["reasoning then answer", "stop string", "text then a call"])
+def test_a_whole_message_has_the_logprobs_its_stream_sends(client, extra):
+    # whole, the message carried every generated token's: the reasoning's and the call's too
+    body = {"input": "Think.", "max_output_tokens": 60, "temperature": 0,
+            "include": ["message.output_text.logprobs"], **extra}
+    whole = client.responses.create(model="tiny", **body)
+    events = streamed(client, **body)
+    sent = [entry for e in events if e.type == "response.output_text.delta" for entry in e.logprobs]
+    assert [item.type for item in whole.output] == [item.type for item in events[-1].response.output]
+    message = [item for item in whole.output if item.type == "message"][0].content[0]
+    assert message.text and sent
+    final = [item for item in events[-1].response.output if item.type == "message"][0].content[0]
+    for entries in (message.logprobs, final.logprobs):   # two runs of the model: equal up to rounding
+        assert [e.token for e in entries] == [e.token for e in sent]
+        assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in sent], abs=1e-4)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
