@@ -88,8 +88,8 @@ def test_splits_past_the_end_of_k_add_nothing(config) -> None:
 
 
 @pytest.mark.parametrize("config,rows", [(SkinnyConfig(1, 8, 32, 4), 1), (SkinnyConfig(2, 4, 16, 8), 2),
-                                         (SkinnyConfig(16, 16, 32, 4), 21), (SkinnyConfig(64, 16, 32, 2), 100)],
-                         ids=["fma-1", "fma-2", "dot-2-row-tiles", "dot-row-tiles"])
+                                         (SkinnyConfig(16, 16, 32, 4), 9), (SkinnyConfig(16, 8, 16, 2), 40)],
+                         ids=["fma-1", "fma-2", "dot", "dot-row-tiles"])
 def test_the_last_split_sums_as_the_sum_kernel_does_and_leaves_the_counts_at_zero(monkeypatch, config, rows) -> None:
     """The partials summed by the last split of each tile: the sum kernel's bits (the same order),
     call after call over the same counters, bias or none, several row tiles; the counts end at 0.
@@ -111,7 +111,8 @@ def test_the_last_split_sums_as_the_sum_kernel_does_and_leaves_the_counts_at_zer
 
 
 def test_a_split_without_counters_sums_in_a_second_kernel(monkeypatch) -> None:
-    """Too many tiles for the counters (or a capture before they exist): the sum kernel runs."""
+    """Too many tiles for the counters (or a capture before they exist), or programs of more than
+    16 rows: the sum kernel runs."""
     launched = []
     real = small_gemm._sum_splits_kernel
     monkeypatch.setattr(small_gemm, "_sum_splits_kernel", type("Spy", (), {
@@ -119,6 +120,9 @@ def test_a_split_without_counters_sums_in_a_second_kernel(monkeypatch) -> None:
     x, w = torch.randn(3, 64), torch.randn(32, 64)
     skinny_linear(x, w, config=SkinnyConfig(16, 16, 16, 4))
     assert launched == []
+    torch.testing.assert_close(skinny_linear(x, w, config=SkinnyConfig(32, 16, 16, 4)), F.linear(x, w))
+    assert len(launched) == 1
+    launched.clear()
     monkeypatch.setattr(small_gemm, "TILE_COUNTS", 1)
     torch.testing.assert_close(skinny_linear(x, w, config=SkinnyConfig(16, 16, 16, 4)), F.linear(x, w))
     assert len(launched) == 1

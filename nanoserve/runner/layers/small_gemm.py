@@ -11,7 +11,7 @@ fraction of the device.
 When the output has too few column blocks to fill the device, the programs also split K. Each
 split writes a float32 partial [split, rows, N]; the last split of a tile to finish, counted
 with an atomic, sums the tile's partials in split order (and adds the bias), then resets its
-count for the next call. One launch, deterministic. (A second kernel summed them before: at 4-32
+count for the next call (programs of up to 16 rows). One launch, deterministic. (A second kernel summed them before: at 4-32
 rows that launch took ~3.6 us a layer's linear, as long as the matmul's own.) fp32 atomics
 into a zeroed buffer would need three launches (memset, matmul, cast) and sum in a varying order.
 
@@ -50,6 +50,9 @@ FMA_TILE = 8192      # weight elements x rows per loop step in the CUDA-core pat
 SMEM_BUDGET = 96 * 1024   # bytes of pipelined tiles a tl.dot program may hold in shared memory
 PRELOAD_FIRST_TILE = True  # 1-2 rows: load the first weight tile before waiting on the kernel ahead (PDL)
 SUM_IN_LAST_SPLIT = True   # split K: the last split of a tile sums the partials (else a second kernel)
+# up to this many rows a program: decode steps of 4 / 8 / 16 rows took 1.2-1.9% less time with the sum
+# in the last split, and 32 rows 2.4% more (one H200, BENCHMARKS.md)
+SUM_IN_LAST_MAX_ROWS = 16
 TILE_COUNTS = 1 << 16      # tiles the split counters cover; a call with more sums in a second kernel
 
 
@@ -392,7 +395,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     has_bias = bias is not None
     res, gamma, new_res, eps = norm or (None, weight, x, 0.0)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))
-    counts = tile_counts(x.device) if split and SUM_IN_LAST_SPLIT and grid[0] * grid[2] <= TILE_COUNTS else None
+    in_last = split and SUM_IN_LAST_SPLIT and cfg.block_m <= SUM_IN_LAST_MAX_ROWS and grid[0] * grid[2] <= TILE_COUNTS
+    counts = tile_counts(x.device) if in_last else None
     _skinny_kernel[grid](
         x, weight, bias if has_bias else weight, part, out, out if counts is None else counts,
         m, n, k, width, k_per_split,
