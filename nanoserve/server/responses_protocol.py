@@ -266,7 +266,7 @@ CHAT_TO_RESPONSES_FIELD = {"messages": "input", "max_completion_tokens": "max_ou
 
 
 def as_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that generates this response (n = 1, streamed)."""
+    """The chat request that generates this response (n = 1, streamed when this one is)."""
     req.check_served()
     body: dict[str, Any] = {
         "model": req.model, "messages": _chat_messages(req), "max_completion_tokens": req.max_output_tokens,
@@ -274,8 +274,7 @@ def as_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
         "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
         "logprobs": req.wants_logprobs, "top_logprobs": req.top_logprobs if req.wants_logprobs else None,
-        # streamed either way: a whole response is its stream's last event (responses.py)
-        "stream": True,
+        "stream": req.stream,
         "structured_outputs": req.structured_outputs.model_dump(by_alias=True, exclude_none=True)
         if req.structured_outputs is not None else None,
     }
