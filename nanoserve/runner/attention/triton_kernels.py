@@ -83,9 +83,10 @@ def eager_step_shapes(mixed: bool, max_num_seqs: int, max_num_batched_tokens: in
                       fp8_cache: bool) -> list[tuple[int, int]]:
     """(sequences, longest context) of eager steps that between them launch every decode-kernel
     variant such steps can need, unsplit and at each merge width: mixed (decode rows beside a
-    prompt, which also brings the prefill kernel that leaves them out) or decode rows alone.
-    Captured steps compile theirs at capture; these would otherwise compile (~1 s each) under the
-    first such step served."""
+    prompt, which also brings the prefill kernel that leaves them out) or decode rows alone, with
+    the q/k norm, rotary and store inside the decode kernel (up to DECODE_ROPE_MAX_ROWS rows) and
+    without. Captured steps compile theirs at capture; these would otherwise compile (~1 s each)
+    under the first such step served."""
     block_n = decode_config(device, fp8_cache, dtype, head_dim)["BLOCK_N"]   # keys per tile
     # a power of two falls in every range (a, 2a] of contexts that one merge width takes
     lengths = sorted({1 << i for i in range(max_model_len.bit_length())} | {max_model_len})
@@ -93,13 +94,14 @@ def eager_step_shapes(mixed: bool, max_num_seqs: int, max_num_batched_tokens: in
         seq_counts = range(MIXED_MIN_DECODE_ROWS + 1, min(max_num_seqs, max_num_batched_tokens - 1) + 1)
     else:
         seq_counts = range(1, min(max_num_seqs, max_num_batched_tokens) + 1)
-    shapes: dict[int, tuple[int, int]] = {}
+    shapes: dict[tuple[int, bool], tuple[int, int]] = {}
     for seqs in seq_counts:
+        rope = not mixed and seqs <= DECODE_ROPE_MAX_ROWS
         for length in lengths:
             # a mixed step's decode rows split evenly; alone they may take fixed-size splits
             keys = None if mixed else engine_split_keys(seqs, kv_heads, length, device, fp8_cache)
             splits = decode_split_count(seqs, kv_heads, length, device, split_span(keys, block_n))
-            shapes.setdefault(triton.next_power_of_2(splits), (seqs, length))   # the merge's width
+            shapes.setdefault((triton.next_power_of_2(splits), rope), (seqs, length))   # the merge's width
     return list(shapes.values())
 
 
