@@ -10,9 +10,9 @@ are refused by name. Sampling fields keep chat's bounds: they are chat's own fie
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Discriminator, Field, Tag, ValidationError
 
 from nanoserve.sampling_params import MAX_INT
 from nanoserve.server.errors import APIError
@@ -91,7 +91,27 @@ class ReasoningItem(Strict):
         return "\n".join(p["text"] for p in parts if isinstance(p.get("text"), str))
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+_ITEM_KINDS = {"message": MessageItem, "function_call": FunctionCallItem,
+               "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
+
+
+def _item_kind(item: Any) -> str | None:
+    """The class that reads an input item, by the item's type: a message when it names none (OpenAI's
+    easy input message), and when it is no object at all (which the message then refuses). Class
+    names, not types, tag the kinds: an error's location holds the tag, and names a field without it."""
+    kind = item.get("type", "message") if isinstance(item, dict) else "message"
+    found = _ITEM_KINDS.get(kind) if isinstance(kind, str) else None
+    return found.__name__ if found is not None else None
+
+
+# chosen by type, an item's error says what is wrong with it: tried against every kind, a function
+# call without a name was refused as "input.0.type: Input should be 'message'"
+InputItem = Annotated[Annotated[MessageItem, Tag("MessageItem")] | Annotated[FunctionCallItem, Tag("FunctionCallItem")]
+                      | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")]
+                      | Annotated[ReasoningItem, Tag("ReasoningItem")],
+                      Discriminator(_item_kind, custom_error_type="invalid_item_type",
+                                    custom_error_message="an input item's type is 'message' (the default), "
+                                                         "'function_call', 'function_call_output' or 'reasoning'")]
 
 
 class FunctionTool(Strict):

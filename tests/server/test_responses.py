@@ -227,6 +227,24 @@ def test_a_whole_message_has_the_logprobs_its_stream_sends(client, extra):
         assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in sent], abs=1e-4)
 
 
+@pytest.mark.parametrize("item, param, words", [
+    ({"type": "function_call", "call_id": "c1"}, "input.0.name", "Missing"),
+    ({"type": "function_call_output", "call_id": "c1", "output": 5}, "input.0.output", "Invalid type"),
+    ({"type": "reasoning", "summary": "thought"}, "input.0.summary", "Invalid type"),
+    ({"type": "message", "role": "user"}, "input.0.content", "Missing"),
+    ({"role": "user", "content": "x", "status": 1}, "input.0.status", "Invalid type"),
+    ({"type": "item_reference", "id": "msg_1"}, "input.0", "'function_call_output'"),
+    ({"type": ["message"]}, "input.0", "'function_call_output'"),
+    ("Hi", "input.0", "JSON object"),
+])
+def test_a_bad_input_item_is_refused_for_what_is_wrong_with_it(tool_server, item, param, words):
+    # every item but a message was refused with "input.0.type: Input should be 'message'"
+    r = httpx.post(f"{tool_server.url}/v1/responses", json={"model": "tiny", "input": [item]}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
 @pytest.mark.parametrize("body, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
