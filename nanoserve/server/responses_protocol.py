@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, ValidationError
 
 from nanoserve.sampling_params import MAX_INT
-from nanoserve.server.errors import APIError
+from nanoserve.server.errors import APIError, from_validation_error
 from nanoserve.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, Items, SamplingFields, Strict,
                                        StructuredOutputsRequest)
 
@@ -122,6 +122,13 @@ class FunctionTool(Strict):
     strict: bool | None = None
 
 
+class FunctionTools(Strict):
+    """A request's tools once each is known to be a function: read together, so that an error
+    names its field ("tools.0.name")."""
+
+    tools: Items[FunctionTool]
+
+
 class NamedFunctionChoice(Strict):
     type: Literal["function"]
     name: str
@@ -212,7 +219,6 @@ class ResponsesRequest(Strict):
 def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict] | None:
     if not tools:
         return None
-    out = []
     for i, tool in enumerate(tools):
         kind = tool.get("type")
         if kind is None:
@@ -220,12 +226,11 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict] | None:
         if kind != "function":
             raise APIError(f"tools[{i}] is a {str(kind)[:40]!r} tool, which runs on OpenAI's side; this server "
                            "calls function tools only", param=f"tools[{i}].type", code="unsupported_parameter")
-        try:
-            spec = FunctionTool.model_validate(tool)
-        except ValidationError as exc:
-            raise APIError(f"tools[{i}]: {exc.errors()[0]['msg']}", param=f"tools[{i}]") from None
-        out.append({"type": "function", "function": spec.model_dump(exclude={"type"}, exclude_none=True)})
-    return out
+    try:
+        specs = FunctionTools.model_validate({"tools": tools}).tools
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    return [{"type": "function", "function": spec.model_dump(exclude={"type"}, exclude_none=True)} for spec in specs]
 
 
 def _chat_messages(req: ResponsesRequest) -> list[dict]:

@@ -227,6 +227,22 @@ def test_a_whole_message_has_the_logprobs_its_stream_sends(client, extra):
         assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in sent], abs=1e-4)
 
 
+@pytest.mark.parametrize("tool, param, words", [
+    ({"type": "function"}, "tools.0.name", "Missing required parameter: 'tools.0.name'"),
+    # chat's form of a tool: the function's fields sit in the tool itself here
+    ({"type": "function", "function": {"name": "f"}}, "tools.0.name", "Missing"),
+    ({"type": "function", "name": "f", "strict": "yes"}, "tools.0.strict", "Invalid type"),
+    ({"type": "function", "name": "f", "parameters": [1]}, "tools.0.parameters", "Invalid type"),
+])
+def test_a_bad_function_tool_is_refused_naming_its_field(tool_server, tool, param, words):
+    # the field was not named: "tools[0]: Field required"
+    r = httpx.post(f"{tool_server.url}/v1/responses", json={"model": "tiny", "input": "Hi", "tools": [tool]},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
 @pytest.mark.parametrize("item, param, words", [
     ({"type": "function_call", "call_id": "c1"}, "input.0.name", "Missing"),
     ({"type": "function_call_output", "call_id": "c1", "output": 5}, "input.0.output", "Invalid type"),
