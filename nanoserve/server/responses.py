@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import orjson
 from fastapi import APIRouter, Request
@@ -110,8 +111,9 @@ class ResponseWriter:
         where the stream gives each with the text it shows; read this way the two cannot differ."""
         self.sending = False
         try:
-            async for _ in self.written(stream, timer):
-                pass
+            async with aclosing(self.written(stream, timer)) as events:
+                async for _ in events:
+                    pass
         except (EngineDeadError, RequestFailedError) as exc:
             raise engine_error(exc) from None
         finally:
@@ -249,8 +251,9 @@ class ResponseWriter:
 
     async def events(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
         try:
-            async for event in self.written(stream, timer):
-                yield event
+            async with aclosing(self.written(stream, timer)) as events:
+                async for event in events:
+                    yield event
         except (EngineDeadError, RequestFailedError) as exc:
             for event in self.failed(engine_error(exc)):
                 yield event
