@@ -293,8 +293,12 @@ CHAT_TO_RESPONSES_FIELD = {"messages": "input", "max_completion_tokens": "max_ou
 def as_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that generates this response (n = 1, streamed when this one is)."""
     req.check_served()
+    messages = _chat_messages(req)
+    if not messages:   # reasoning items alone: they go back to the template with the answer after them
+        raise APIError("'input' holds no message to answer, only reasoning items; send the conversation's messages "
+                       "with them", param="input")
     body: dict[str, Any] = {
-        "model": req.model, "messages": _chat_messages(req), "max_completion_tokens": req.max_output_tokens,
+        "model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
         "tools": _chat_tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
         "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,

@@ -252,9 +252,11 @@ def test_a_bad_function_tool_is_refused_naming_its_field(tool_server, tool, para
     ({"type": "item_reference", "id": "msg_1"}, "input.0", "'function_call_output'"),
     ({"type": ["message"]}, "input.0", "'function_call_output'"),
     ("Hi", "input.0", "JSON object"),
+    ({"type": "reasoning", "summary": []}, "input", "no message"),
 ])
 def test_a_bad_input_item_is_refused_for_what_is_wrong_with_it(tool_server, item, param, words):
-    # every item but a message was refused with "input.0.type: Input should be 'message'"
+    # every item but a message was refused with "input.0.type: Input should be 'message'"; reasoning
+    # alone with "List should have at least 1 item after validation, not 0"
     r = httpx.post(f"{tool_server.url}/v1/responses", json={"model": "tiny", "input": [item]}, timeout=60)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
