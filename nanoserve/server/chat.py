@@ -200,8 +200,7 @@ async def start_chat(request: Request, state: ServerState, req: ChatCompletionRe
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     check_continuation(req.continue_final_message, req.add_generation_prompt)
-    if req.stream_options is not None and not req.stream:
-        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+    req.check_stream_options()
     req.check_priority()
     req.check_prompt_logprobs()
     try:

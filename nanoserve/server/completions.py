@@ -186,8 +186,7 @@ def refuse_unsupported(req: CompletionRequest) -> None:
     if req.max_tokens == 0 and not req.echo:
         raise APIError("max_tokens must be at least 1; 0 is allowed with echo, which returns the prompt alone "
                        "(with its logprobs when logprobs is set)", param="max_tokens")
-    if req.stream_options is not None and not req.stream:
-        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+    req.check_stream_options()
     req.check_priority()
     req.check_prompt_logprobs()
 

@@ -186,6 +186,11 @@ class SamplingFields(Strict):
                            "best_of give several sampled choices)", param="use_beam_search",
                            code="unsupported_parameter")
 
+    def check_stream_options(self) -> None:
+        # options of a stream; an empty object (or nulls) asks for nothing, so it is taken, as vLLM takes it
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+
     def check_prompt_logprobs(self) -> None:
         if self.prompt_logprobs == -1:
             raise APIError(f"prompt_logprobs -1 asks for the whole vocabulary at every prompt token; this server "

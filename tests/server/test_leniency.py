@@ -142,3 +142,16 @@ def test_vllm_add_special_tokens_and_priority_are_served_as_vllm_serves_them(cli
         r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 2, "priority": 5}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
     server.wait_idle()
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": PROMPT}),
+                                        ("/v1/chat/completions", {"messages": MESSAGES})])
+def test_stream_options_that_ask_for_nothing_are_accepted_without_stream(server, path, body):
+    # as vLLM takes them: {} (or nulls) asks for nothing; a set option still needs a stream
+    for options in ({}, {"include_usage": None}):
+        r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 2, "stream_options": options}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert "usage" in r.json()
+    r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 2, "stream_options": {"include_usage": False}},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
