@@ -274,11 +274,15 @@ class ChatMessage(Strict):
     # one that DeepSeek's API and many clients still send
     reasoning: str | None = None
     reasoning_content: str | None = None
+    # an assistant message as OpenAI's API returns it, replayed by its client: a refusal is what the
+    # assistant said (as a refusal part is); annotations (web citations) are no text of the message
+    refusal: str | None = None
+    annotations: Items[dict[str, Any]] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # as vLLM joins them: parts are often a document, then a question
             return "\n".join(part.text if isinstance(part, TextPart) else part.refusal for part in self.content)
-        return self.content or ""
+        return self.content or self.refusal or ""
 
     def thought(self) -> str | None:
         """The reasoning under either name (vLLM's own, `reasoning`, where both are sent)."""
@@ -328,6 +332,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     modalities: Items[Literal["text"]] | None = None  # text is what this server writes; "audio" is refused by name
+    verbosity: Literal["low", "medium", "high"] | None = None   # a hint to OpenAI's models: ignored, as in /v1/responses
 
 
 class TokenizeRequest(Strict):

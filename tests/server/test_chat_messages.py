@@ -41,6 +41,20 @@ def test_an_assistant_refusal_part_in_history_is_read_as_its_text(http):
     assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(prompt_ids(http, as_text))
 
 
+def test_an_assistant_message_replayed_from_openai_with_its_refusal_field_is_read(http):
+    # the client's own ChatCompletionMessage, replayed as the history: a refusal comes in the message's
+    # `refusal` field, content null; it was refused as "Unrecognized request argument: messages.1.refusal"
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "refusal": "I cannot help.", "annotations": [],
+                "audio": None, "function_call": None, "tool_calls": None},
+               {"role": "user", "content": "why?"}]
+    as_text = [history[0], {"role": "assistant", "content": "I cannot help."}, history[2]]
+    assert prompt_ids(http, history) == prompt_ids(http, as_text)
+    reply = http.post("/v1/chat/completions", json={"messages": history, "max_tokens": 1, "verbosity": "low"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == len(prompt_ids(http, as_text))
+
+
 def test_an_empty_answer_is_empty_content_whole_and_streamed(http):
     # the stream opens with content "" and adds nothing: the whole message said null
     (eos,) = http.post("/tokenize", json={"prompt": "<|im_end|>", "add_special_tokens": False}).json()["tokens"]
