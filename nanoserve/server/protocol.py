@@ -332,7 +332,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     modalities: Items[Literal["text"]] | None = None  # text is what this server writes; "audio" is refused by name
-    verbosity: Literal["low", "medium", "high"] | None = None   # a hint to OpenAI's models: ignored, as in /v1/responses
+    verbosity: Literal["low", "medium", "high"] | None = None  # a hint to OpenAI's models: ignored, as in responses
 
 
 class TokenizeRequest(Strict):
