@@ -155,7 +155,8 @@ class ReasoningConfig(Strict):
 
 class ResponsesRequest(Strict):
     model: str | None = None
-    input: str | Items[InputItem] = Field(min_length=1)
+    # none: the instructions alone are the conversation, as OpenAI's API takes them
+    input: str | Items[InputItem] | None = Field(None, min_length=1)
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     temperature: float | None = _chat_field("temperature")
@@ -239,6 +240,8 @@ def _chat_messages(req: ResponsesRequest) -> list[dict]:
     messages: list[dict] = []
     if req.instructions is not None:
         messages.append({"role": "system", "content": req.instructions})
+    if req.input is None:
+        return messages
     if isinstance(req.input, str):
         return messages + [{"role": "user", "content": req.input}]
     thoughts: list[str] = []   # reasoning since the last message, joined once: added up item by
@@ -293,6 +296,8 @@ CHAT_TO_RESPONSES_FIELD = {"messages": "input", "max_completion_tokens": "max_ou
 def as_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that generates this response (n = 1, streamed when this one is)."""
     req.check_served()
+    if req.input is None and req.instructions is None:
+        raise APIError("Missing required parameter: 'input'", param="input", code="missing_required_parameter")
     messages = _chat_messages(req)
     if not messages:   # reasoning items alone: they go back to the template with the answer after them
         raise APIError("'input' holds no message to answer, only reasoning items; send the conversation's messages "

@@ -208,8 +208,11 @@ CALL_AFTER_TEXT = re.escape('Sure. <tool_call>\n{"name": "get_weather", "argumen
                             '"unit": "celsius"}}\n</tool_call>')
 
 
+CALL_AFTER_TEXT_BODY = {"tools": [WEATHER], "extra_body": {"structured_outputs": {"regex": CALL_AFTER_TEXT}}}
+
+
 @pytest.mark.parametrize("extra", [{"extra_body": THINKING}, {"extra_body": {**THINKING, "stop": ["here"]}},
-                                   {"tools": [WEATHER], "extra_body": {"structured_outputs": {"regex": CALL_AFTER_TEXT}}}],
+                                   CALL_AFTER_TEXT_BODY],
                          ids=["reasoning then answer", "stop string", "text then a call"])
 def test_a_whole_message_has_the_logprobs_its_stream_sends(client, extra):
     # whole, the message carried every generated token's: the reasoning's and the call's too
@@ -225,6 +228,18 @@ def test_a_whole_message_has_the_logprobs_its_stream_sends(client, extra):
     for entries in (message.logprobs, final.logprobs):   # two runs of the model: equal up to rounding
         assert [e.token for e in entries] == [e.token for e in sent]
         assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in sent], abs=1e-4)
+
+
+def test_instructions_alone_are_answered_as_a_system_message_alone(client, tool_server):
+    # OpenAI's API takes a request of instructions and no input; it was refused: "Missing 'input'"
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Name a colour."}],
+                                          max_tokens=8, temperature=0)
+    response = client.responses.create(model="tiny", instructions="Name a colour.", max_output_tokens=8,
+                                       temperature=0)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    r = httpx.post(f"{tool_server.url}/v1/responses", json={"model": "tiny"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
 
 
 @pytest.mark.parametrize("tool, param, words", [
