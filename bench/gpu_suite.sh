@@ -134,7 +134,7 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py'
            for extra in "--batch-sizes 1,4,8,16,32,64" "--batch-sizes 16 --profile"; do
              echo "sum in the last split $last: $extra" | tee -a "$out/sum-ab.log"
              python3 -c "import sys; sys.argv = ['decode_step', '--contexts', '1024'] + '$extra'.split()
-import nanoserve.runner.layers.small_gemm as g
+import nanoserve.runner.layers.split_k_sum as g
 g.SUM_IN_LAST_SPLIT = $last
 sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
                | tee -a "$out/sum-ab.log" | grep -vE "it/s|Capturing"

@@ -23,7 +23,7 @@ if torch.cuda.is_available():
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-from nanoserve.runner.layers import small_gemm  # noqa: E402
+from nanoserve.runner.layers import small_gemm, split_k_sum  # noqa: E402
 from nanoserve.runner.layers.small_gemm import SkinnyConfig, skinny_config, skinny_linear  # noqa: E402
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2**-7, 1e-3), torch.float16: (2**-10, 1e-3)}
@@ -94,16 +94,16 @@ def test_the_last_split_sums_as_the_sum_kernel_does_and_leaves_the_counts_at_zer
     """The partials summed by the last split of each tile: the sum kernel's bits (the same order),
     call after call over the same counters, bias or none, several row tiles; the counts end at 0.
     The partials start as NaN: a sum that ran before every split had written its own would show."""
-    monkeypatch.setattr(small_gemm, "split_partials", lambda *shape_and_device: torch.full(
+    monkeypatch.setattr(split_k_sum, "split_partials", lambda *shape_and_device: torch.full(
         shape_and_device[:3], float("nan"), device=shape_and_device[3]))
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 72, generator=gen).to(torch.bfloat16)
     w, b = torch.randn(40, 72, generator=gen).to(torch.bfloat16), torch.randn(40, generator=gen).to(torch.bfloat16)
-    counts = small_gemm.tile_counts(x.device)
+    counts = split_k_sum.tile_counts(x.device, 1, 1)
     for bias in (b, None, b):
-        monkeypatch.setattr(small_gemm, "SUM_IN_LAST_SPLIT", False)
+        monkeypatch.setattr(split_k_sum, "SUM_IN_LAST_SPLIT", False)
         want = skinny_linear(x, w, bias, config)
-        monkeypatch.setattr(small_gemm, "SUM_IN_LAST_SPLIT", True)
+        monkeypatch.setattr(split_k_sum, "SUM_IN_LAST_SPLIT", True)
         got = skinny_linear(x, w, bias, config)
         assert torch.equal(got, want)
         assert not counts.any()
@@ -114,8 +114,8 @@ def test_a_split_without_counters_sums_in_a_second_kernel(monkeypatch) -> None:
     """Too many tiles for the counters (or a capture before they exist), or programs of more than
     16 rows: the sum kernel runs."""
     launched = []
-    real = small_gemm._sum_splits_kernel
-    monkeypatch.setattr(small_gemm, "_sum_splits_kernel", type("Spy", (), {
+    real = split_k_sum._sum_splits_kernel
+    monkeypatch.setattr(split_k_sum, "_sum_splits_kernel", type("Spy", (), {
         "__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
     x, w = torch.randn(3, 64), torch.randn(32, 64)
     skinny_linear(x, w, config=SkinnyConfig(16, 16, 16, 4))
@@ -123,7 +123,7 @@ def test_a_split_without_counters_sums_in_a_second_kernel(monkeypatch) -> None:
     torch.testing.assert_close(skinny_linear(x, w, config=SkinnyConfig(32, 16, 16, 4)), F.linear(x, w))
     assert len(launched) == 1
     launched.clear()
-    monkeypatch.setattr(small_gemm, "TILE_COUNTS", 1)
+    monkeypatch.setattr(split_k_sum, "TILE_COUNTS", 1)
     torch.testing.assert_close(skinny_linear(x, w, config=SkinnyConfig(16, 16, 16, 4)), F.linear(x, w))
     assert len(launched) == 1
 

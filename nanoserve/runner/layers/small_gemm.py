@@ -9,11 +9,8 @@ too (64 a program), for the medium batches where cuBLAS leaves narrow layers (N 
 fraction of the device.
 
 When the output has too few column blocks to fill the device, the programs also split K. Each
-split writes a float32 partial [split, rows, N]; the last split of a tile to finish, counted
-with an atomic, sums the tile's partials in split order (and adds the bias), then resets its
-count for the next call (programs of up to 16 rows). One launch, deterministic. (A second kernel summed them before: at 4-32
-rows that launch took ~3.6 us a layer's linear, as long as the matmul's own.) fp32 atomics
-into a zeroed buffer would need three launches (memset, matmul, cast) and sum in a varying order.
+split writes a float32 partial [split, rows, N], and split_k_sum.py sums them in split order:
+the tile's last split to finish, or a second kernel.
 
 Gated input (the `down` projection of a gated MLP): x holds [gate | up] and the kernel computes
 silu(gate) * up as it loads, rounded to x's dtype as the separate SiLU-mul kernel stores it, so
@@ -39,7 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.runner.layers import split_k_sum
 from nanoserve.runner.layers.linear import row_bucket
+from nanoserve.runner.layers.split_k_sum import sum_if_last, sum_splits
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
 MAX_ROWS = 512
@@ -49,11 +48,6 @@ MAX_SPLITS = 16
 FMA_TILE = 8192      # weight elements x rows per loop step in the CUDA-core path (registers)
 SMEM_BUDGET = 96 * 1024   # bytes of pipelined tiles a tl.dot program may hold in shared memory
 PRELOAD_FIRST_TILE = True  # 1-2 rows: load the first weight tile before waiting on the kernel ahead (PDL)
-SUM_IN_LAST_SPLIT = True   # split K: the last split of a tile sums the partials (else a second kernel)
-# up to this many rows a program: decode steps of 4 / 8 / 16 rows took 1.2-1.9% less time with the sum
-# in the last split, and 32 rows 2.4% more (one H200, BENCHMARKS.md)
-SUM_IN_LAST_MAX_ROWS = 16
-TILE_COUNTS = 1 << 16      # tiles the split counters cover; a call with more sums in a second kernel
 
 
 @dataclass(frozen=True)
@@ -242,7 +236,7 @@ def _skinny_kernel(
     if SPLIT:
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
         if SUM_IN_LAST:
-            _sum_if_last(first_part, split_stride, sum_ptr + row0 * N, bias_ptr, counts_ptr,
+            sum_if_last(first_part, split_stride, sum_ptr + row0 * N, bias_ptr, counts_ptr,
                          tl.program_id(2) * tl.num_programs(0) + pid_n, offs_m, offs_n, mask, N,
                          SPLIT_K, HAS_BIAS, BLOCK_M, BLOCK_N)
     else:
@@ -250,57 +244,6 @@ def _skinny_kernel(
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _sum_if_last(first_part, split_stride, out_ptr, bias_ptr, counts_ptr, tile, offs_m, offs_n, mask, N,
-                 SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Count this split of the tile done; the last one sums every split's partial in split order
-    into out (+ bias) and sets the count back to 0. The barrier and the count's acquire-release
-    order every thread's partial before the count that reports it (a semaphore, as in split-K
-    GEMMs that reduce in place); the sums read L2 (.cg), where the other SMs' partials are."""
-    tl.debug_barrier()
-    done = tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if done == SPLIT_K - 1:
-        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            total += tl.load(first_part + s * split_stride + offs_m[:, None] * N + offs_n[None, :], mask=mask,
-                             other=0.0, cache_modifier=".cg")
-        if HAS_BIAS:
-            total += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(counts_ptr + tile, 0)   # the next call (or graph replay) starts from 0
-
-
-@triton.jit(do_not_specialize=["MN"])
-def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLIT_K):   # split order, every call: the result is deterministic
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def split_partials(splits: int, rows: int, n: int, device: torch.device) -> torch.Tensor:
-    """Room for each split's float32 partial: every one is written before any is summed."""
-    return torch.empty(splits, rows, n, dtype=torch.float32, device=device)
-
-
-_tile_counts: dict[torch.device, torch.Tensor] = {}
-
-
-def tile_counts(device: torch.device) -> torch.Tensor | None:
-    """The device's split counters, zeroed once and left at zero by every call that uses them;
-    None while a graph is being captured before they exist (a zeroing would be captured too)."""
-    counts = _tile_counts.get(device)
-    if counts is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        counts = _tile_counts[device] = torch.zeros(TILE_COUNTS, dtype=torch.int32, device=device)
-    return counts
 
 
 @functools.lru_cache(maxsize=None)
@@ -391,12 +334,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     # every split but the last starts on a block boundary
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = cfg.split_k > 1
-    part = split_partials(cfg.split_k, m, n, x.device) if split else out
+    part = split_k_sum.split_partials(cfg.split_k, m, n, x.device) if split else out
     has_bias = bias is not None
     res, gamma, new_res, eps = norm or (None, weight, x, 0.0)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))
-    in_last = split and SUM_IN_LAST_SPLIT and cfg.block_m <= SUM_IN_LAST_MAX_ROWS and grid[0] * grid[2] <= TILE_COUNTS
-    counts = tile_counts(x.device) if in_last else None
+    counts = split_k_sum.tile_counts(x.device, cfg.block_m, grid[0] * grid[2]) if split else None
     _skinny_kernel[grid](
         x, weight, bias if has_bias else weight, part, out, out if counts is None else counts,
         m, n, k, width, k_per_split,
@@ -410,9 +352,5 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
     )
     if split and counts is None:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            part, bias if has_bias else part, out, m * n, n, SPLIT_K=cfg.split_k,
-            HAS_BIAS=has_bias, BLOCK=block, num_warps=4, **pdl_launch(x.device),
-        )
+        sum_splits(part, bias, out)
     return out
