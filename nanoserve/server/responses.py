@@ -158,36 +158,38 @@ class ResponseWriter:
             events = [done, self.event("response.content_part.done", **where, content_index=0, part=part)]
         return events + [self.event("response.output_item.done", output_index=index, item=item)]
 
+    def switch_to(self, kind: str, item: dict) -> list[bytes]:
+        """Finish the open item, if any, and open `item` of this kind."""
+        events = self.close_item("completed") if self.open is not None else []
+        self.open = kind
+        return events + self.open_item(item)
+
+    def message_text(self, text: str, logprobs: list) -> list[bytes]:
+        """Text (and its tokens' logprobs) for the message, opened here unless it is the open item."""
+        events = [] if self.open == "message" else self.switch_to("message", self.message_item("", [], "in_progress"))
+        part = self.items[-1]["content"][0]
+        _append(part, "text", text)
+        part["logprobs"] += logprobs
+        events.append(self.event("response.output_text.delta", item_id=self.items[-1]["id"],
+                                 output_index=len(self.items) - 1, content_index=0, delta=text, logprobs=logprobs))
+        return events
+
     def apply(self, delta: dict, logprobs: list) -> list[bytes]:
         """Events for one chat delta: it may finish the open item and open the next."""
         events: list[bytes] = []
-
-        def switch_to(kind: str, item: dict) -> None:
-            if self.open is not None:
-                events.extend(self.close_item("completed"))
-            self.open = kind
-            events.extend(self.open_item(item))
-
         if delta.get("reasoning"):
             if self.open != "reasoning":
-                switch_to("reasoning", self.reasoning_item("", "in_progress"))
+                events += self.switch_to("reasoning", self.reasoning_item("", "in_progress"))
             part = self.items[-1]["content"][0]
             _append(part, "text", delta["reasoning"])
             events.append(self.event("response.reasoning_text.delta", item_id=self.items[-1]["id"],
                                      output_index=len(self.items) - 1, content_index=0, delta=delta["reasoning"]))
         if delta.get("content"):
-            if self.open != "message":
-                switch_to("message", self.message_item("", [], "in_progress"))
-            part = self.items[-1]["content"][0]
-            _append(part, "text", delta["content"])
-            part["logprobs"] += logprobs
-            events.append(self.event("response.output_text.delta", item_id=self.items[-1]["id"],
-                                     output_index=len(self.items) - 1, content_index=0, delta=delta["content"],
-                                     logprobs=logprobs))
+            events += self.message_text(delta["content"], logprobs)
         for entry in delta.get("tool_calls") or ():
             if "id" in entry:   # a new call, announced by its name
-                switch_to(f"call{entry['index']}", self.call_item(entry["id"], entry["function"]["name"], "",
-                                                                  "in_progress"))
+                events += self.switch_to(f"call{entry['index']}", self.call_item(entry["id"], entry["function"]["name"],
+                                                                                 "", "in_progress"))
             fragment = entry["function"].get("arguments")
             if fragment:
                 _append(self.items[-1], "arguments", fragment)
@@ -202,14 +204,7 @@ class ResponseWriter:
         item belong to no message, whole or streamed."""
         if self.open != "message" and self.items:
             return []
-        events: list[bytes] = []
-        if self.open is None:   # nothing was written: the empty answer is still a message
-            self.open = "message"
-            events += self.open_item(self.message_item("", [], "in_progress"))
-        self.items[-1]["content"][0]["logprobs"] += entries
-        events.append(self.event("response.output_text.delta", item_id=self.items[-1]["id"],
-                                 output_index=len(self.items) - 1, content_index=0, delta="", logprobs=entries))
-        return events
+        return self.message_text("", entries)   # nothing written yet: the empty answer is still a message
 
     async def written(self, stream: RequestStream, timer: RequestTimer) -> AsyncIterator[bytes]:
         """The response's events, created to completed; `result` is the response then. The engine's
