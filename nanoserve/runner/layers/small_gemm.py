@@ -196,11 +196,10 @@ def _skinny_kernel(
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     row0 = tl.program_id(2) * BLOCK_M   # this program's first row
-    first_part = out_ptr + row0 * N     # split 0's partial of this program's rows (SPLIT)
-    split_stride = M * N
-    parts = out_ptr + split * M * N     # the split's partial (SPLIT), else the output itself
+    split_stride = M * N                # out_ptr holds a [split, M, N] partial a split (SPLIT), else the output
+    first_part = out_ptr + row0 * N     # split 0's partial of this program's rows
     x_ptr += row0 * x_stride
-    out_ptr = parts + row0 * N
+    out_ptr = first_part + split * split_stride
     M -= row0                           # rows from row0 on
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
