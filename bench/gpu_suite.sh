@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -128,6 +128,12 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py'
          workload_ab NANOSERVE_DECODE_HEADS_FAST "$out/launch-order-ab.log" ;;
     ragged) # decode over unequal contexts: split counts and longest-first launch order, bf16 and fp8 caches
          python3 bench/attention_kernels.py --ragged 2>&1 | tee "$out/ragged.log" | tail -12 ;;
+    chain-ab) # the norms in PDL's chain: torch.compile's add + RMSNorm, then the Triton one (the default); bf16 steps at 1k
+         for value in 0 1; do
+           echo "NANOSERVE_TRITON_NORM=$value" | tee -a "$out/chain-ab.log"
+           NANOSERVE_TRITON_NORM=$value python3 bench/decode_step.py --contexts 1024 \
+             --batch-sizes ${CHAIN_BATCHES:-1,4,16,32,64,128,256} 2>&1 | tee -a "$out/chain-ab.log" | grep -vE "it/s|Capturing"
+         done ;;
     sum-ab) # split-K partials summed by a second kernel, then by the last split of each tile (the default):
          # bf16 steps at 1k, then the same with --profile at 16
          for last in False True; do

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nanoserve.runner.layers.ops import compiled_ops  # noqa: E402
-from nanoserve.runner.layers.skinny_choice import graph_us_per_call, rotated_weights  # noqa: E402
+from nanoserve.runner.layers.skinny_choice import graph_us_per_call, rotated_weights, same_product  # noqa: E402
 from nanoserve.runner.layers.small_gemm import (SkinnyConfig, num_sms, skinny_config,  # noqa: E402
                                                 skinny_linear)
 
@@ -55,9 +55,20 @@ def sweep_configs(rows: int) -> list[SkinnyConfig]:
             if stages * (bn + 16) * bk * 2 <= 160 * 1024]
 
 
-def best_of_sweep(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[float, SkinnyConfig]:
+def big_tile_configs(rows: int) -> list[SkinnyConfig]:
+    """Tiles of 64-256 rows a program (the heuristic stops at 64): the weight streams fewer times,
+    x is read from L2 by every column block."""
+    return [SkinnyConfig(bm, bn, bk, split, warps, stages)
+            for bm, bn, bk, split, warps, stages in itertools.product(
+                (64, 128, 256), (64, 128, 256), (64, 128), (1, 2, 4), (4, 8), (3, 4))
+            if bm <= max(64, rows) and stages * (bn + bm) * bk * 2 <= 200 * 1024
+            and bm * bn <= 32 * warps * 128]
+
+
+def best_of_sweep(x: torch.Tensor, weights: list[torch.Tensor],
+                  configs: list[SkinnyConfig] | None = None) -> tuple[float, SkinnyConfig]:
     best = (float("inf"), None)
-    for cfg in sweep_configs(x.shape[0]):
+    for cfg in configs if configs is not None else sweep_configs(x.shape[0]):
         try:
             us = graph_us_per_call(lambda w: skinny_linear(x, w, config=cfg), weights, replays=3)
         except Exception:   # out of shared memory or registers
@@ -80,6 +91,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles per case")
     parser.add_argument("--rows", default=ROWS, help="comma-separated row counts")
+    parser.add_argument("--big-tiles", action="store_true",
+                        help="also time tiles of 64-256 rows a program (big_tile_configs) at 64 rows and more")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated model names")
     parser.add_argument("--blas-lt", action="store_true",
                         help="also time F.linear with torch.backends.cuda.preferred_blas_library('cublaslt')")
     args = parser.parse_args()
@@ -91,7 +105,8 @@ def main() -> None:
     began = time.perf_counter()
     step_us: dict[tuple[str, int], list[float]] = {}
     lt_step_us: dict[tuple[str, int], float] = {}
-    for model, (layers, shapes) in MODELS.items():
+    for model in args.models.split(","):
+        layers, shapes = MODELS[model]
         for proj, (n, k) in shapes.items():
             weights = rotated_weights(n, k, DTYPE, device)
             for rows in row_counts:
@@ -120,6 +135,11 @@ def main() -> None:
                 if args.sweep:
                     us, best = best_of_sweep(x, weights)
                     line += f" | sweep best {us:7.1f} us {best}"
+                if args.big_tiles and rows >= 64:
+                    us, best = best_of_sweep(x, weights, big_tile_configs(rows))
+                    ok = best is not None and same_product(skinny_linear(x, weights[0], config=best),
+                                                           F.linear(x, weights[0]))
+                    line += f" | big tiles best {us:7.1f} us x{cublas / us:4.2f} {best} {'ok' if ok else 'WRONG'}"
                 print(line, flush=True)
                 sums = step_us.setdefault((model, rows), [0.0, 0.0, 0.0])
                 sums[0] += layers * cublas

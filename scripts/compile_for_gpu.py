@@ -33,6 +33,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from nanoserve.runner.attention.triton_decode import _decode_kernel, _merge_splits_kernel, decode_config  # noqa: E402
 from nanoserve.runner.attention.triton_prefill import _prefill_config, _prefill_kernel  # noqa: E402
+from nanoserve.runner.layers.rms_norm_kernel import _rms_norm_kernel  # noqa: E402
 from nanoserve.runner.layers.small_gemm import _skinny_kernel, skinny_config  # noqa: E402
 
 FLOATS = {"scale_log2", "v_scale", "eps", "norm_eps", "inv_k_scale", "inv_v_scale"}
@@ -124,6 +125,10 @@ def variants(target: GPUTarget):
                         NORMED=kind == "normed", HAS_RES=kind == "normed", USE_PDL=target.arch >= 90, PRELOAD=preload,
                         SPLIT_K=cfg.split_k, SUM_IN_LAST=cfg.split_k > 1),
                    dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    for has_res in (False, True):
+        yield (f"rms_norm residual {has_res}", _rms_norm_kernel,
+               {name: "*bf16" for name in ("x_ptr", "res_ptr", "new_res_ptr", "gamma_ptr", "out_ptr")},
+               dict(HAS_RES=has_res, BLOCK=1024, USE_PDL=target.arch >= 90), dict(num_warps=4, num_stages=1))
 
 
 def main(argv: list[str] | None = None) -> None:

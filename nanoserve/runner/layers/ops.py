@@ -82,7 +82,8 @@ EAGER_OPS = LayerOps(rms_norm, add_rms_norm, qkv_rope, silu_mul)
 def compiled_ops() -> LayerOps:
     """The GPU path: the same functions fused by torch.compile, but SiLU-mul in a Triton kernel
     of its own (layers/silu_mul.py): the compiled one ran at about a third of the copy rate at
-    prefill sizes."""
+    prefill sizes; and the norms in one (layers/rms_norm_kernel.py) that takes part in PDL."""
+    from nanoserve.runner.layers import rms_norm_kernel as norm_kernel
     from nanoserve.runner.layers.silu_mul import silu_mul as triton_silu_mul
 
     # each model shape compiles its own variants; a process that loads several models (tests,
@@ -91,4 +92,17 @@ def compiled_ops() -> LayerOps:
     # default (automatic) dynamism: the token count turns dynamic after its first change, while the
     # model's own ints (heads, head_dim) stay constants that no token count can be confused with
     fuse = lambda fn: torch.compile(fn, fullgraph=True)  # noqa: E731
-    return LayerOps(*(fuse(fn) for fn in (rms_norm, add_rms_norm, qkv_rope)), triton_silu_mul)
+    fused_rms_norm, fused_add_rms_norm, fused_qkv_rope = (fuse(fn) for fn in (rms_norm, add_rms_norm, qkv_rope))
+
+    def gpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if norm_kernel.takes(x, weight):
+            return norm_kernel.rms_norm(x, weight, eps)
+        return fused_rms_norm(x, weight, eps)
+
+    def gpu_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        if norm_kernel.takes(x, weight) and residual.shape == x.shape and residual.dtype == x.dtype:
+            return norm_kernel.add_rms_norm(x, residual, weight, eps)
+        return fused_add_rms_norm(x, residual, weight, eps)
+
+    return LayerOps(gpu_rms_norm, gpu_add_rms_norm, fused_qkv_rope, triton_silu_mul)
