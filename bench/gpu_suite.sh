@@ -216,11 +216,11 @@ from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--
                | tee -a "$out/lt-ab.log" | grep -E "^throughput|cuBLASLt for|Error"
            done
          done ;;
-    waves-ab) # decode splits sized for 4 programs an SM (the default), then 2: the split sweep of effb7b7 had one split
-         # faster at batch 64 (78.8 against 85.7 us a layer) and two at batch 32; steps by batch, then the workload
-         for waves in 4 2; do
+    waves-ab) # decode splits sized for 4 programs an SM, then 2 (the default from this entry's first run), then 1:
+         # steps by batch, then the workload
+         for waves in 4 2 1; do
            echo "WAVES=$waves" | tee -a "$out/waves-ab.log"
-           python3 -c "import sys; sys.argv = ['decode_step', '--batch-sizes', '16,32,64', '--contexts', '1024,4096']
+           python3 -c "import sys; sys.argv = ['decode_step', '--batch-sizes', '4,8,16,32,48,64,96', '--contexts', '1024,2048']
 import nanoserve.runner.attention.decode_splits as d; d.WAVES = $waves
 sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
              | tee -a "$out/waves-ab.log" | grep -vE "it/s|Capturing"

@@ -41,7 +41,9 @@ def test_every_merge_width_an_eager_step_reaches_is_warmed_once(h200_sms, mixed,
     first = MIXED_MIN_DECODE_ROWS + 1 if mixed else 1
     reachable = {widths(mixed, seqs, length, fp8) for seqs in range(first, 513) for length in range(1, 4097, 37)}
     assert sorted(warmed) == sorted(reachable)
-    assert len({width for width, _ in reachable}) > 1
+    # a mixed step's 33 or more decode rows fill 132 SMs unsplit (decode_splits.WAVES); decode alone
+    # reaches several widths
+    assert len({width for width, _ in reachable}) == 1 if mixed else len({width for width, _ in reachable}) > 1
     assert {rope for _, rope in reachable} == ({False} if mixed else {False, True})
 
 

@@ -14,7 +14,10 @@ import triton
 # step was no faster with 64: 0.952 against 0.935 ms pipelined (BENCHMARKS.md, split counts)
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
-WAVES = 4                    # programs per SM to aim for before splitting stops paying
+# programs per SM to aim for before splitting stops paying. 2 against 4 on an H200 (bf16, context 1k,
+# pipelined ms): batch 32 2.315 -> 2.196 (2 splits, not 4), 48 2.913 -> 2.725 and 64 3.241 -> 3.093
+# (1, not 2), 16 1.705 -> 1.629; 1 lost at 4-32 rows (BENCHMARKS.md, `gpu_suite.sh waves-ab`)
+WAVES = 2
 
 
 @functools.lru_cache(maxsize=None)
