@@ -24,7 +24,7 @@ import json, sys
 import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.benchmarks.compile_watch import triton_compiles
-from nanoserve.runner.attention.decode_splits import num_decode_splits, num_sms
+from nanoserve.runner.attention.decode_splits import num_decode_splits, num_sms, split_waves
 from tests.conftest import random_prompts
 
 llm = LLM(sys.argv[1], device="cuda", max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=700,
@@ -36,7 +36,8 @@ def counted(work):
     decode_rows = sum(w.num_new == 1 for w in work)
     if decode_rows >= 32 and max(w.num_new for w in work) > 1:
         longest = max(w.start + w.num_new for w in work)
-        mixed.append(num_decode_splits(len(work), 8, longest, num_sms(torch.device("cuda"))))
+        mixed.append(num_decode_splits(len(work), 8, longest, num_sms(torch.device("cuda")),
+                                       split_waves(sys.argv[2] == "fp8")))
     return eager(work)
 
 runner._forward_eager = counted
@@ -56,7 +57,8 @@ def test_eager_steps_compile_nothing_while_serving(qwen3_06b, kv_cache_dtype, st
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["mixed"], "the workload ran no eager mixed step with 32+ decode rows"
-    assert max(result["mixed"]) > 1, "no eager mixed step split its decode rows' keys"
+    if kv_cache_dtype == "fp8":   # over bf16 such rows fill the GPU unsplit (decode_splits.WAVES)
+        assert max(result["mixed"]) > 1, "no eager mixed step split its decode rows' keys"
     attention = [name for name in result["compiles"] if name in ("_prefill_kernel", "_decode_kernel",
                                                                  "_merge_splits_kernel")]
     assert attention == [], f"compiled while serving: {result['compiles']}"

@@ -100,7 +100,7 @@ def eager_step_shapes(mixed: bool, max_num_seqs: int, max_num_batched_tokens: in
         for length in lengths:
             # a mixed step's decode rows split evenly; alone they may take fixed-size splits
             keys = None if mixed else engine_split_keys(seqs, kv_heads, length, device, fp8_cache)
-            splits = decode_split_count(seqs, kv_heads, length, device, split_span(keys, block_n))
+            splits = decode_split_count(seqs, kv_heads, length, device, split_span(keys, block_n), fp8_cache)
             shapes.setdefault((triton.next_power_of_2(splits), rope), (seqs, length))   # the merge's width
     return list(shapes.values())
 
