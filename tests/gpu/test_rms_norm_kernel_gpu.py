@@ -1,9 +1,11 @@
 """The Triton add + RMSNorm on the GPU against the eager ops.add_rms_norm, at decode and prefill
 sizes of the 0.6B and 8B widths, directly and replayed from a CUDA graph as decode runs it.
 
-The new residual is one addition rounded once: the same bits. The output within one rounding of
-the output dtype (2^-7 relative for bf16, 2^-10 for fp16; float32 1e-5): the mean square sums in
-another order than torch's reduction, which can move a value across a rounding boundary."""
+The new residual is one addition rounded once: the same bits. The output within two roundings of
+the output dtype (2^-6 relative for bf16, 2^-9 for fp16; float32 1e-5): the mean square sums in
+another order than torch's reduction, which can move the normalized value across a rounding
+boundary, one ulp that gamma carries into the product before its own rounding. A first version
+allowed one rounding, and 4,096 x 1,024 random rows broke it once in two runs on an H200."""
 
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ import torch
 from nanoserve.runner.layers import ops, rms_norm_kernel
 
 pytestmark = pytest.mark.gpu
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-6, torch.float16: 2**-9}
 
 
 def inputs(rows: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(rows * width)
     x, residual = ((torch.randn(rows, width, device="cuda") * 3).to(dtype) for _ in range(2))
     return x, residual, (torch.rand(width, device="cuda") + 0.5).to(dtype)
 
@@ -47,7 +50,7 @@ def test_a_captured_norm_replays_with_new_inputs() -> None:
         graph.replay()
         want, want_sum = ops.add_rms_norm(x, residual, gamma, 1e-6)
         assert torch.equal(summed, want_sum)
-        torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=2**-7)
+        torch.testing.assert_close(out.float(), want.float(), rtol=TOL[torch.bfloat16], atol=TOL[torch.bfloat16])
 
 
 def test_the_compiled_ops_take_the_kernel_and_keep_their_results() -> None:
