@@ -63,10 +63,12 @@ def _user_path(err: dict) -> list[str]:
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     """One 400 naming the first bad field, in the words of the OpenAI API where it has them."""
-    # of a union's members, the one that got furthest into the value says what is wrong with it
-    # (a text part's unknown key, not "should be a string"); otherwise the first error
+    # a list past its bound is refused for its length whatever its items hold (a union's other
+    # members fail at its first item: 20,000 prompts were "prompt.0: should be a valid integer");
+    # else, of a union's members, the one that got furthest into the value says what is wrong with
+    # it (a text part's unknown key, not "should be a string"); otherwise the first error
     errors = exc.errors()
-    err = max(errors, key=lambda e: len(_user_path(e)))
+    err = max(errors, key=lambda e: (e.get("type") == "too_long", len(_user_path(e))))
     path = _user_path(err)
     param = ".".join(path) or None
     kind = err.get("type", "")
@@ -87,6 +89,11 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
         part = str(err.get("input"))[:40]
         return APIError(f"Content part type {part!r} is not supported: this server's model reads text only; "
                         "send parts of type 'text'", param=param, code="invalid_value")
+    if kind == "too_long" and err.get("ctx", {}).get("field_type") == "List":   # in the OpenAI API's words
+        ctx = err["ctx"]
+        return APIError(f"Invalid '{param}': array too long. Expected an array with maximum length "
+                        f"{ctx['max_length']}, but got an array with length {ctx['actual_length']} instead.",
+                        param=param, code="array_above_max_length")
     if kind == "model_type" and param is None:
         return APIError("The request body must be a JSON object", param=param, code="invalid_type")
     if kind == "model_type":   # pydantic's words name the class ("instance of ChatMessage")

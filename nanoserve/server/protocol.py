@@ -20,6 +20,18 @@ from nanoserve.server.errors import APIError
 
 MAX_N = 128
 MAX_DOCUMENTS = 1024   # their text counts toward the prompt's size limit like any message's
+# a conversation's messages (and /v1/responses' input items), a message's content parts or tool
+# calls, a request's tools and prompts: each item costs ~5-40 us to validate, translate and render,
+# and 200,000 input items took 2 s of the server's time before a 400 (120,000 calls: 5 s). Agents
+# replaying long sessions send hundreds to a few thousand; OpenAI's API takes 128 tools and 128
+# calls a message
+MAX_MESSAGES = 1 << 14
+MAX_CONTENT_PARTS = 1 << 14
+MAX_TOOL_CALLS_PER_MESSAGE = 1 << 14   # /v1/responses' consecutive function_call items are one message's calls
+MAX_TOOLS = 1 << 14
+# prompts of one /v1/completions request, read before --max-seqs-per-request (256 by default) is
+# checked: that flag may not usefully go past this
+MAX_PROMPTS = 1 << 14
 MAX_LOGPROBS = 20
 # more entries than most vocabularies have tokens; each is parsed on the event loop (~0.5 us)
 MAX_LOGIT_BIAS = 1 << 17
@@ -220,7 +232,8 @@ class SamplingFields(Strict):
 class CompletionRequest(SamplingFields):
     # token ids first: pydantic takes the first member that matches, and a list of ids is the
     # common case of load generators and harnesses (5x faster to validate than trying str first)
-    prompt: Items[int] | str | Items[str] | Items[Items[int]]
+    prompt: (Items[int] | str | Annotated[Items[str], Field(max_length=MAX_PROMPTS)]
+             | Annotated[Items[Items[int]], Field(max_length=MAX_PROMPTS)])
     # None: 16, as in the OpenAI API (the endpoint fills it in); 0, with echo: the prompt alone, as vLLM's
     max_tokens: int | None = Field(None, ge=0, le=MAX_INT)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -266,9 +279,9 @@ class ToolCall(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Items[TextPart | RefusalPart] | None = None
+    content: str | Annotated[Items[TextPart | RefusalPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
-    tool_calls: Items[ToolCall] | None = None  # assistant messages
+    tool_calls: Items[ToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS_PER_MESSAGE)  # assistant messages
     tool_call_id: str | None = None           # tool messages: the call this answers
     # assistant messages' reasoning, as this server returns it: vLLM's current name, and the older
     # one that DeepSeek's API and many clients still send
@@ -277,7 +290,7 @@ class ChatMessage(Strict):
     # an assistant message as OpenAI's API returns it, replayed by its client: a refusal is what the
     # assistant said (as a refusal part is); annotations (web citations) are no text of the message
     refusal: str | None = None
-    annotations: Items[dict[str, Any]] | None = None
+    annotations: Items[dict[str, Any]] | None = Field(None, max_length=MAX_CONTENT_PARTS)
 
     def text(self) -> str:
         if isinstance(self.content, list):  # as vLLM joins them: parts are often a document, then a question
@@ -311,8 +324,8 @@ class NamedToolChoice(Strict):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Items[ChatMessage] = Field(min_length=1)
-    tools: Items[Tool] | None = None
+    messages: Items[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    tools: Items[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool | None = None  # False: at most one call (enforced when tool_choice is required)
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template (enable_thinking)
@@ -338,8 +351,8 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
-    messages: Items[ChatMessage] | None = None
-    tools: Items[Tool] | None = None
+    messages: Items[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
+    tools: Items[Tool] | None = Field(None, max_length=MAX_TOOLS)
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True

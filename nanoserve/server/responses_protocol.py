@@ -16,8 +16,8 @@ from pydantic import Discriminator, Field, Tag, ValidationError
 
 from nanoserve.sampling_params import MAX_INT
 from nanoserve.server.errors import APIError, from_validation_error
-from nanoserve.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, Items, SamplingFields, Strict,
-                                       StructuredOutputsRequest)
+from nanoserve.server.protocol import (MAX_CONTENT_PARTS, MAX_LOGPROBS, MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest,
+                                       Items, SamplingFields, Strict, StructuredOutputsRequest)
 
 
 def _chat_field(name: str):
@@ -42,7 +42,7 @@ class Refusal(Strict):
 class MessageItem(Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | Items[InputText | Refusal]
+    content: str | Annotated[Items[InputText | Refusal], Field(max_length=MAX_CONTENT_PARTS)]
     id: str | None = None
     status: str | None = None
 
@@ -68,7 +68,7 @@ class FunctionCallOutputItem(Strict):
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str | Items[InputText]
+    output: str | Annotated[Items[InputText], Field(max_length=MAX_CONTENT_PARTS)]
     id: str | None = None
     status: str | None = None
 
@@ -81,8 +81,8 @@ class ReasoningItem(Strict):
 
     type: Literal["reasoning"]
     id: str | None = None
-    summary: Items[dict[str, Any]] = []
-    content: Items[dict[str, Any]] | None = None
+    summary: Items[dict[str, Any]] = Field([], max_length=MAX_CONTENT_PARTS)
+    content: Items[dict[str, Any]] | None = Field(None, max_length=MAX_CONTENT_PARTS)
     encrypted_content: str | None = None
     status: str | None = None
 
@@ -156,7 +156,7 @@ class ReasoningConfig(Strict):
 class ResponsesRequest(Strict):
     model: str | None = None
     # none: the instructions alone are the conversation, as OpenAI's API takes them
-    input: str | Items[InputItem] | None = Field(None, min_length=1)
+    input: str | Annotated[Items[InputItem], Field(max_length=MAX_MESSAGES)] | None = Field(None, min_length=1)
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     temperature: float | None = _chat_field("temperature")
@@ -164,7 +164,8 @@ class ResponsesRequest(Strict):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     include: Items[str] | None = None
     stream: bool = False
-    tools: Items[dict[str, Any]] | None = None   # read by tools(): a hosted tool is refused by its type
+    # read by _chat_tools: a hosted tool is refused by its type
+    tools: Items[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     # bounds the hosted tools' turns; a function call ends the response, so one reply is all there is
