@@ -241,6 +241,10 @@ class SamplingParams:
             if not isinstance(word, str) or not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
                 raise InvalidSamplingParam("bad_words", "each of bad_words must be a string of 1 to "
                                            f"{MAX_BAD_WORD_CHARS} characters, not only whitespace; got {str(word)[:40]!r}")
+        if not all(isinstance(text, str) and text for text in self.stop):
+            # as vLLM refuses it: "" matches before any text, and dropping it silently hid a client's bug
+            raise InvalidSamplingParam("stop", "stop cannot contain an empty string; leave it out, or send the "
+                                       "strings that should end the text")
         for token in self.stop_token_ids:
             _check_int("stop_token_ids", token, 0, MAX_INT)
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt

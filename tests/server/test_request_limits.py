@@ -219,6 +219,29 @@ def test_stop_lists_are_bounded(server, path, field, value, words):
     assert httpx.post(server.url + path, json={**body, field: within}, timeout=30).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+@pytest.mark.parametrize("stop", ["", ["x", ""]])
+def test_an_empty_stop_string_is_a_400_as_vllm_answers_it(server, path, stop):
+    # it was dropped without a word: a client that sent one believed it would stop somewhere
+    body = {"model": "tiny", "stop": stop}
+    body |= ({"prompt": "hi", "max_tokens": 4} if path == "/v1/completions" else
+             {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} if path == "/v1/chat/completions"
+             else {"input": "hi", "max_output_tokens": 4})
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "stop" and "stop cannot contain an empty string" in r.json()["error"]["message"]
+    assert httpx.post(server.url + path, json={**body, "stop": ["x"]}, timeout=30).status_code == 200
+
+
+def test_an_empty_stop_string_is_refused_offline_too():
+    from nanoserve import SamplingParams
+    from nanoserve.sampling_params import InvalidSamplingParam
+
+    with pytest.raises(InvalidSamplingParam) as caught:
+        SamplingParams(stop=["x", ""])
+    assert caught.value.param == "stop"
+
+
 def test_a_body_of_millions_of_json_values_is_refused_before_it_is_parsed(server):
     # 1.5 million values in 3 MB: parsed, they would hold the interpreter lock, and every stream, for long
     body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 4, "metadata": {"a": [' + b"0," * 1_500_000 + b"0]}}"
