@@ -50,18 +50,19 @@ def check_continuation(continue_final_message: bool, add_generation_prompt: bool
                        "false: a new assistant header would close it", param="continue_final_message")
 
 
-def render_chat(state: ServerState, messages: list[ChatMessage], text_length: int, add_generation_prompt: bool = True,
+def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 tools: list[Tool] | None = None, template_kwargs: dict | None = None,
                 continue_final_message: bool = False, add_special_tokens: bool = False,
                 documents: list[dict[str, str]] | None = None, keep_tokens: int | None = None) -> list[int]:
-    """Token ids of the conversation as the model's chat template writes it (`text_length`:
-    messages_length); `keep_tokens` (truncate_prompt_tokens): only its last ones are wanted."""
+    """Token ids of the conversation as the model's chat template writes it; `keep_tokens`
+    (truncate_prompt_tokens): only its last ones are wanted. A pass over every message: call it
+    off the event loop for a large request."""
     tok = state.tokenizer
     size = state.prompt_size
     # the template only adds text: contents past the bound cannot fit once rendered either, unless
     # only the end is kept (as /v1/completions keeps a long text's end: the body bounds the render)
     if keep_tokens is None:
-        size.check(text_length, "messages")
+        size.check(messages_length(messages), "messages")
         if len(messages) > state.engine.config.max_model_len:   # each renders to a header at least
             raise APIError(f"The conversation has {len(messages)} messages: more than the "
                            f"{state.engine.config.max_model_len} tokens of the context (max_model_len) can hold",
@@ -101,8 +102,7 @@ class ChatCompletion(OpenAIResponse):
         kwargs = req.chat_template_kwargs
         if req.reasoning_effort is not None:   # the request's field, unless the kwargs set it
             kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
-        text_length = messages_length(req.messages)
-        self.prompt = req.truncate(render_chat(state, req.messages, text_length, req.add_generation_prompt, req.tools,
+        self.prompt = req.truncate(render_chat(state, req.messages, req.add_generation_prompt, req.tools,
                                                kwargs, req.continue_final_message, req.add_special_tokens,
                                                req.documents, req.truncate_prompt_tokens))
         self.prompt_lens = [len(self.prompt)]

@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from nanoserve import __version__
-from nanoserve.server.chat import check_continuation, messages_length, render_chat
+from nanoserve.server.chat import check_continuation, render_chat
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import CONTENT_TYPE
 from nanoserve.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -90,9 +90,8 @@ async def tokenize(request: Request) -> Response:
         tokens = await run_in_threadpool(state.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
     else:
         check_continuation(req.continue_final_message, req.add_generation_prompt)
-        tokens = await run_in_threadpool(render_chat, state, req.messages, messages_length(req.messages),
-                                         req.add_generation_prompt, req.tools, req.chat_template_kwargs,
-                                         req.continue_final_message)
+        tokens = await run_in_threadpool(render_chat, state, req.messages, req.add_generation_prompt, req.tools,
+                                         req.chat_template_kwargs, req.continue_final_message)
     # a Python call per token: 570k of them held the event loop, and every stream, for 0.35 s
     token_strs = (await off_the_loop_if_long(len(tokens), state.tokenizer.convert_ids_to_tokens, tokens)
                   if req.return_token_strs else None)

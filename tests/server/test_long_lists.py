@@ -156,8 +156,8 @@ def test_as_many_input_items_as_allowed_are_served(server):
 
 
 def test_a_large_conversation_is_measured_off_the_event_loop(server_model, monkeypatch):
-    # its text was summed up on the event loop before the render was sent to a worker thread:
-    # 20-35 ms of every stream's time at 16,384 messages of parts, or as many tools
+    # its text was summed up on the event loop before the render was sent to a worker thread
+    # (chat, /tokenize): 20-35 ms of every stream's time at 16,384 messages of parts, or as many tools
     from nanoserve import EngineConfig
     from nanoserve.engine.async_engine import AsyncEngine
     from nanoserve.server import chat
@@ -175,5 +175,7 @@ def test_a_large_conversation_is_measured_off_the_event_loop(server_model, monke
             r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2},
                            timeout=60)
             assert r.status_code == 200, r.text[:300]
-    small, large = measured_on
-    assert small is loop_thread and large is not loop_thread
+        r = httpx.post(f"{url}/tokenize", json={"model": "tiny", "messages": messages}, timeout=60)
+        assert r.status_code == 200, r.text[:300]
+    small, large, tokenized = measured_on
+    assert small is loop_thread and large is not loop_thread and tokenized is not loop_thread
