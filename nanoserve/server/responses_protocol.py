@@ -303,6 +303,9 @@ def as_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if not messages:   # reasoning items alone: they go back to the template with the answer after them
         raise APIError("'input' holds no message to answer, only reasoning items; send the conversation's messages "
                        "with them", param="input")
+    if len(messages) > MAX_MESSAGES:   # the instructions' system message beside as many input items as allowed
+        raise APIError(f"'instructions' and 'input' make a conversation of {len(messages)} messages; at most "
+                       f"{MAX_MESSAGES}", param="input", code="array_above_max_length")
     body: dict[str, Any] = {
         "model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
         "tools": _chat_tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),

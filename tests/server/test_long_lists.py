@@ -155,6 +155,18 @@ def test_as_many_input_items_as_allowed_are_served(server):
     server.wait_idle()
 
 
+def test_instructions_beside_as_many_messages_as_allowed_are_refused_counting_both(server):
+    # the instructions are one more message: refused as a chat request of a list too long, 16,385
+    # items where the client sent 16,384
+    body = {"model": "tiny", "instructions": "Be brief.", "input": [{"role": "user", "content": ""}] * MAX_MESSAGES}
+    r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=120)
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"] == {
+        "message": f"'instructions' and 'input' make a conversation of {MAX_MESSAGES + 1} messages; at most "
+                   f"{MAX_MESSAGES}", "type": "invalid_request_error", "param": "input",
+        "code": "array_above_max_length"}
+
+
 def test_a_large_conversation_is_measured_off_the_event_loop(server_model, monkeypatch):
     # its text was summed up on the event loop before the render was sent to a worker thread
     # (chat, /tokenize): 20-35 ms of every stream's time at 16,384 messages of parts, or as many tools
