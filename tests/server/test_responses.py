@@ -211,6 +211,18 @@ CALL_AFTER_TEXT = re.escape('Sure. <tool_call>\n{"name": "get_weather", "argumen
 CALL_AFTER_TEXT_BODY = {"tools": [WEATHER], "extra_body": {"structured_outputs": {"regex": CALL_AFTER_TEXT}}}
 
 
+def without_tag_tokens(entries: list) -> list:
+    """The entries less a leading run of a `</think>`'s tokens and a trailing run of a `<tool_call>`'s.
+    A parser holds a tag's first characters back; whether their tokens reach the message then
+    depends on how the engine's updates were grouped, which the front end merges when it lags, so
+    two runs of one request may differ there (and only there)."""
+    tokens = [e.token for e in entries]
+    first = max((i for i in range(len(tokens) + 1) if "".join(tokens[:i]) in "</think>"), default=0)
+    last = min((j for j in range(first, len(tokens) + 1) if "".join(tokens[j:]) in "<tool_call>"),
+               default=len(tokens))
+    return entries[first:last]
+
+
 @pytest.mark.parametrize("extra", [{"extra_body": THINKING}, {"extra_body": {**THINKING, "stop": ["here"]}},
                                    CALL_AFTER_TEXT_BODY],
                          ids=["reasoning then answer", "stop string", "text then a call"])
@@ -225,9 +237,12 @@ def test_a_whole_message_has_the_logprobs_its_stream_sends(client, extra):
     message = [item for item in whole.output if item.type == "message"][0].content[0]
     assert message.text and sent
     final = [item for item in events[-1].response.output if item.type == "message"][0].content[0]
-    for entries in (message.logprobs, final.logprobs):   # two runs of the model: equal up to rounding
-        assert [e.token for e in entries] == [e.token for e in sent]
-        assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in sent], abs=1e-4)
+    assert [e.token for e in final.logprobs] == [e.token for e in sent]   # one run: its stream and its end agree
+    assert [e.logprob for e in final.logprobs] == [e.logprob for e in sent]
+    ours, theirs = without_tag_tokens(message.logprobs), without_tag_tokens(sent)   # two runs: up to their tags
+    assert ours and len(message.logprobs) - len(ours) <= len("</think>") + len("<tool_call>")
+    assert [e.token for e in ours] == [e.token for e in theirs]
+    assert [e.logprob for e in ours] == pytest.approx([e.logprob for e in theirs], abs=1e-4)
 
 
 def test_instructions_alone_are_answered_as_a_system_message_alone(client, tool_server):
