@@ -139,6 +139,24 @@ def in_process_server(app) -> Iterator[tuple[str, threading.Thread]]:
         thread.join(30)
 
 
+def tiny_engine(model: str, blocks: int = 128):
+    """An engine over `model` in this process, for a test to patch before serving it."""
+    from nanoserve import EngineConfig
+    from nanoserve.engine.async_engine import AsyncEngine
+
+    return AsyncEngine(EngineConfig(model=model, device=DEVICE, num_kvcache_blocks=blocks, block_size=16))
+
+
+@contextmanager
+def serving(engine) -> Iterator[tuple[str, threading.Thread]]:
+    """`engine` behind the app, served as "tiny" by in_process_server: its URL and loop thread."""
+    from nanoserve.server.app import build_app
+    from nanoserve.server.state import ServerSettings
+
+    with in_process_server(build_app(engine, ServerSettings(served_model_names=["tiny"]))) as served:
+        yield served
+
+
 def read_metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
     """The unlabelled samples of the server's /metrics by name."""
     samples = {}

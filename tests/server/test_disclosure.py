@@ -7,7 +7,7 @@ import logging
 import httpx
 import pytest
 
-from tests.server.conftest import DEVICE, ServerProcess, in_process_server
+from tests.server.conftest import ServerProcess, serving, tiny_engine
 
 
 def test_models_show_the_served_name_and_no_path(server, server_model):
@@ -19,18 +19,14 @@ def test_models_show_the_served_name_and_no_path(server, server_model):
 
 
 def test_an_unexpected_error_is_logged_with_an_id_and_answered_without_its_text(server_model, caplog):
-    from nanoserve import EngineConfig
-    from nanoserve.engine.async_engine import AsyncEngine
-    from nanoserve.server.app import build_app
-    from nanoserve.server.state import ServerSettings
 
-    engine = AsyncEngine(EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=128, block_size=16))
+    engine = tiny_engine(server_model)
 
     def broken_encode(*args, **kwargs):
         raise RuntimeError("secret detail: /srv/private/weights/shard-3.safetensors is corrupt")
 
     engine.tokenizer.encode = broken_encode
-    with in_process_server(build_app(engine, ServerSettings(served_model_names=["tiny"]))) as (url, _):
+    with serving(engine) as (url, _):
         with caplog.at_level(logging.ERROR, logger="nanoserve.server.errors"):
             r = httpx.post(f"{url}/tokenize", json={"prompt": "hi"}, timeout=30)
     assert r.status_code == 500
@@ -46,12 +42,8 @@ def test_an_unexpected_error_is_logged_with_an_id_and_answered_without_its_text(
 def test_the_request_after_an_unexpected_error_on_a_kept_alive_connection_is_served(server_model):
     # the server closes the connection after a 500 (Starlette raises the error again); unannounced,
     # the client's next request on it, a good one, got a connection reset
-    from nanoserve import EngineConfig
-    from nanoserve.engine.async_engine import AsyncEngine
-    from nanoserve.server.app import build_app
-    from nanoserve.server.state import ServerSettings
 
-    engine = AsyncEngine(EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=128, block_size=16))
+    engine = tiny_engine(server_model)
     encode = engine.tokenizer.encode
 
     def broken_for_boom(text, *args, **kwargs):
@@ -60,7 +52,7 @@ def test_the_request_after_an_unexpected_error_on_a_kept_alive_connection_is_ser
         return encode(text, *args, **kwargs)
 
     engine.tokenizer.encode = broken_for_boom
-    with in_process_server(build_app(engine, ServerSettings(served_model_names=["tiny"]))) as (url, _):
+    with serving(engine) as (url, _):
         with httpx.Client(base_url=url, timeout=30) as client:
             for _ in range(3):
                 failed = client.post("/tokenize", json={"prompt": "boom"})

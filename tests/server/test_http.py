@@ -11,7 +11,7 @@ import pytest
 
 from nanoserve import SamplingParams
 from nanoserve.server.logprobs import TokenTexts
-from tests.server.conftest import DEVICE, in_process_server
+from tests.server.conftest import serving, tiny_engine
 
 COMPLETION_KEYS = {"id", "object", "created", "model", "choices", "usage"}
 USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
@@ -268,16 +268,12 @@ def test_tokenize_takes_vllms_token_strings_and_continued_final_message(http, of
 
 def test_token_strings_of_a_long_prompt_are_named_off_the_event_loop(server_model):
     """A Python call per token: 570k of them on the event loop held every stream for 0.35 s."""
-    from nanoserve import EngineConfig
-    from nanoserve.engine.async_engine import AsyncEngine
-    from nanoserve.server.app import build_app
-    from nanoserve.server.state import ServerSettings
 
-    engine = AsyncEngine(EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=128, block_size=16))
+    engine = tiny_engine(server_model)
     named_on = []
     convert = engine.tokenizer.convert_ids_to_tokens
     engine.tokenizer.convert_ids_to_tokens = lambda ids: named_on.append(threading.current_thread()) or convert(ids)
-    with in_process_server(build_app(engine, ServerSettings(served_model_names=["tiny"]))) as (url, loop_thread):
+    with serving(engine) as (url, loop_thread):
         r = httpx.post(f"{url}/tokenize", json={"prompt": "a b " * 5000, "return_token_strs": True}, timeout=60)
     assert r.status_code == 200, r.text[:300]
     body = r.json()
@@ -308,11 +304,7 @@ def test_a_stream_of_large_chunks_gives_the_event_loop_a_turn_after_each(server_
     import asyncio
     import types
 
-    from nanoserve import EngineConfig
-    from nanoserve.engine.async_engine import AsyncEngine
     from nanoserve.server import response
-    from nanoserve.server.app import build_app
-    from nanoserve.server.state import ServerSettings
 
     pauses = []
 
@@ -321,10 +313,10 @@ def test_a_stream_of_large_chunks_gives_the_event_loop_a_turn_after_each(server_
         return await asyncio.sleep(delay, *args)
 
     monkeypatch.setattr(response, "asyncio", types.SimpleNamespace(**{**vars(asyncio), "sleep": counted_sleep}))
-    engine = AsyncEngine(EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=256, block_size=16))
+    engine = tiny_engine(server_model, 256)
     body = {"model": "tiny", "prompt": [100 + (7 * i) % 3000 for i in range(600)], "max_tokens": 1, "n": 3,
             "echo": True, "logprobs": 20, "stream": True}
-    with in_process_server(build_app(engine, ServerSettings(served_model_names=["tiny"]))) as (url, _):
+    with serving(engine) as (url, _):
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
             events = [line for line in r.iter_lines() if line.startswith("data: {")]
     large = [e for e in events if len(e) > response.LARGE_EVENT_BYTES]
@@ -335,18 +327,14 @@ def test_a_stream_of_large_chunks_gives_the_event_loop_a_turn_after_each(server_
 def test_large_chat_template_kwargs_are_rendered_off_the_event_loop(server_model):
     """transformers copies every template variable before rendering: a million small values held
     every stream for 0.7 s when the render ran on the event loop."""
-    from nanoserve import EngineConfig
-    from nanoserve.engine.async_engine import AsyncEngine
-    from nanoserve.server.app import build_app
-    from nanoserve.server.state import ServerSettings
 
-    engine = AsyncEngine(EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=128, block_size=16))
+    engine = tiny_engine(server_model)
     rendered_on = []
     render = engine.tokenizer.apply_chat_template
     engine.tokenizer.apply_chat_template = (lambda *args, **kwargs: rendered_on.append(threading.current_thread())
                                             or render(*args, **kwargs))
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    with in_process_server(build_app(engine, ServerSettings(served_model_names=["tiny"]))) as (url, loop_thread):
+    with serving(engine) as (url, loop_thread):
         for kwargs in ({"unused": 1}, {"unused": list(range(5_000))}):
             r = httpx.post(f"{url}/v1/chat/completions", json={**body, "chat_template_kwargs": kwargs}, timeout=60)
             assert r.status_code == 200, r.text[:300]

@@ -12,7 +12,7 @@ import pytest
 
 from nanoserve.server.protocol import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_PROMPTS, MAX_TOOL_CALLS_PER_MESSAGE,
                                        MAX_TOOLS)
-from tests.server.conftest import DEVICE, in_process_server, openai_client
+from tests.server.conftest import openai_client, serving, tiny_engine
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 # as many as a request may give: checking 50,000 for duplicate names was quadratic, 85 s of the
@@ -173,18 +173,14 @@ def test_instructions_beside_as_many_messages_as_allowed_are_refused_counting_bo
 def test_a_large_conversation_is_measured_off_the_event_loop(server_model, monkeypatch):
     # its text was summed up on the event loop before the render was sent to a worker thread
     # (chat, /tokenize): 20-35 ms of every stream's time at 16,384 messages of parts, or as many tools
-    from nanoserve import EngineConfig
-    from nanoserve.engine.async_engine import AsyncEngine
     from nanoserve.server import chat
-    from nanoserve.server.app import build_app
-    from nanoserve.server.state import ServerSettings
 
     measured_on = []
     measure = chat.messages_length
     monkeypatch.setattr(chat, "messages_length",
                         lambda messages: measured_on.append(threading.current_thread()) or measure(messages))
-    engine = AsyncEngine(EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=128, block_size=16))
-    with in_process_server(build_app(engine, ServerSettings(served_model_names=["tiny"]))) as (url, loop_thread):
+    engine = tiny_engine(server_model)
+    with serving(engine) as (url, loop_thread):
         parts = [{"type": "text", "text": "a"}] * 15
         for messages in (MESSAGES, [{"role": "user", "content": parts}] * 60):   # a 27 KB body
             r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2},

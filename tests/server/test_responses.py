@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import DEVICE, in_process_server, openai_client
+from tests.server.conftest import openai_client, serving, tiny_engine
 # tool_server (conftest): the tool-calling tests' server, started again for this file (module scope)
 
 MAX_TOKENS = 300
@@ -307,18 +307,14 @@ def test_replayed_reasoning_joins_in_time_linear_in_its_items() -> None:
 
 def test_a_large_input_becomes_a_chat_request_off_the_event_loop(server_model, monkeypatch) -> None:
     # 240,000 items took 4 s to convert, and every stream waited while they did
-    from nanoserve import EngineConfig
-    from nanoserve.engine.async_engine import AsyncEngine
     from nanoserve.server import responses
-    from nanoserve.server.app import build_app
-    from nanoserve.server.state import ServerSettings
 
     converted_on = []
     convert = responses.as_chat_request
     monkeypatch.setattr(responses, "as_chat_request",
                         lambda req: converted_on.append(threading.current_thread()) or convert(req))
-    engine = AsyncEngine(EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=128, block_size=16))
-    with in_process_server(build_app(engine, ServerSettings(served_model_names=["tiny"]))) as (url, loop_thread):
+    engine = tiny_engine(server_model)
+    with serving(engine) as (url, loop_thread):
         for thought in ("short", "x" * 20_000):   # an earlier turn's reasoning, which the template drops
             items = [{"role": "user", "content": "q"}, {"type": "reasoning", "summary": [{"text": thought}]},
                      {"role": "assistant", "content": "a"}, {"role": "user", "content": "hello there"}]
