@@ -139,6 +139,15 @@ def in_process_server(app) -> Iterator[tuple[str, threading.Thread]]:
         thread.join(30)
 
 
+def calling_threads(monkeypatch, owner, name: str) -> list[threading.Thread]:
+    """Patch owner.name to note the thread of each call to it: the list the notes go to."""
+    seen: list[threading.Thread] = []
+    original = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *args, **kwargs: seen.append(threading.current_thread())
+                        or original(*args, **kwargs))
+    return seen
+
+
 def tiny_engine(model: str, blocks: int = 128):
     """An engine over `model` in this process, for a test to patch before serving it."""
     from nanoserve import EngineConfig

@@ -12,7 +12,7 @@ import pytest
 
 from nanoserve.server.protocol import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_PROMPTS, MAX_TOOL_CALLS_PER_MESSAGE,
                                        MAX_TOOLS)
-from tests.server.conftest import openai_client, serving, tiny_engine
+from tests.server.conftest import calling_threads, openai_client, serving, tiny_engine
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 # as many as a request may give: checking 50,000 for duplicate names was quadratic, 85 s of the
@@ -175,10 +175,7 @@ def test_a_large_conversation_is_measured_off_the_event_loop(server_model, monke
     # (chat, /tokenize): 20-35 ms of every stream's time at 16,384 messages of parts, or as many tools
     from nanoserve.server import chat
 
-    measured_on = []
-    measure = chat.messages_length
-    monkeypatch.setattr(chat, "messages_length",
-                        lambda messages: measured_on.append(threading.current_thread()) or measure(messages))
+    measured_on = calling_threads(monkeypatch, chat, "messages_length")
     engine = tiny_engine(server_model)
     with serving(engine) as (url, loop_thread):
         parts = [{"type": "text", "text": "a"}] * 15

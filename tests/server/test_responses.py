@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 
 import httpx
@@ -17,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import openai_client, serving, tiny_engine
+from tests.server.conftest import calling_threads, openai_client, serving, tiny_engine
 # tool_server (conftest): the tool-calling tests' server, started again for this file (module scope)
 
 MAX_TOKENS = 300
@@ -309,10 +308,7 @@ def test_a_large_input_becomes_a_chat_request_off_the_event_loop(server_model, m
     # 240,000 items took 4 s to convert, and every stream waited while they did
     from nanoserve.server import responses
 
-    converted_on = []
-    convert = responses.as_chat_request
-    monkeypatch.setattr(responses, "as_chat_request",
-                        lambda req: converted_on.append(threading.current_thread()) or convert(req))
+    converted_on = calling_threads(monkeypatch, responses, "as_chat_request")
     engine = tiny_engine(server_model)
     with serving(engine) as (url, loop_thread):
         for thought in ("short", "x" * 20_000):   # an earlier turn's reasoning, which the template drops
