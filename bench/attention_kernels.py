@@ -208,7 +208,7 @@ def split_sweep(caches: Caches) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for batch, context in ((1, 1024), (4, 1024), (16, 1024), (32, 1024), (64, 1024), (1, 4096), (1, 8192),
                            (1, 32768), (16, 8192), (16, 32768), (32, 4096), (64, 4096)):
-        chosen = num_decode_splits(batch, KV_HEADS, context, sms)
+        chosen = num_decode_splits(batch, KV_HEADS, context, sms, caches.k.element_size() == 1)
         row = []
         for splits in sorted({1, 2, 4, 8, 16, 32, 64, chosen}):
             t = decode_case(caches, batch, context, num_splits=splits)
@@ -270,7 +270,7 @@ def main() -> None:
     summary = []
     for batch in BATCHES:
         for context in CONTEXTS:
-            splits = num_decode_splits(batch, KV_HEADS, context, props.multi_processor_count)
+            splits = num_decode_splits(batch, KV_HEADS, context, props.multi_processor_count, fp8)
             us = decode_case(caches, batch, context)
             bw = kv_bytes(batch, context, caches) / (us * 1e-6)
             line = (f"{batch:5d} {context:7d} {splits:6d} {us:10.1f} {bw / 1e12:6.2f} "

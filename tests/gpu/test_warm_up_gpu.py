@@ -24,7 +24,7 @@ import json, sys
 import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.benchmarks.compile_watch import triton_compiles
-from nanoserve.runner.attention.decode_splits import num_decode_splits, num_sms, split_waves
+from nanoserve.runner.attention.decode_splits import num_decode_splits, num_sms
 from tests.conftest import random_prompts
 
 llm = LLM(sys.argv[1], device="cuda", max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=700,
@@ -36,8 +36,7 @@ def counted(work):
     decode_rows = sum(w.num_new == 1 for w in work)
     if decode_rows >= 32 and max(w.num_new for w in work) > 1:
         longest = max(w.start + w.num_new for w in work)
-        mixed.append(num_decode_splits(len(work), 8, longest, num_sms(torch.device("cuda")),
-                                       split_waves(sys.argv[2] == "fp8")))
+        mixed.append(num_decode_splits(len(work), 8, longest, num_sms(torch.device("cuda")), sys.argv[2] == "fp8"))
     return eager(work)
 
 runner._forward_eager = counted

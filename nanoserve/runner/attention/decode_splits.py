@@ -30,16 +30,14 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_waves(fp8_cache: bool) -> int:
-    return FP8_WAVES if fp8_cache else WAVES
-
-
-def num_decode_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int, waves: int = WAVES) -> int:
-    """Splits per (sequence, kv head): enough programs to fill the GPU, none shorter than
-    MIN_TOKENS_PER_SPLIT. A function of host values only, so a captured graph keeps it.
+def num_decode_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int, fp8_cache: bool = False) -> int:
+    """Splits per (sequence, kv head): enough programs to fill the GPU (WAVES an SM, FP8_WAVES over
+    an fp8 cache), none shorter than MIN_TOKENS_PER_SPLIT. A function of host values only, so a
+    captured graph keeps it.
 
     The count is rounded up to a power of two: on an H200, batch 16 x 8 kv heads at 8k context
     took 179 us with 5 splits (640 programs, a ragged last wave) and 142 us with 8."""
+    waves = FP8_WAVES if fp8_cache else WAVES
     want = triton.next_power_of_2(-(-waves * num_sms // max(batch * kv_heads, 1)))
     by_len = -(-max_seq_len // MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, by_len, MAX_SPLITS))
@@ -53,10 +51,10 @@ def split_span(split_keys: int | None, block_n: int) -> int:
 def decode_split_count(batch: int, kv_heads: int, max_seq_len: int, device: torch.device, span: int = 0,
                        fp8_cache: bool = False) -> int:
     """The splits paged_decode launches: enough `span`-key splits to cover max_seq_len, or
-    num_decode_splits' even division (at the cache's waves) when span is 0."""
+    num_decode_splits' even division when span is 0."""
     if span:
         return min(MAX_SPLITS, max(1, -(-max_seq_len // span)))
-    return num_decode_splits(batch, kv_heads, max_seq_len, num_sms(device), split_waves(fp8_cache))
+    return num_decode_splits(batch, kv_heads, max_seq_len, num_sms(device), fp8_cache)
 
 
 # An fp8 cache's one-warp programs all fit in about one wave, so over ragged contexts the longest
@@ -81,7 +79,7 @@ def engine_split_keys(batch: int, kv_heads: int, max_seq_len: int, device: torch
     keys = _split_keys_asked()
     if keys is None:
         keys = FP8_SPLIT_KEYS if fp8_cache else 0
-    if not keys or num_decode_splits(batch, kv_heads, max_seq_len, num_sms(device), split_waves(fp8_cache)) > 1:
+    if not keys or num_decode_splits(batch, kv_heads, max_seq_len, num_sms(device), fp8_cache) > 1:
         return None
     return keys
 
