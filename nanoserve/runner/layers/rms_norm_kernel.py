@@ -28,6 +28,28 @@ ENABLED = os.environ.get("NANOSERVE_TRITON_NORM", "1") != "0"   # 0: the compile
 
 
 @triton.jit
+def load_sum(x_ptrs, res_ptrs, mask, HAS_RES: tl.constexpr):
+    """x (+ residual) in float32, rounded to x's dtype as a separate add stores it."""
+    h = tl.load(x_ptrs, mask=mask, other=0.0)
+    if HAS_RES:
+        h = (h.to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
+    return h.to(tl.float32)
+
+
+@triton.jit
+def rms_scale(sum_of_squares, width, eps):
+    """1 / sqrt(mean(h^2) + eps), from the row's sum of squares."""
+    return 1.0 / tl.sqrt(sum_of_squares / width + eps)
+
+
+@triton.jit
+def normed(h, inv_rms, gamma, dtype: tl.constexpr):
+    """gamma * (h * inv_rms), float32 in, rounded to dtype after each step as the eager RMSNorm
+    rounds (the skinny GEMM's folded norm computes its input with this too)."""
+    return (gamma * (h * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, new_res_ptr, gamma_ptr, out_ptr, width, stride_x, stride_res, eps,
                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -35,15 +57,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, new_res_ptr, gamma_ptr, out_ptr, width, str
     mask = cols < width
     gamma = tl.load(gamma_ptr + cols, mask=mask, other=0.0).to(tl.float32)   # no kernel of the step writes it
     pdl_prologue(USE_PDL)
-    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    h = load_sum(x_ptr + row * stride_x + cols, res_ptr + row * stride_res + cols, mask, HAS_RES)
     if HAS_RES:
-        h = (h.to(tl.float32) + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
-             ).to(h.dtype)
-        tl.store(new_res_ptr + row * width + cols, h, mask=mask)
-    hf = h.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / width + eps)
-    normed = (hf * inv_rms).to(h.dtype).to(tl.float32)
-    tl.store(out_ptr + row * width + cols, (gamma * normed).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(new_res_ptr + row * width + cols, h.to(new_res_ptr.dtype.element_ty), mask=mask)
+    scale = rms_scale(tl.sum(h * h, 0), width, eps)
+    tl.store(out_ptr + row * width + cols, normed(h, scale, gamma, out_ptr.dtype.element_ty), mask=mask)
 
 
 def takes(x: torch.Tensor, gamma: torch.Tensor) -> bool:

@@ -18,10 +18,11 @@ that kernel and its launch drop out of the step.
 
 Normed input (1-2 rows: the projections that follow a layer's RMSNorm): the kernel takes the
 norm's input and residual, adds them, and normalizes as it loads, rounding where the eager add +
-RMSNorm (ops.py) rounds; each program first reads the whole rows for their mean square (a few KB,
-from L2), and the first program also writes the new residual. The norm's launch drops out. The
-compiled norm keeps float32 between its steps, so the product can differ from its path by about
-a bf16 step; the new residual is the same bits.
+RMSNorm (ops.py) rounds, with the norm kernel's own steps (rms_norm_kernel.py); each program first
+reads the whole rows for their mean square (a few KB, from L2), and the first program also writes
+the new residual. The norm's launch drops out. The mean square sums in another order than the
+norm kernel's, so the product can differ from its path by a rounding; the new residual is the
+same bits.
 
 CUDA-graph safe: no host syncs; the config depends on (rows, N, K) and the device only, and the
 partials come from torch's allocator (the graph pool during capture).
@@ -38,6 +39,7 @@ import triton.language as tl
 
 from nanoserve.runner.layers import split_k_sum
 from nanoserve.runner.layers.linear import row_bucket
+from nanoserve.runner.layers.rms_norm_kernel import load_sum, normed, rms_scale
 from nanoserve.runner.layers.split_k_sum import sum_if_last, sum_splits
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
@@ -72,15 +74,6 @@ def _load_x(ptrs, mask, K, GATED: tl.constexpr):
 
 
 @triton.jit
-def _load_sum(x_ptrs, res_ptrs, mask, HAS_RES: tl.constexpr):
-    """x (+ residual) in float32, rounded to x's dtype as a separate add stores it."""
-    h = tl.load(x_ptrs, mask=mask, other=0.0)
-    if HAS_RES:
-        h = (h.to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
-    return h.to(tl.float32)
-
-
-@triton.jit
 def _inv_rms(x_row, res_row, new_res_row, K, eps, store, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr):
     """1 / sqrt(mean(h^2) + eps) of one row h = x (+ residual); `store`: also write h there."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -88,19 +81,18 @@ def _inv_rms(x_row, res_row, new_res_row, K, eps, store, HAS_RES: tl.constexpr, 
     stored = tl.where(store, K, 0)   # the columns this program writes: all of them, or none
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
-        h = _load_sum(x_row + ks, res_row + ks, ks < K, HAS_RES)
+        h = load_sum(x_row + ks, res_row + ks, ks < K, HAS_RES)
         squares += h * h
         if HAS_RES:
             tl.store(new_res_row + ks, h.to(new_res_row.dtype.element_ty), mask=ks < stored)
-    return 1.0 / tl.sqrt(tl.sum(squares, 0) / K + eps)
+    return rms_scale(tl.sum(squares, 0), K, eps)
 
 
 @triton.jit
 def _load_normed(x_ptrs, res_ptrs, gamma_ptrs, mask, inv_rms, HAS_RES: tl.constexpr):
-    """gamma * (h * inv_rms), rounded to x's dtype after each step as the eager RMSNorm rounds."""
-    dtype = x_ptrs.dtype.element_ty
-    h = (_load_sum(x_ptrs, res_ptrs, mask, HAS_RES) * inv_rms).to(dtype).to(tl.float32)
-    return (h * tl.load(gamma_ptrs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+    """gamma * (h * inv_rms) in x's dtype, rounded as the norm kernel rounds (rms_norm_kernel.normed)."""
+    gamma = tl.load(gamma_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return normed(load_sum(x_ptrs, res_ptrs, mask, HAS_RES), inv_rms, gamma, x_ptrs.dtype.element_ty)
 
 
 @triton.jit
