@@ -101,7 +101,7 @@ def compiled_ops() -> LayerOps:
 
     def gpu_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        if norm_kernel.takes(x, weight) and residual.shape == x.shape and residual.dtype == x.dtype:
+        if norm_kernel.takes(x, weight, residual):
             return norm_kernel.add_rms_norm(x, residual, weight, eps)
         return fused_add_rms_norm(x, residual, weight, eps)
 

@@ -64,9 +64,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, new_res_ptr, gamma_ptr, out_ptr, width, str
     tl.store(out_ptr + row * width + cols, normed(h, scale, gamma, out_ptr.dtype.element_ty), mask=mask)
 
 
-def takes(x: torch.Tensor, gamma: torch.Tensor) -> bool:
-    """Whether the kernel serves this norm: rows of a width it holds, in gamma's dtype."""
-    return ENABLED and x.is_cuda and x.dtype == gamma.dtype and gamma.dim() == 1 and x.shape[-1] == gamma.shape[0] <= MAX_WIDTH
+def takes(x: torch.Tensor, gamma: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether the kernel serves this norm: rows of a width it holds, in gamma's dtype, and a
+    residual (if any) of x's shape and dtype."""
+    return (ENABLED and x.is_cuda and x.dtype == gamma.dtype and gamma.dim() == 1
+            and x.shape[-1] == gamma.shape[0] <= MAX_WIDTH
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)))
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, gamma: torch.Tensor, eps: float
