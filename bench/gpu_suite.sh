@@ -11,6 +11,12 @@ parts=${*:-tests throughput decode}
 kernel_tests="tests/gpu/test_warm_up_gpu.py tests/gpu/test_attention_kernels.py tests/gpu/test_fp8_kv_cache_gpu.py"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
+steps_with() {   # bench/decode_step.py with the arguments after $1, once the Python in $1 has run (a setting changed)
+  python3 -c "import runpy, sys
+$1
+sys.argv = ['decode_step'] + sys.argv[1:]
+sys.path.insert(0, 'bench'); runpy.run_path('bench/decode_step.py', run_name='__main__')" "${@:2}"
+}
 workload_ab() {   # the 256-sequence workload over each cache with switch $1 at 0, then 1; log to $2
   for kv in fp8 auto; do
     for value in 0 1; do
@@ -83,11 +89,9 @@ from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--
          # (its batch-1 kernel read 0.47 -> 0.53 TB/s in the --ahead sweep), then the fp8 default's steps and floor
          for ahead in False True; do
            echo "bf16 BLOCK_AHEAD=$ahead" | tee -a "$out/ahead-steps.log"
-           python3 -c "import sys; sys.argv = ['decode_step', '--batch-sizes', '1,16,64,256', '--contexts', '1024']
-import nanoserve.runner.attention.triton_decode as d
+           steps_with "import nanoserve.runner.attention.triton_decode as d
 tiles = d.decode_config
-d.decode_config = lambda *a, **k: {**tiles(*a, **k), 'BLOCK_AHEAD': $ahead}
-sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
+d.decode_config = lambda *a, **k: {**tiles(*a, **k), 'BLOCK_AHEAD': $ahead}" --batch-sizes 1,16,64,256 --contexts 1024 2>&1 \
              | tee -a "$out/ahead-steps.log" | grep -vE "it/s|Capturing"
          done
          python3 bench/decode_step.py --batch-sizes 1,16,64,256 --contexts 1024 --kv-cache-dtype fp8 2>&1 \
@@ -113,13 +117,11 @@ from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--
            | tee -a "$out/v-layout-ab.log" | grep -E "^throughput|Error" ;;
     store-steps) # the fp8 step at batch 256, context 1k, profiled with V along tokens (the default), then row by row:
          # the fused q/k norm + rotary + KV store took 408 us a step against bf16's 97 at 6d10d7d (BENCHMARKS.md)
-         args="'--batch-sizes', '256', '--contexts', '1024', '--kv-cache-dtype', 'fp8', '--profile'"
+         args="--batch-sizes 256 --contexts 1024 --kv-cache-dtype fp8 --profile"
          for rows in False True; do
            echo "fp8 V row by row: $rows" | tee -a "$out/store-steps.log"
-           python3 -c "import sys; sys.argv = ['decode_step', $args]
-import nanoserve.runner.kv_cache as c
-if $rows: c.v_cache_view = lambda storage, fp8: storage
-sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
+           steps_with "import nanoserve.runner.kv_cache as c
+if $rows: c.v_cache_view = lambda storage, fp8: storage" $args 2>&1 \
              | tee -a "$out/store-steps.log" | grep -vE "it/s|Capturing|Warning|warn"
          done ;;
     launch-order) # decode programs with a sequence's kv heads side by side (the default) against head by head,
@@ -138,10 +140,9 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py'
          # (skinny_choice.TIME_BEHIND_A_NORM), as in a step; bf16 steps at 1k with the choice's log line
          for behind in False True; do
            echo "TIME_BEHIND_A_NORM=$behind" | tee -a "$out/choice-ab.log"
-           python3 -c "import sys, logging; sys.argv = ['decode_step', '--contexts', '1024', '--batch-sizes', '1,2,4,8,16,32']
+           steps_with "import logging
 logging.basicConfig(level=logging.INFO, format='%(message)s')
-import nanoserve.runner.layers.skinny_choice as c; c.TIME_BEHIND_A_NORM = $behind
-sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
+import nanoserve.runner.layers.skinny_choice as c; c.TIME_BEHIND_A_NORM = $behind" --contexts 1024 --batch-sizes 1,2,4,8,16,32 2>&1 \
              | tee -a "$out/choice-ab.log" | grep -E "skinny GEMM:|^ +[0-9]+ +1024"
          done ;;
     sum-ab) # split-K partials summed by a second kernel, then by the last split of each tile (the default):
@@ -149,10 +150,8 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py'
          for last in False True; do
            for extra in "--batch-sizes 1,4,8,16,32,64" "--batch-sizes 16 --profile"; do
              echo "sum in the last split $last: $extra" | tee -a "$out/sum-ab.log"
-             python3 -c "import sys; sys.argv = ['decode_step', '--contexts', '1024'] + '$extra'.split()
-import nanoserve.runner.layers.split_k_sum as g
-g.SUM_IN_LAST_SPLIT = $last
-sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
+             steps_with "import nanoserve.runner.layers.split_k_sum as g
+g.SUM_IN_LAST_SPLIT = $last" --contexts 1024 $extra 2>&1 \
                | tee -a "$out/sum-ab.log" | grep -vE "it/s|Capturing"
            done
          done ;;
@@ -161,10 +160,8 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py'
          for loads in "False False" "True False" "False True" "True True"; do
            set -- $loads
            echo "skinny first tile $1, decode prefetch $2" | tee -a "$out/early-loads.log"
-           python3 -c "import sys; sys.argv = ['decode_step', '--batch-sizes', '1,2,16,256', '--contexts', '1024']
-import nanoserve.runner.layers.small_gemm as g, nanoserve.runner.attention.triton_decode as d
-g.PRELOAD_FIRST_TILE, d.PREFETCH_FIRST_TILE = $1, $2
-sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
+           steps_with "import nanoserve.runner.layers.small_gemm as g, nanoserve.runner.attention.triton_decode as d
+g.PRELOAD_FIRST_TILE, d.PREFETCH_FIRST_TILE = $1, $2" --batch-sizes 1,2,16,256 --contexts 1024 2>&1 \
              | tee -a "$out/early-loads.log" | grep -vE "it/s|Capturing"
          done ;;
     rope-ab) # a decode-only step's q/k norm, rotary and K/V store in their own launch, then inside the decode
@@ -209,9 +206,7 @@ sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/prefill.py', ru
          python3 bench/attention_kernels.py --splits 2>&1 | tee "$out/splits.log" | sed -n '/split sweep/,$p'
          for min in 64 256; do
            echo "MIN_TOKENS_PER_SPLIT=$min" | tee -a "$out/splits-ab.log"
-           python3 -c "import sys; sys.argv = ['decode_step', '--batch-sizes', '1,4,16,64', '--contexts', '1024,4096']
-import nanoserve.runner.attention.decode_splits as d; d.MIN_TOKENS_PER_SPLIT = $min
-sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
+           steps_with "import nanoserve.runner.attention.decode_splits as d; d.MIN_TOKENS_PER_SPLIT = $min" --batch-sizes 1,4,16,64 --contexts 1024,4096 2>&1 \
              | tee -a "$out/splits-ab.log" | grep -vE "it/s|Capturing"
          done ;;
     lt-ab) # cuBLASLt where it timed faster at startup (the default), then cuBLAS throughout: the 8B workload
@@ -230,9 +225,7 @@ from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--
          # steps by batch, then the workload
          for waves in 4 2 1; do
            echo "WAVES=$waves" | tee -a "$out/waves-ab.log"
-           python3 -c "import sys; sys.argv = ['decode_step', '--batch-sizes', '4,8,16,32,48,64,96', '--contexts', '1024,2048']
-import nanoserve.runner.attention.decode_splits as d; d.WAVES = $waves
-sys.path.insert(0, 'bench'); import runpy; runpy.run_path('bench/decode_step.py', run_name='__main__')" 2>&1 \
+           steps_with "import nanoserve.runner.attention.decode_splits as d; d.WAVES = $waves" --batch-sizes 4,8,16,32,48,64,96 --contexts 1024,2048 2>&1 \
              | tee -a "$out/waves-ab.log" | grep -vE "it/s|Capturing"
            for kv in auto fp8; do
              python3 -c "import nanoserve.runner.attention.decode_splits as d; d.WAVES = $waves
