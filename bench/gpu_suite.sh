@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab] [choice-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -135,15 +135,6 @@ if $rows: c.v_cache_view = lambda storage, fp8: storage" $args 2>&1 \
            echo "NANOSERVE_TRITON_NORM=$value" | tee -a "$out/chain-ab.log"
            NANOSERVE_TRITON_NORM=$value python3 bench/decode_step.py --contexts 1024 \
              --batch-sizes ${CHAIN_BATCHES:-1,4,16,32,64,128,256} 2>&1 | tee -a "$out/chain-ab.log" | grep -vE "it/s|Capturing"
-         done ;;
-    choice-ab) # the startup choice timing each GEMM alone (the default), then behind the model's norm kernel
-         # (skinny_choice.TIME_BEHIND_A_NORM), as in a step; bf16 steps at 1k with the choice's log line
-         for behind in False True; do
-           echo "TIME_BEHIND_A_NORM=$behind" | tee -a "$out/choice-ab.log"
-           steps_with "import logging
-logging.basicConfig(level=logging.INFO, format='%(message)s')
-import nanoserve.runner.layers.skinny_choice as c; c.TIME_BEHIND_A_NORM = $behind" --contexts 1024 --batch-sizes 1,2,4,8,16,32 2>&1 \
-             | tee -a "$out/choice-ab.log" | grep -E "skinny GEMM:|^ +[0-9]+ +1024"
          done ;;
     sum-ab) # split-K partials summed by a second kernel, then by the last split of each tile (the default):
          # bf16 steps at 1k, then the same with --profile at 16

@@ -112,8 +112,7 @@ class ModelRunner:
             # timed under graph replay, where decode runs; eager launches would add Triton's
             # Python launch cost to every step, so enforce_eager keeps cuBLAS throughout
             from nanoserve.runner.layers.skinny_choice import use_skinny_gemm_where_faster
-            use_skinny_gemm_where_faster(self.model, config.max_num_seqs, self.device, ops.silu_mul, ops.add_rms_norm,
-                                         ops.rms_norm)
+            use_skinny_gemm_where_faster(self.model, config.max_num_seqs, self.device, ops.silu_mul, ops.add_rms_norm)
             from nanoserve.runner.cuda_graph import graph_batch_sizes
             from nanoserve.runner.layers.blas_choice import use_blas_lt_where_faster
             use_blas_lt_where_faster(self.model, graph_batch_sizes(config.max_num_seqs), self.device)

@@ -29,10 +29,6 @@ MAX_CHOICE_ROWS = 32   # past this cuBLAS tiles fill the device well on their ow
 CALLS = 50             # calls per timed graph
 REPLAYS = 5            # timed replays; their median counts
 ROTATION_L2S = 2       # the weight copies of one timing add up to this many L2 caches
-# Time each GEMM behind the model's norm kernel (after_a_norm): a Triton GEMM then starts under PDL
-# while the norm ends, as it does in a step, and cuBLAS does not. Off until measured in decode steps
-# (`bench/gpu_suite.sh choice-ab`).
-TIME_BEHIND_A_NORM = False
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -86,29 +82,12 @@ def same_product(got: torch.Tensor, want: torch.Tensor, tolerance: float = 2**-6
     return bool((got - want).abs().max() <= tolerance * want.abs().max())
 
 
-def after_a_norm(rms_norm: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> rms_norm(x): the kernel ahead of each timed GEMM, as a step has one (a norm, a merge or
-    the SiLU-mul, each a Triton kernel in PDL's chain). Its gammas are made at the first call of
-    a width, which graph_us_per_call makes before its capture."""
-    gammas: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
-
-    def ahead(x: torch.Tensor) -> torch.Tensor:
-        key = (x.shape[-1], x.dtype, x.device)
-        if key not in gammas:
-            gammas[key] = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-        return rms_norm(x, gammas[key], 1e-6)
-    return ahead
-
-
 @torch.inference_mode()
 def faster_than_cublas(name: str, product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                        weight_shapes: Iterable[tuple[int, int]], row_counts: Iterable[int], device: torch.device,
-                       dtype: torch.dtype, margin: float = MARGIN,
-                       ahead: Callable[[torch.Tensor], torch.Tensor] | None = None) -> set[tuple[int, int, int]]:
+                       dtype: torch.dtype, margin: float = MARGIN) -> set[tuple[int, int, int]]:
     """The (N, K, rows) where product(x, weight) gives F.linear's result and beats it by `margin`
-    on this device. A failure of `product` there (a build or launch error) counts as a loss.
-    `ahead`: a kernel timed in front of each call of both (its output is the GEMM's input)."""
-    feed = ahead or (lambda x: x)
+    on this device. A failure of `product` there (a build or launch error) counts as a loss."""
     wins = set()
     row_counts = sorted(set(row_counts))
     for n, k in sorted(set(weight_shapes)):
@@ -120,13 +99,13 @@ def faster_than_cublas(name: str, product: Callable[[torch.Tensor, torch.Tensor]
                     logger.warning("%s disagrees with cuBLAS at %dx%d, %d rows, on this device: cuBLAS kept there",
                                    name, n, k, rows)
                     continue
-                alternative = graph_us_per_call(lambda w: product(feed(x), w), weights)
+                alternative = graph_us_per_call(lambda w: product(x, w), weights)
             except Exception as exc:  # an error of the alternative on this device: no reason to stop
                 logger.warning("%s failed at %dx%d, %d rows, on this device (%s): cuBLAS kept there",
                                name, n, k, rows, exc)
                 torch.cuda.synchronize()
                 continue
-            cublas = graph_us_per_call(lambda w: F.linear(feed(x), w), weights)
+            cublas = graph_us_per_call(lambda w: F.linear(x, w), weights)
             logger.debug("%dx%d rows %d: cuBLAS %.1f us, %s %.1f us", n, k, rows, cublas, name, alternative)
             if alternative < (1 - margin) * cublas:
                 wins.add((n, k, rows))
@@ -136,15 +115,13 @@ def faster_than_cublas(name: str, product: Callable[[torch.Tensor, torch.Tensor]
 
 
 def choose_skinny(weight_shapes: Iterable[tuple[int, int]], max_rows: int, device: torch.device,
-                  dtype: torch.dtype, margin: float = MARGIN, rms_norm: Callable | None = None
-                  ) -> set[tuple[int, int, int]]:
+                  dtype: torch.dtype, margin: float = MARGIN) -> set[tuple[int, int, int]]:
     """The (N, K, row bucket) where skinny_linear gives F.linear's result and beats it by `margin`
-    on this device; each timed behind `rms_norm` where TIME_BEHIND_A_NORM and one is given."""
+    on this device."""
     from nanoserve.runner.layers.small_gemm import skinny_linear
 
-    ahead = after_a_norm(rms_norm) if TIME_BEHIND_A_NORM and rms_norm is not None else None
     return faster_than_cublas("skinny GEMM", skinny_linear, weight_shapes, row_buckets(max_rows), device, dtype,
-                              margin, ahead)
+                              margin)
 
 
 def fused_beats_apart(what: str, n: int, k: int, rows: int, weights: list[torch.Tensor], agrees: Callable[[], bool],
@@ -268,18 +245,17 @@ def describe(wins: set[tuple[int, int, int]]) -> str:
 
 def use_skinny_gemm_where_faster(model: nn.Module, max_rows: int, device: torch.device,
                                  silu_mul: Callable[[torch.Tensor], torch.Tensor] = ops.silu_mul,
-                                 add_rms_norm: Callable = ops.add_rms_norm,
-                                 rms_norm: Callable = ops.rms_norm) -> None:
+                                 add_rms_norm: Callable = ops.add_rms_norm) -> None:
     """Time, choose and enable skinny GEMM for `model`'s linear layers; one log line. `silu_mul`
     and `add_rms_norm`: the ones the model runs, which the fused GEMMs must beat together with
-    the plain one; `rms_norm`, the model's, runs ahead of each timed GEMM (TIME_BEHIND_A_NORM)."""
+    the plain one."""
     layers = skinny_layers(model)
     if not layers:
         return
     start = time.perf_counter()
     shapes = {tuple(layer.weight.shape) for layer in layers}
     dtype = layers[0].weight.dtype
-    wins = choose_skinny(shapes, max_rows, device, dtype, rms_norm=rms_norm)
+    wins = choose_skinny(shapes, max_rows, device, dtype)
     gated_shapes = {tuple(layer.weight.shape) for layer in layers if getattr(layer, "takes_gated_input", False)}
     gated = choose_gated(wins, gated_shapes, device, dtype, silu_mul)
     normed_shapes = {tuple(layer.weight.shape) for layer in layers if getattr(layer, "takes_normed_input", False)}
