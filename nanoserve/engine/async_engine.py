@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -49,6 +50,22 @@ class QueueFullError(RuntimeError):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+def exit_reason(process: multiprocessing.process.BaseProcess, wait_s: float = 1.0) -> str:
+    """How a process that closed its sentinel ended, for the log: its exit code, or the signal that
+    killed it. The sentinel can close a moment before the process may be reaped, so it waits up to
+    wait_s for the code."""
+    process.join(wait_s)
+    code = process.exitcode
+    if code is None:
+        return f"closed its pipe and is still running after {wait_s:g} s"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 class AsyncEngine:
@@ -302,7 +319,7 @@ class AsyncEngine:
         if self._stopping:
             return  # shutdown() is waiting for this
         if self.error is None:
-            logger.error("The engine process exited with code %s", self._process.exitcode)
+            logger.error("The engine process %s", exit_reason(self._process))
         self._mark_dead(EngineDeadError("The engine stopped unexpectedly; the server must be restarted"))
 
     def _mark_dead(self, error: EngineDeadError) -> None:

@@ -6,11 +6,14 @@ cost of a process per test); tests/server run it as the process `serve` starts."
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import signal
+import time
 
 import pytest
 
 from nanoserve import LLM, EngineConfig, SamplingParams
-from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream, exit_reason
 from nanoserve.engine.llm_engine import LLMEngine
 from tests.conftest import random_prompts
 
@@ -292,3 +295,30 @@ def test_a_slow_reader_gets_fewer_merged_updates_with_the_same_text_and_logprobs
     assert "".join(u.text for u in slow) == "".join(u.text for u in fast)
     assert [t for u in slow for t in u.token_ids] == [t for u in fast for t in u.token_ids]
     assert [lp for u in slow for lp in u.logprobs] == [lp for u in fast for lp in u.logprobs]
+
+
+def _exit_with(code: int) -> None:
+    raise SystemExit(code)
+
+
+def _sleep_forever() -> None:
+    time.sleep(600)
+
+
+def test_the_log_says_how_the_engine_process_ended() -> None:
+    context = multiprocessing.get_context("fork")
+    exits = context.Process(target=_exit_with, args=(3,))
+    exits.start()
+    exits.join(30)
+    assert exit_reason(exits) == "exited with code 3"
+    killed = context.Process(target=_sleep_forever)
+    killed.start()
+    killed.kill()
+    assert exit_reason(killed, wait_s=30) == "was killed by SIGKILL"
+    running = context.Process(target=_sleep_forever)
+    running.start()
+    try:
+        assert exit_reason(running, wait_s=0.05) == "closed its pipe and is still running after 0.05 s"
+    finally:
+        running.terminate()
+    assert exit_reason(running, wait_s=30) == f"was killed by {signal.Signals.SIGTERM.name}"

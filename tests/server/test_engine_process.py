@@ -63,6 +63,7 @@ def test_killing_the_engine_fails_every_stream_within_5s_then_the_server_exits_n
         assert proc.proc.poll() is None  # still up, to say so
         # after the grace period it exits non-zero, for its supervisor to restart it
         assert proc.proc.wait(30) != 0
+        assert "The engine process was killed by SIGKILL" in proc.log_path.read_text(errors="replace")
     finally:
         proc.stop()
 
