@@ -224,11 +224,12 @@ from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--
                | tee -a "$out/waves-ab.log" | grep -E "^throughput|Error"
            done
          done ;;
-    knobs) # the workload at 256 with and without the ragged-decode switches, both caches, one process each
+    knobs) # the workload at 256 with and without the ragged-decode switches, both caches, one process each: row
+         # order with even splits; longest first alone; longest first with fixed splits (the fp8 default's 1,024 keys)
          for kv in auto fp8; do
            for env in "NANOSERVE_LONGEST_FIRST=0 NANOSERVE_DECODE_SPLIT_KEYS=0" \
-                      "NANOSERVE_LONGEST_FIRST=1 NANOSERVE_DECODE_SPLIT_KEYS=256" \
-                      "NANOSERVE_LONGEST_FIRST=1 NANOSERVE_DECODE_SPLIT_KEYS=512"; do
+                      "NANOSERVE_LONGEST_FIRST=1 NANOSERVE_DECODE_SPLIT_KEYS=0" \
+                      "NANOSERVE_LONGEST_FIRST=1 NANOSERVE_DECODE_SPLIT_KEYS=${KNOB_SPLIT_KEYS:-1024}"; do
              echo "$env kv $kv" | tee -a "$out/knobs.log"
              env $env python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype $kv 2>&1 | tee -a "$out/knobs.log" \
                | grep -E "^throughput|Error" | sed 's/(256 seqs.*run/(run/'
