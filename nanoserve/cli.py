@@ -39,7 +39,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block, a power of two (default: 256 on CUDA, 16 on the CPU)")
     p.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="share KV blocks of equal prefixes (vLLM's spelling; on by default)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of equal prefixes")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts over steps of --max-num-batched-tokens; off: a prompt runs in one "
+                        "step (the default token budget then grows to --max-model-len)")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: flash_attn when it imports (fp16/bf16 models, KV cache not fp8), else triton on CUDA, "
                         "torch on the CPU")
@@ -54,6 +59,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="launch the next step before reading this one's sampled ids, overlapping host and "
                         "GPU (default: on for CUDA, off on the CPU)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run Python files of the model folder (a custom tokenizer or config)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many GPUs (or CPU processes), one worker process each")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
@@ -105,13 +112,20 @@ def _limits(args: argparse.Namespace):
     return ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
 
 
+def _prefix_caching(args: argparse.Namespace) -> bool:
+    if args.no_prefix_caching and args.enable_prefix_caching:
+        raise ValueError("--no-prefix-caching and --enable-prefix-caching contradict each other: give one")
+    return not args.no_prefix_caching and args.enable_prefix_caching is not False
+
+
 def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
     """EngineConfig fields from the flags shared by `serve` and `generate`."""
     return dict(
         model=model or DEFAULT_MODEL, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
-        num_kvcache_blocks=args.num_kvcache_blocks, enable_prefix_caching=not args.no_prefix_caching,
+        num_kvcache_blocks=args.num_kvcache_blocks, enable_prefix_caching=_prefix_caching(args),
+        enable_chunked_prefill=args.enable_chunked_prefill, trust_remote_code=args.trust_remote_code,
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
         prefill_cuda_graphs=args.prefill_cuda_graphs, async_scheduling=args.async_scheduling,
         load_format=args.load_format, seed=args.seed, max_grammar_bytes=args.max_grammar_bytes,
@@ -166,9 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds without a word from the engine core (it sends a heartbeat every second, "
                             "busy or idle) after which /health answers 503: a step that never returns")
     serve.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    serve.add_argument("--disable-log-stats", action="store_true",
+                       help="no line of engine statistics every 10 s while there is work")
+    serve.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain)")
+    serve.add_argument("--ssl-keyfile", default=None, help="the certificate's PEM private key, unencrypted")
+    serve.add_argument("--ssl-ca-certs", default=None, help="CA certificates that client certificates must chain to")
+    serve.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                       help="client certificates: 0 not asked for, 1 optional, 2 required (ssl.CERT_*)")
     _limit_args(serve)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="least severe log lines shown")
+    serve.add_argument("--uvicorn-log-level", default=None,
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="least severe of uvicorn's own lines, its access lines among them (default: --log-level)")
     _engine_args(serve)
 
     gen = sub.add_parser("generate", help="complete one prompt offline and print the text",
@@ -193,6 +217,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from nanoserve.server.tool_parsers import TOOL_PARSERS
     from nanoserve.server.connections import raise_open_file_limit
     from nanoserve.server.state import ServerSettings
+    from nanoserve.server.tls import tls_files
 
     if args.max_queue_len < 1:
         parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
@@ -207,6 +232,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     _check_seconds(args, parser)
     try:
         check_generation_config(args.generation_config)
+        tls = tls_files(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
     except ValueError as exc:
         parser.error(str(exc))
     if args.enable_auto_tool_choice and not args.tool_call_parser:
@@ -218,7 +244,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     names = args.served_model_name or [args.model or os.path.basename(DEFAULT_MODEL)]
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                               allowed_origins=args.allowed_origins, chat_template=_chat_template(args.chat_template),
-                              log_requests=not args.disable_log_requests,
+                              log_requests=not args.disable_log_requests, log_stats=not args.disable_log_stats,
                               engine_death_grace_s=args.engine_death_grace_period,
                               engine_stall_timeout_s=args.engine_stall_timeout, limits=_limits(args),
                               generation_config=args.generation_config, tool_call_parser=args.tool_call_parser,
@@ -231,7 +257,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     # on the CPU the front end (HTTP, tokenizing, SSE) keeps a core of its own beside the engine
     threads = cpu_compute_threads(args.tensor_parallel_size, reserved=1)
     serve(EngineConfig(**_engine_kwargs(args, args.model), cpu_threads=threads), settings, args.host, args.port,
-          args.max_queue_len, args.shutdown_timeout, args.log_level)
+          args.max_queue_len, args.shutdown_timeout, args.log_level, tls, args.uvicorn_log_level)
 
 
 def _check_seconds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

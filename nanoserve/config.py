@@ -40,6 +40,8 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
+    # let transformers run the model folder's own Python (a custom tokenizer or config class)
+    trust_remote_code: bool = False
     device: str | None = None
     dtype: Any = None
     max_model_len: int | None = None
@@ -83,7 +85,7 @@ class EngineConfig:
             raise ValueError(f"Model folder {self.model!r} does not exist; pass a Hugging Face model "
                              "folder (config.json, *.safetensors, tokenizer files) or nothing for the bundled model")
         if self.hf_config is None:
-            set_("hf_config", AutoConfig.from_pretrained(self.model))
+            set_("hf_config", AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code))
         set_("tokenizer", self.tokenizer or self.model)
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):

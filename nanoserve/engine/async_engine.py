@@ -80,7 +80,8 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, max_queue_len: int | None = None, engine: LLMEngine | None = None,
                  log_level: str = "INFO") -> None:
         self.config = engine.config if engine is not None else config
-        self.tokenizer = engine.tokenizer if engine is not None else load_tokenizer(self.config.tokenizer)
+        self.tokenizer = (engine.tokenizer if engine is not None
+                          else load_tokenizer(self.config.tokenizer, self.config.trust_remote_code))
         self.vocab_size = self.config.hf_config.vocab_size
         self.max_queue_len = max_queue_len
         self.log_level = log_level

@@ -30,8 +30,8 @@ if TYPE_CHECKING:  # xgrammar loads with the first structured-output request, no
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(path)
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def eos_token_ids(model: str, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -71,7 +71,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.tokenizer = load_tokenizer(config.tokenizer, config.trust_remote_code)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self.runner = ModelRunner(config, show_progress)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -382,8 +382,10 @@ class LLMEngine:
                 self.grammar_queue.release(seq)
             logprob = sampled.logprobs[row]
             first = position == seq.num_prompt_tokens
+            # readmitted after a preemption, its outputs may be cached too: usage counts prompt tokens only
+            cached = min(seq.num_cached_tokens, seq.num_prompt_tokens)
             outputs.append(StepOutput(seq.request_id, [token], [logprob] if logprob is not None else None,
-                                      reason is not None, reason, seq.num_prompt_tokens, seq.num_cached_tokens,
+                                      reason is not None, reason, seq.num_prompt_tokens, cached,
                                       seq.prompt_logprobs if first else None))
         return outputs
 

@@ -29,6 +29,7 @@ from nanoserve.server.errors import APIError, install_handlers
 from nanoserve.server.limits import BodyLimitMiddleware
 from nanoserve.server.openapi import install_openapi
 from nanoserve.server.state import ServerSettings, ServerState
+from nanoserve.server.tls import TLSFiles
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings,
         except EngineDeadError:
             await engine.shutdown()
             raise RuntimeError("The engine failed to start; see the log above") from None
-        tasks = [asyncio.create_task(_log_stats(engine)), asyncio.create_task(app.state.server.budget.run())]
+        tasks = [asyncio.create_task(app.state.server.budget.run())]
+        if settings.log_stats:
+            tasks.append(asyncio.create_task(_log_stats(engine)))
         if on_fatal is not None:
             tasks.append(asyncio.create_task(_exit_after_engine_death(engine, settings.engine_death_grace_s,
                                                                       on_fatal)))
@@ -198,20 +201,24 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(config: EngineConfig, settings: ServerSettings, host: str = "0.0.0.0", port: int = 8000,
-          max_queue_len: int | None = None, shutdown_timeout: float = 30.0, log_level: str = "info") -> None:
+          max_queue_len: int | None = None, shutdown_timeout: float = 30.0, log_level: str = "info",
+          tls: TLSFiles | None = None, uvicorn_log_level: str | None = None) -> None:
     """Serve until SIGINT/SIGTERM; exit non-zero if the engine died or the drain was cut short.
 
     The port is taken first; the engine core then loads the model in its own process while the
     port does not yet accept connections. On SIGTERM uvicorn stops accepting connections and
     waits up to `shutdown_timeout` seconds for requests in flight, streams included, to finish.
+    `tls`: serve HTTPS with these files. `uvicorn_log_level`: uvicorn's own lines (access lines
+    included), log_level's by default.
     """
     sock = bind_socket(host, port)
     engine = AsyncEngine(config, max_queue_len=max_queue_len, log_level=log_level.upper())
-    logger.info("Serving %s as %s on http://%s:%d once the engine is ready (device %s, dtype %s)",
-                config.model, settings.served_model_names, host, port, config.device,
+    logger.info("Serving %s as %s on %s://%s:%d once the engine is ready (device %s, dtype %s)",
+                config.model, settings.served_model_names, "https" if tls else "http", host, port, config.device,
                 str(config.dtype).removeprefix("torch."))
-    uv_config = uvicorn.Config(None, host=host, port=port, log_level=log_level,
-                               timeout_graceful_shutdown=shutdown_timeout, **uvicorn_options(settings.limits))
+    uv_config = uvicorn.Config(None, host=host, port=port, log_level=uvicorn_log_level or log_level,
+                               timeout_graceful_shutdown=shutdown_timeout, **uvicorn_options(settings.limits),
+                               **(tls.uvicorn_options() if tls else {}))
     server = Server(uv_config, engine)
     uv_config.app = build_app(engine, settings, on_fatal=server.fatal)
     if threading.current_thread() is threading.main_thread():

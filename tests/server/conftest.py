@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -215,9 +216,11 @@ class ServerProcess:
     """`python -m nanoserve.cli serve MODEL ...` on a free port, its output in a log file."""
 
     def __init__(self, model: str, log_dir: Path, *args: str, api_key: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, verify: ssl.SSLContext | bool = True) -> None:
+        """verify: what httpx checks the server's certificate by, when args make it serve HTTPS."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if '--ssl-certfile' in args else 'http'}://127.0.0.1:{self.port}"
+        self.verify = verify
         self.api_key = api_key
         self.log_path = log_dir / f"server-{self.port}.log"
         cmd = [sys.executable, "-m", "nanoserve.cli", "serve", model, "--host", "127.0.0.1",
@@ -247,7 +250,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"nanoserve serve exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=2, verify=self.verify).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

@@ -1,0 +1,61 @@
+"""HTTPS: the certificate files `serve` is given (vLLM's --ssl-* flags), checked before the model loads."""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+
+# --ssl-cert-reqs: whether clients must present a certificate, as ssl.CERT_NONE / OPTIONAL / REQUIRED
+CERT_REQS = {0: ssl.CERT_NONE, 1: ssl.CERT_OPTIONAL, 2: ssl.CERT_REQUIRED}
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    certfile: str
+    keyfile: str
+    ca_certs: str | None = None   # the CAs that client certificates must chain to
+    cert_reqs: int = 0             # a key of CERT_REQS
+
+    def check(self) -> None:
+        """Raise ValueError naming the file at fault: uvicorn would only find it once the model had
+        loaded, and then print a traceback."""
+        if self.cert_reqs not in CERT_REQS:
+            raise ValueError(f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got {self.cert_reqs}")
+        if self.cert_reqs and self.ca_certs is None:
+            raise ValueError("--ssl-cert-reqs asks clients for certificates: give --ssl-ca-certs to check them by")
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            # an encrypted key would make OpenSSL ask for its password on the terminal, where a
+            # server under a supervisor has none: it is refused instead
+            context.load_cert_chain(self.certfile, self.keyfile, password=_no_password)
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            raise ValueError(f"cannot use --ssl-certfile {self.certfile!r} with --ssl-keyfile {self.keyfile!r}: "
+                             f"{getattr(exc, 'strerror', None) or exc} (a PEM certificate and its unencrypted "
+                             "PEM private key are needed)") from None
+        if self.ca_certs is not None:
+            try:
+                context.load_verify_locations(self.ca_certs)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"cannot use --ssl-ca-certs {self.ca_certs!r}: {exc.strerror or exc}") from None
+
+    def uvicorn_options(self) -> dict:
+        return dict(ssl_certfile=self.certfile, ssl_keyfile=self.keyfile, ssl_ca_certs=self.ca_certs,
+                    ssl_cert_reqs=CERT_REQS[self.cert_reqs])
+
+
+def _no_password() -> str:
+    raise ValueError("the private key is encrypted")
+
+
+def tls_files(certfile: str | None, keyfile: str | None, ca_certs: str | None = None,
+              cert_reqs: int = 0) -> TLSFiles | None:
+    """The checked files, or None (plain HTTP) when neither certificate nor key is given."""
+    if certfile is None and keyfile is None:
+        if ca_certs is not None or cert_reqs:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs apply to HTTPS: give --ssl-certfile and --ssl-keyfile")
+        return None
+    if certfile is None or keyfile is None:
+        raise ValueError("HTTPS needs both --ssl-certfile and --ssl-keyfile")
+    files = TLSFiles(certfile, keyfile, ca_certs, cert_reqs)
+    files.check()
+    return files

@@ -1,0 +1,132 @@
+"""Flags a vLLM command line brings along: HTTPS (--ssl-*), vLLM's spellings of prefix caching and
+chunked prefill, --trust-remote-code, --disable-log-stats and --uvicorn-log-level."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import ssl
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from nanoserve.cli import _engine_kwargs, build_parser, main
+from nanoserve.config import EngineConfig
+from nanoserve.engine.async_engine import AsyncEngine
+from tests.server.conftest import REPO, ServerProcess, in_process_server, tiny_engine
+
+TLS = REPO / "tests" / "assets" / "tls"
+CERT, KEY = str(TLS / "cert.pem"), str(TLS / "key.pem")
+TRUSTS_CERT = ssl.create_default_context(cafile=CERT)   # a client that trusts the test certificate
+
+
+def test_https_serves_the_openai_client_and_the_vllm_flags_take_effect(server_model, tmp_path):
+    with ServerProcess(server_model, tmp_path, "--ssl-certfile", CERT, "--ssl-keyfile", KEY,
+                       "--no-enable-prefix-caching", "--uvicorn-log-level", "warning", verify=TRUSTS_CERT) as server:
+        assert server.url.startswith("https://")
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", http_client=httpx.Client(verify=TRUSTS_CERT))
+        prompt = "The same long prompt, twice over, " * 8
+        for _ in range(2):
+            done = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0.0)
+            assert done.usage.completion_tokens == 4
+        # prefix caching is off: the second prompt found nothing of the first in the cache
+        metrics = httpx.get(f"{server.url}/metrics", verify=TRUSTS_CERT, timeout=10).text
+        assert "nanoserve:prefix_cache_hits_total 0.0" in metrics
+        assert "nanoserve:prefix_cache_queries_total 0.0" in metrics
+        with pytest.raises(httpx.TransportError):   # plain HTTP gets no answer from a TLS port
+            httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=5)
+        with pytest.raises(httpx.ConnectError):     # nor does a client that does not trust the certificate
+            httpx.get(f"{server.url}/health", timeout=5)
+    log = server.log_path.read_text(errors="replace")
+    assert f"on https://127.0.0.1:{server.port}" in log
+    # uvicorn at warning: its access lines are gone, nanoserve's own info lines are not
+    assert '"POST /v1/completions HTTP/1.1" 200' not in log and "Engine ready" in log
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ssl-certfile", CERT], "HTTPS needs both --ssl-certfile and --ssl-keyfile"),
+    (["--ssl-certfile", CERT, "--ssl-keyfile", CERT], "cannot use --ssl-certfile"),
+    (["--ssl-certfile", CERT, "--ssl-keyfile", "/no/such/key.pem"], "No such file or directory"),
+    (["--ssl-ca-certs", CERT], "--ssl-ca-certs and --ssl-cert-reqs apply to HTTPS"),
+    (["--ssl-certfile", CERT, "--ssl-keyfile", KEY, "--ssl-cert-reqs", "2"], "give --ssl-ca-certs"),
+])
+def test_bad_certificate_flags_exit_before_the_model_loads(monkeypatch, capsys, flags, message):
+    import nanoserve.server.app
+
+    def no_serving(*args, **kwargs):
+        raise AssertionError("the server started before the flags were checked")
+
+    monkeypatch.setattr(nanoserve.server.app, "serve", no_serving)
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--device", "cpu", *flags])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_encrypted_key_is_refused_instead_of_asking_for_its_password(capsys, monkeypatch):
+    import nanoserve.server.app
+
+    monkeypatch.setattr(nanoserve.server.app, "serve", lambda *a, **k: pytest.fail("served"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--device", "cpu", "--ssl-certfile", CERT, "--ssl-keyfile", str(TLS / "encrypted-key.pem")])
+    assert exit_.value.code == 2 and "the private key is encrypted" in capsys.readouterr().err
+
+
+def _config(*flags: str) -> EngineConfig:
+    args = build_parser().parse_args(["generate", "hi", "--device", "cpu", *flags])
+    return EngineConfig(**_engine_kwargs(args, None))
+
+
+def test_vllm_spellings_of_prefix_caching_and_chunked_prefill(capsys):
+    assert _config().enable_prefix_caching and _config("--enable-prefix-caching").enable_prefix_caching
+    assert not _config("--no-enable-prefix-caching").enable_prefix_caching
+    assert not _config("--no-prefix-caching").enable_prefix_caching
+    budget = ("--max-model-len", "1024", "--max-num-batched-tokens", "512")
+    assert _config(*budget).enable_chunked_prefill
+    # without chunks a prompt runs whole: a step's token budget must hold the longest one
+    with pytest.raises(ValueError, match="unless chunked prefill is enabled"):
+        _config(*budget, "--no-enable-chunked-prefill")
+    off = _config("--max-model-len", "1024", "--no-enable-chunked-prefill")
+    assert not off.enable_chunked_prefill and off.max_num_batched_tokens >= 1024
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hi", "--device", "cpu", "--no-prefix-caching", "--enable-prefix-caching"])
+    assert exit_.value.code == 2 and "contradict each other" in capsys.readouterr().err
+
+
+def _model_with_its_own_tokenizer_code(folder: Path, model: str) -> str:
+    shutil.copytree(model, folder)
+    (folder / "marked_tokenizer.py").write_text("from transformers import PreTrainedTokenizerFast\n\n\n"
+                                               "class MarkedTokenizer(PreTrainedTokenizerFast):\n    marked = True\n")
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "marked_tokenizer.MarkedTokenizer"]}
+    config_path.write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_trust_remote_code_lets_the_model_folder_bring_its_tokenizer_class(server_model, tmp_path):
+    model = _model_with_its_own_tokenizer_code(tmp_path / "model", server_model)
+    for flags, marked in (([], False), (["--trust-remote-code"], True)):
+        args = build_parser().parse_args(["serve", model, "--device", "cpu", *flags])
+        engine = AsyncEngine(EngineConfig(**_engine_kwargs(args, args.model)))   # the server's tokenizer
+        assert getattr(engine.tokenizer, "marked", False) is marked
+
+
+def test_disable_log_stats_silences_the_periodic_engine_line(server_model, monkeypatch, caplog):
+    import nanoserve.server.app as app_module
+    from nanoserve.server.state import ServerSettings
+
+    monkeypatch.setattr(app_module, "STATS_INTERVAL_S", 0.05)
+    lines = {}
+    for log_stats in (True, False):
+        caplog.clear()
+        engine = tiny_engine(server_model)
+        settings = ServerSettings(served_model_names=["tiny"], log_stats=log_stats)
+        with caplog.at_level(logging.INFO, logger="nanoserve.server.app"):
+            with in_process_server(app_module.build_app(engine, settings)) as (url, _):
+                httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 200,
+                                                          "ignore_eos": True}, timeout=60).raise_for_status()
+        lines[log_stats] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Engine: ")]
+    assert lines[True] and not lines[False]
