@@ -130,3 +130,20 @@ def test_penalty_counts_kept_between_steps_give_the_tokens_of_a_fresh_count(rand
         outputs.append([[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)])
         assert llm.engine.scheduler.num_preemptions > 0
     assert outputs[0] == outputs[1]
+
+
+def test_cached_tokens_never_exceed_the_prompt_through_preemption(qwen3_model):
+    """A preempted sequence is admitted again with its outputs, and the prefix cache may then hold
+    more of it than its prompt: only prompt tokens are reported cached (usage's cached_tokens
+    was 272 for a prompt of 244 tokens)."""
+    prompts = random_prompts(8, 384, 30, 60, seed=0)
+    llm = LLM(qwen3_model, dtype="float32", device="cpu", block_size=8, num_kvcache_blocks=40,
+              max_model_len=256)
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    seen = []
+    while llm.engine.has_unfinished_requests():
+        seen += [(step.num_cached_tokens, step.num_prompt_tokens) for step in llm.engine.step()]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert any(cached for cached, _ in seen)   # readmissions found their blocks
+    assert all(cached <= prompt for cached, prompt in seen)
