@@ -182,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     serve.add_argument("--disable-log-stats", action="store_true",
                        help="no line of engine statistics every 10 s while there is work")
+    serve.add_argument("--disable-fastapi-docs", action="store_true",
+                       help="no /docs, /redoc or /openapi.json (404 instead)")
+    serve.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help='logprobs name tokens "token_id:N" unless a request sets return_tokens_as_token_ids')
     serve.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain)")
     serve.add_argument("--ssl-keyfile", default=None, help="the certificate's PEM private key, unencrypted")
     serve.add_argument("--ssl-ca-certs", default=None, help="CA certificates that client certificates must chain to")
@@ -245,6 +249,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                               allowed_origins=args.allowed_origins, chat_template=_chat_template(args.chat_template),
                               log_requests=not args.disable_log_requests, log_stats=not args.disable_log_stats,
+                              api_docs=not args.disable_fastapi_docs,
+                              return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                               engine_death_grace_s=args.engine_death_grace_period,
                               engine_stall_timeout_s=args.engine_stall_timeout, limits=_limits(args),
                               generation_config=args.generation_config, tool_call_parser=args.tool_call_parser,

@@ -104,7 +104,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings,
             app.state.server.specs.close()
             await engine.shutdown()
 
-    app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan)
+    docs = {} if settings.api_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan, **docs)
     app.state.server = ServerState(engine, settings)
     install_handlers(app)
     install_openapi(app, has_api_key=bool(settings.api_key))

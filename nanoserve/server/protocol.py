@@ -131,7 +131,8 @@ class SamplingFields(Strict):
     spaces_between_special_tokens: bool = True  # vLLM's: False joins adjacent special tokens' text
     include_stop_str_in_output: bool = False
     # vLLM's: logprobs name tokens "token_id:N", so tokens of equal or partial text stay apart
-    return_tokens_as_token_ids: bool = False
+    # (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     # vLLM's: each choice carries its new tokens' ids ("token_ids"), and the prompt's ids come too
     return_token_ids: bool = False
     # vLLM's: each prompt token's logprob and this many alternatives, in whole responses only

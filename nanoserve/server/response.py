@@ -82,7 +82,10 @@ class OpenAIResponse:
     @property
     def token_names(self) -> TokenTexts | TokenIdNames:
         """What logprobs call each token: its text, or "token_id:N" when the request asks."""
-        return TOKEN_ID_NAMES if self.req.return_tokens_as_token_ids else self.state.texts
+        by_id = self.req.return_tokens_as_token_ids
+        if by_id is None:
+            by_id = self.state.settings.return_tokens_as_token_ids
+        return TOKEN_ID_NAMES if by_id else self.state.texts
 
     def envelope(self, object_: str) -> dict:
         """The fields every response and chunk starts with, before its choices."""

@@ -35,6 +35,8 @@ class ServerSettings:
     allowed_origins: list[str] = field(default_factory=list)  # CORS: empty = off
     log_requests: bool = True  # one log line per finished request
     log_stats: bool = True  # a line of engine statistics every 10 s while there is work
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" unless a request says
+    api_docs: bool = True  # /docs, /redoc and /openapi.json
     engine_death_grace_s: float = 30.0  # /health answers 503 this long after the engine died, then the server exits
     engine_stall_timeout_s: float = 60.0  # /health answers 503 while the engine core has been silent this long
     chat_template: str | None = None  # Jinja text that replaces the tokenizer's own

@@ -1,5 +1,6 @@
 """Flags a vLLM command line brings along: HTTPS (--ssl-*), vLLM's spellings of prefix caching and
-chunked prefill, --trust-remote-code, --disable-log-stats and --uvicorn-log-level."""
+chunked prefill, --trust-remote-code, --disable-log-stats, --uvicorn-log-level, --disable-fastapi-docs
+and --return-tokens-as-token-ids."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ TRUSTS_CERT = ssl.create_default_context(cafile=CERT)   # a client that trusts t
 
 def test_https_serves_the_openai_client_and_the_vllm_flags_take_effect(server_model, tmp_path):
     with ServerProcess(server_model, tmp_path, "--ssl-certfile", CERT, "--ssl-keyfile", KEY,
-                       "--no-enable-prefix-caching", "--uvicorn-log-level", "warning", verify=TRUSTS_CERT) as server:
+                       "--no-enable-prefix-caching", "--uvicorn-log-level", "warning", "--disable-fastapi-docs",
+                       "--return-tokens-as-token-ids", verify=TRUSTS_CERT) as server:
         assert server.url.startswith("https://")
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", http_client=httpx.Client(verify=TRUSTS_CERT))
         prompt = "The same long prompt, twice over, " * 8
@@ -36,6 +38,18 @@ def test_https_serves_the_openai_client_and_the_vllm_flags_take_effect(server_mo
         metrics = httpx.get(f"{server.url}/metrics", verify=TRUSTS_CERT, timeout=10).text
         assert "nanoserve:prefix_cache_hits_total 0.0" in metrics
         assert "nanoserve:prefix_cache_queries_total 0.0" in metrics
+        # logprobs name tokens by id, unless a request says otherwise
+        by_id = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0.0, logprobs=2)
+        named = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0.0, logprobs=2,
+                                          extra_body={"return_tokens_as_token_ids": False})
+        assert all(t.startswith("token_id:") for t in by_id.choices[0].logprobs.tokens)
+        assert not any(t.startswith("token_id:") for t in named.choices[0].logprobs.tokens)
+        assert [int(t.removeprefix("token_id:")) for t in by_id.choices[0].logprobs.tokens] == \
+            client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0.0,
+                                      extra_body={"return_token_ids": True}).choices[0].token_ids
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            gone = httpx.get(f"{server.url}{path}", verify=TRUSTS_CERT, timeout=10)
+            assert gone.status_code == 404 and "error" in gone.json(), path
         with pytest.raises(httpx.TransportError):   # plain HTTP gets no answer from a TLS port
             httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=5)
         with pytest.raises(httpx.ConnectError):     # nor does a client that does not trust the certificate
