@@ -12,6 +12,7 @@ from contextlib import aclosing
 import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
+from transformers import PreTrainedTokenizerBase
 
 from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from nanoserve.server.chat import ChatCompletion, start_chat
@@ -35,6 +36,11 @@ def _append(item: dict, key: str, text: str) -> None:
     whole, item[key] = item[key], ""   # the key keeps its place in the item
     whole += text
     item[key] = whole
+
+
+def reasoning_tokens(tokenizer: PreTrainedTokenizerBase, text: str) -> int:
+    """The tokens of a reasoning's text as the tokenizer writes it (the tags around it aside)."""
+    return len(tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
 
 def _typed_event(kind: str, fields: dict) -> bytes:
@@ -74,11 +80,11 @@ class ResponseWriter:
             "metadata": req.metadata or {},
         }
 
-    def usage(self, stream: RequestStream) -> dict:
+    async def usage(self, stream: RequestStream) -> dict:
         counts = self.chat.usage(stream)
-        # the tokens of the reasoning as the tokenizer writes its text (the tags around it aside)
         reasoning = "".join(item["content"][0]["text"] for item in self.items if item["type"] == "reasoning")
-        thought = len(self.state.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        # tokenized again: on the event loop, 590 KB of reasoning held every other stream for 0.38 s
+        thought = await off_the_loop_if_long(len(reasoning), reasoning_tokens, self.state.tokenizer, reasoning)
         return {"input_tokens": counts["prompt_tokens"],
                 "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"]},
                 "output_tokens": counts["completion_tokens"], "output_tokens_details": {"reasoning_tokens": thought},
@@ -240,7 +246,7 @@ class ResponseWriter:
         elif not self.items:   # nothing was written: an empty answer is still a message
             for event in self.open_item(self.message_item("", [], status)) + self.close_item(status):
                 yield event
-        self.result = self.envelope(status, self.usage(stream), finish_reason)
+        self.result = self.envelope(status, await self.usage(stream), finish_reason)
         yield self.event("response.incomplete" if status == "incomplete" else "response.completed",
                          response=self.result)
 

@@ -348,3 +348,28 @@ def test_a_streamed_item_grows_in_place_not_by_a_copy_per_delta(delta):
     text = item["arguments"] if "tool_calls" in delta else item["content"][0]["text"]
     assert len(text) > 50_000
     assert peak - held < 0.5 * len(text)
+
+
+def test_long_reasoning_is_counted_off_the_event_loop(server_model, monkeypatch) -> None:
+    # usage's reasoning_tokens tokenizes the reasoning again: 590 KB took 0.38 s of the event loop
+    # (~100k tokens of a long-context model's thinking), every other stream waiting. The tiny model's
+    # context holds too little reasoning to pass the inline bound, so the bound is lowered here
+    from nanoserve.server import responses, state
+    from nanoserve.server.app import build_app
+    from nanoserve.server.state import ServerSettings
+    from tests.server.conftest import QWEN3_TEMPLATE, in_process_server
+
+    counted_on = calling_threads(monkeypatch, responses, "reasoning_tokens")
+    monkeypatch.setattr(state, "_INLINE_TEXT_CHARS", 64)
+    settings = ServerSettings(served_model_names=["tiny"], chat_template=QWEN3_TEMPLATE.read_text(),
+                              reasoning_parser="qwen3")
+    with in_process_server(build_app(tiny_engine(server_model), settings)) as (url, loop_thread):
+        for thought in ("short", "long " * 30):
+            body = {"model": "tiny", "input": "hi", "max_output_tokens": 200, "temperature": 0,
+                    "structured_outputs": {"regex": f"<think>\n{thought}\n</think>\n\nok"}}
+            r = httpx.post(f"{url}/v1/responses", json=body, timeout=60)
+            assert r.status_code == 200, r.text[:300]
+            assert r.json()["output"][0]["content"][0]["text"].strip() == thought.strip()
+            assert r.json()["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+    short, long = counted_on
+    assert short is loop_thread and long is not loop_thread
