@@ -133,6 +133,15 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         tensor_parallel_size=args.tensor_parallel_size, tokenizer=args.tokenizer)
 
 
+# where the key comes from when --api-key is not given, the first one set winning: a vLLM
+# deployment that sets its own variable must not find its server open
+API_KEY_VARIABLES = ("NANOSERVE_API_KEY", "VLLM_API_KEY")
+
+
+def _api_key_from_environment() -> str | None:
+    return next((os.environ[name] for name in API_KEY_VARIABLES if os.environ.get(name)), None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # torch-free, like the rest of the parser
     from nanoserve.server.reasoning import REASONING_PARSERS
@@ -151,9 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="names clients use in 'model' (default: the MODEL argument as given)")
-    serve.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY") or None,
+    serve.add_argument("--api-key", default=_api_key_from_environment(),
                        help="require 'Authorization: Bearer KEY' on every route but /health "
-                            "(default: $NANOSERVE_API_KEY)")
+                            "(default: $NANOSERVE_API_KEY, else vLLM's $VLLM_API_KEY)")
     serve.add_argument("--max-queue-len", type=int, default=1024,
                        help="sequences (prompts x n) that may wait beside the --max-num-seqs running; "
                             "past that a request gets 503 with a Retry-After from the queue's drain rate")
@@ -231,8 +240,9 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         # an empty key (an unset variable spliced in) would leave every route open without a word
         parser.error("--api-key is empty, blank or not ASCII: give a key of printable ASCII characters, "
                      "or leave the flag out to serve without one")
-    if args.api_key is None and os.environ.get("NANOSERVE_API_KEY") == "":
-        print("nanoserve: warning: NANOSERVE_API_KEY is set but empty: serving without an API key", file=sys.stderr)
+    for name in API_KEY_VARIABLES:
+        if args.api_key is None and os.environ.get(name) == "":
+            print(f"nanoserve: warning: {name} is set but empty: serving without an API key", file=sys.stderr)
     _check_seconds(args, parser)
     try:
         check_generation_config(args.generation_config)

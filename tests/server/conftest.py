@@ -230,6 +230,7 @@ class ServerProcess:
         extra_env = env or {}
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         env.pop("NANOSERVE_API_KEY", None)
+        env.pop("VLLM_API_KEY", None)
         env.update(extra_env)
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)

@@ -61,9 +61,10 @@ def test_the_request_after_an_unexpected_error_on_a_kept_alive_connection_is_ser
                 assert failed.headers["connection"] == "close"
 
 
-def test_the_api_key_can_come_from_the_environment_and_stays_out_of_ps(server_model, tmp_path):
+@pytest.mark.parametrize("variable", ["NANOSERVE_API_KEY", "VLLM_API_KEY"])
+def test_the_api_key_can_come_from_the_environment_and_stays_out_of_ps(server_model, tmp_path, variable):
     proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "128", "--block-size", "16",
-                         env={"NANOSERVE_API_KEY": "key-from-env-42"})
+                         env={variable: "key-from-env-42"})
     try:
         assert httpx.get(f"{proc.url}/health", timeout=10).status_code == 200
         r = httpx.get(f"{proc.url}/v1/models", timeout=10)
@@ -80,8 +81,20 @@ def test_the_api_key_can_come_from_the_environment_and_stays_out_of_ps(server_mo
 def test_an_empty_or_absent_env_key_leaves_the_server_open(value, monkeypatch):
     from nanoserve.cli import build_parser
 
-    if value is None:
-        monkeypatch.delenv("NANOSERVE_API_KEY", raising=False)
-    else:
-        monkeypatch.setenv("NANOSERVE_API_KEY", value)
+    for variable in ("NANOSERVE_API_KEY", "VLLM_API_KEY"):
+        if value is None:
+            monkeypatch.delenv(variable, raising=False)
+        else:
+            monkeypatch.setenv(variable, value)
     assert not build_parser().parse_args(["serve"]).api_key
+
+
+def test_nanoserves_own_variable_wins_over_vllms(monkeypatch):
+    from nanoserve.cli import build_parser
+
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-key")
+    monkeypatch.setenv("NANOSERVE_API_KEY", "own-key")
+    assert build_parser().parse_args(["serve"]).api_key == "own-key"
+    monkeypatch.setenv("NANOSERVE_API_KEY", "")   # set but empty: the next one counts
+    assert build_parser().parse_args(["serve"]).api_key == "vllm-key"
+    assert build_parser().parse_args(["serve", "--api-key", "flag-key"]).api_key == "flag-key"

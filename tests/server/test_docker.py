@@ -115,6 +115,7 @@ def image_command(tmp_path: Path, port: int) -> tuple[list[str], dict[str, str]]
     env = {**os.environ, "PORT": str(port), "PYTHONPATH": str(REPO),
            "PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}"}
     env.pop("NANOSERVE_API_KEY", None)
+    env.pop("VLLM_API_KEY", None)
     return json.loads(values("ENTRYPOINT")[0]), env
 
 
