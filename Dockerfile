@@ -46,8 +46,9 @@ USER 1001
 
 EXPOSE 8000
 STOPSIGNAL SIGTERM
-# a large model takes minutes to load: /health answers only once the port is open
+# a large model takes minutes to load: /health answers only once the port is open (HTTP, or HTTPS
+# with --ssl-certfile)
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
-    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ['PORT'] + '/health', timeout=4)"]
+    CMD ["python3", "-m", "nanoserve.healthcheck"]
 # sh expands $PORT, then exec makes nanoserve PID 1, so SIGTERM reaches it and it drains
 ENTRYPOINT ["/bin/sh", "-c", "exec nanoserve serve --host 0.0.0.0 --port \"$PORT\" --device cuda \"$@\"", "nanoserve"]

@@ -130,11 +130,15 @@ def test_without_a_gpu_the_image_refuses_to_start(tmp_path):
     assert "torch sees no CUDA device" in result.stderr and "--gpus all" in result.stderr
 
 
+def healthcheck_command() -> list[str]:
+    health = json.loads(re.search(r"CMD (\[.*\])", values("HEALTHCHECK")[0]).group(1))
+    return [sys.executable if health[0] == "python3" else health[0], *health[1:]]
+
+
 def test_the_entrypoint_listens_on_port_and_the_healthcheck_follows_it(tmp_path):
     port = free_port()
     entrypoint, env = image_command(tmp_path, port)
-    health = json.loads(re.search(r"CMD (\[.*\])", values("HEALTHCHECK")[0]).group(1))
-    health = [sys.executable if health[0] == "python3" else health[0], *health[1:]]
+    health = healthcheck_command()
     # `docker run IMAGE --device cpu --num-kvcache-blocks 128`: the arguments follow the entrypoint's
     proc = subprocess.Popen([*entrypoint, "--device", "cpu", "--num-kvcache-blocks", "128"], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -150,6 +154,28 @@ def test_the_entrypoint_listens_on_port_and_the_healthcheck_follows_it(tmp_path)
         # SIGTERM reaches the server itself (exec: no shell in between), which drains and exits 0
         proc.terminate()
         assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_healthcheck_follows_a_server_that_serves_https(tmp_path):
+    port = free_port()
+    entrypoint, env = image_command(tmp_path, port)
+    tls = REPO / "tests" / "assets" / "tls"
+    proc = subprocess.Popen([*entrypoint, "--device", "cpu", "--num-kvcache-blocks", "128", "--ssl-certfile",
+                             str(tls / "cert.pem"), "--ssl-keyfile", str(tls / "key.pem")], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while subprocess.run(healthcheck_command(), env=env, capture_output=True, timeout=30).returncode != 0:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-2000:]
+            time.sleep(0.5)
+        proc.terminate()
+        assert proc.wait(60) == 0
+        # and once it is gone the probe says so
+        assert subprocess.run(healthcheck_command(), env=env, capture_output=True, timeout=30).returncode == 1
     finally:
         if proc.poll() is None:
             proc.kill()
