@@ -65,3 +65,26 @@ def test_a_client_that_leaves_during_a_large_response_costs_nothing_after(server
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "A list is", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_a_streamed_echo_of_token_ids_is_decoded_off_the_event_loop(server_model, monkeypatch):
+    # a stream's first chunk holds every choice's echo: 256 prompts of 2,000 ids, decoded for it on
+    # the event loop, held /health and every other stream for 133 ms (a body may hold 1M ids)
+    import threading
+
+    from tests.server.conftest import serving, tiny_engine
+
+    engine = tiny_engine(server_model)
+    decode, decoded_on = engine.tokenizer.decode, []
+    monkeypatch.setattr(engine.tokenizer, "decode", lambda ids, *args, **kwargs: decoded_on.append(
+        (len(ids), threading.current_thread())) or decode(ids, *args, **kwargs))
+    prompts = [[100 + (7 * i + p) % 3000 for i in range(1500)] for p in range(4)]
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": 1, "echo": True, "stream": True}
+    with serving(engine) as (url, loop_thread):
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    first = json.loads(events[0])
+    assert [c["text"] for c in first["choices"]] == [decode(p) for p in prompts]
+    echoed_on = [thread for length, thread in decoded_on if length == len(prompts[0])]
+    assert len(echoed_on) == len(prompts) and loop_thread not in echoed_on
