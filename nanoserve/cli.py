@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--generation-config", default="auto",
                        help="auto: default temperature, top_p, top_k, min_p and repetition_penalty from the model's "
                             "generation_config.json; vllm: ignore that file; or a folder holding one")
+    serve.add_argument("--override-generation-config", default=None, metavar="JSON",
+                       help="default sampling settings over --generation-config's, e.g. '{\"temperature\": 0.6}' "
+                            "(temperature, top_p, top_k, min_p, repetition_penalty); a request's own fields win")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="let the model decide to call tools (tool_choice auto); needs --tool-call-parser")
     serve.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
@@ -226,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from nanoserve.server.app import serve  # the web stack loads only for `serve`
-    from nanoserve.server.defaults import check_generation_config
+    from nanoserve.server.defaults import check_generation_config, generation_overrides
     from nanoserve.server.tool_parsers import TOOL_PARSERS
     from nanoserve.server.connections import raise_open_file_limit
     from nanoserve.server.state import ServerSettings
@@ -246,6 +249,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     _check_seconds(args, parser)
     try:
         check_generation_config(args.generation_config)
+        overrides = generation_overrides(args.override_generation_config)
         tls = tls_files(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
     except ValueError as exc:
         parser.error(str(exc))
@@ -263,7 +267,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                               return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                               engine_death_grace_s=args.engine_death_grace_period,
                               engine_stall_timeout_s=args.engine_stall_timeout, limits=_limits(args),
-                              generation_config=args.generation_config, tool_call_parser=args.tool_call_parser,
+                              generation_config=args.generation_config, generation_overrides=overrides,
+                              tool_call_parser=args.tool_call_parser,
                               enable_auto_tool_choice=args.enable_auto_tool_choice,
                               reasoning_parser=args.reasoning_parser)
     from nanoserve.config import EngineConfig

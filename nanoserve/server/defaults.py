@@ -1,6 +1,7 @@
 """Default sampling settings from the model folder's generation_config.json, as vLLM's
 `--generation-config auto` reads them; `vllm` ignores the file (the defaults are then ours), and
-a folder reads that folder's file instead."""
+a folder reads that folder's file instead. `--override-generation-config` sets some of them over
+whatever the file says, as vLLM's flag does."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import logging
 import os
 from typing import Any
+
+from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -23,15 +26,48 @@ def check_generation_config(mode: str) -> None:
                          f"got {mode!r}")
 
 
-def sampling_defaults(model_folder: str, mode: str = "auto") -> dict[str, Any]:
-    """The request fields the model's generation_config.json sets; empty for mode 'vllm' or no file."""
+def generation_overrides(text: str | None) -> dict[str, Any]:
+    """The request fields --override-generation-config's JSON object sets; ValueError naming what is
+    wrong with it (its values are checked as a request's would be, so that no request fails for them)."""
+    if text is None:
+        return {}
+    try:
+        found = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--override-generation-config is not JSON ({exc.msg} at character {exc.pos}): give an "
+                         "object such as '{\"temperature\": 0.6}'") from None
+    if not isinstance(found, dict):
+        raise ValueError("--override-generation-config must be a JSON object such as '{\"temperature\": 0.6}'")
+    unknown = sorted(set(found) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(f"--override-generation-config cannot set {', '.join(unknown)}: it takes "
+                         f"{', '.join(SAMPLING_KEYS)}")
+    for key, value in found.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"--override-generation-config: {key} must be a number, got {value!r}")
+    fields = {SAMPLING_KEYS[key]: value for key, value in found.items()}
+    try:
+        SamplingParams(**fields)   # a request's bounds
+    except ValueError as exc:
+        raise ValueError(f"--override-generation-config: {exc}") from None
+    return fields
+
+
+def sampling_defaults(model_folder: str, mode: str = "auto", overrides: dict[str, Any] | None = None
+                      ) -> dict[str, Any]:
+    """The request fields the model's generation_config.json sets (none for mode 'vllm' or no
+    file), with `overrides` (generation_overrides) over them."""
     check_generation_config(mode)
     path = os.path.join(model_folder if mode == "auto" else mode, "generation_config.json")
-    if mode == "vllm" or not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        found = json.load(f)
-    defaults = {field: found[key] for key, field in SAMPLING_KEYS.items() if found.get(key) is not None}
-    if defaults:
-        logger.info("Default sampling settings from %s: %s (--generation-config vllm ignores them)", path, defaults)
+    defaults: dict[str, Any] = {}
+    if mode != "vllm" and os.path.isfile(path):
+        with open(path) as f:
+            found = json.load(f)
+        defaults = {field: found[key] for key, field in SAMPLING_KEYS.items() if found.get(key) is not None}
+        if defaults:
+            logger.info("Default sampling settings from %s: %s (--generation-config vllm ignores them)", path,
+                        defaults)
+    if overrides:
+        defaults = {**defaults, **overrides}
+        logger.info("Default sampling settings with --override-generation-config: %s", defaults)
     return defaults

@@ -41,6 +41,7 @@ class ServerSettings:
     engine_stall_timeout_s: float = 60.0  # /health answers 503 while the engine core has been silent this long
     chat_template: str | None = None  # Jinja text that replaces the tokenizer's own
     generation_config: str = "auto"  # where default temperature etc. come from (see server/defaults.py)
+    generation_overrides: dict = field(default_factory=dict)  # request fields set over generation_config's
     tool_call_parser: str | None = None  # reads tool calls out of the text (server/tool_parsers)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" needs it, as in vLLM
     reasoning_parser: str | None = None  # splits reasoning_content from content (server/reasoning.py)
@@ -55,7 +56,8 @@ class ServerState:
         if settings.chat_template is not None:
             self.tokenizer.chat_template = settings.chat_template
         self.texts = TokenTexts(engine.tokenizer)
-        self.sampling_defaults = sampling_defaults(engine.config.model, settings.generation_config)
+        self.sampling_defaults = sampling_defaults(engine.config.model, settings.generation_config,
+                                                   settings.generation_overrides)
         # structured-output specs, checked here before the engine sees them
         self.specs = SpecChecker(self.tokenizer, engine.vocab_size, settings.limits.timeout_grammar_compile)
         self.prompt_size = PromptSize(list(engine.tokenizer.get_vocab()), engine.config.max_model_len)

@@ -17,6 +17,7 @@ import pytest
 from nanoserve.cli import _engine_kwargs, build_parser, main
 from nanoserve.config import EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine
+from nanoserve.server.app import build_app
 from tests.server.conftest import REPO, ServerProcess, in_process_server, tiny_engine
 
 TLS = REPO / "tests" / "assets" / "tls"
@@ -144,3 +145,43 @@ def test_disable_log_stats_silences_the_periodic_engine_line(server_model, monke
                                                           "ignore_eos": True}, timeout=60).raise_for_status()
         lines[log_stats] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Engine: ")]
     assert lines[True] and not lines[False]
+
+
+def test_override_generation_config_sets_defaults_over_the_models_file(server_model, tmp_path):
+    from nanoserve.server.defaults import generation_overrides, sampling_defaults
+    from nanoserve.server.state import ServerSettings
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20}))
+    overrides = generation_overrides('{"temperature": 0, "top_p": 0.5}')
+    assert sampling_defaults(str(tmp_path), "auto", overrides) == {"temperature": 0, "top_k": 20, "top_p": 0.5}
+    assert sampling_defaults(str(tmp_path), "vllm", overrides) == {"temperature": 0, "top_p": 0.5}
+    # served: a request that leaves temperature out is greedy under the override, one that sets it is not
+    settings = ServerSettings(served_model_names=["tiny"], generation_overrides=generation_overrides(
+        '{"temperature": 0.0}'))
+    body = {"model": "tiny", "prompt": "The list of", "max_tokens": 24, "ignore_eos": True}
+    with in_process_server(build_app(tiny_engine(server_model), settings)) as (url, _):
+        unset = [httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+                 for _ in range(2)]
+        greedy = httpx.post(f"{url}/v1/completions", json={**body, "temperature": 0.0}, timeout=60).json()
+        hot = [httpx.post(f"{url}/v1/completions", json={**body, "temperature": 2.0, "seed": seed}, timeout=60).json()
+               for seed in range(3)]
+    assert unset == [greedy["choices"][0]["text"]] * 2
+    assert any(h["choices"][0]["text"] != unset[0] for h in hot)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{temperature: 0}", "is not JSON"),
+    ("[0.5]", "must be a JSON object"),
+    ('{"max_tokens": 5}', "cannot set max_tokens"),
+    ('{"temperature": "low"}', "temperature must be a number"),
+    ('{"top_p": true}', "top_p must be a number"),
+    ('{"temperature": -1}', "--override-generation-config: temperature"),
+    ('{"top_p": 0}', "--override-generation-config: top_p"),
+])
+def test_a_bad_override_generation_config_exits_before_the_model_loads(monkeypatch, capsys, value, message):
+    import nanoserve.server.app
+
+    monkeypatch.setattr(nanoserve.server.app, "serve", lambda *a, **k: pytest.fail("served"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--device", "cpu", "--override-generation-config", value])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
