@@ -167,6 +167,22 @@ def serving(engine) -> Iterator[tuple[str, threading.Thread]]:
         yield served
 
 
+def serve_refusal(monkeypatch, capsys, *flags: str) -> str:
+    """What `nanoserve serve --device cpu FLAGS` says on stderr as it exits 2, checked to be before
+    the server (and so the model) starts."""
+    import nanoserve.server.app
+    from nanoserve.cli import main
+
+    def no_serving(*args, **kwargs):
+        raise AssertionError("the server started before the flags were checked")
+
+    monkeypatch.setattr(nanoserve.server.app, "serve", no_serving)
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--device", "cpu", *flags])
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
 def read_metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
     """The unlabelled samples of the server's /metrics by name."""
     samples = {}

@@ -10,7 +10,7 @@ import pytest
 
 from nanoserve import SamplingParams
 from nanoserve.cli import build_parser, main
-from tests.server.conftest import DEVICE, REPO
+from tests.server.conftest import DEVICE, REPO, serve_refusal
 
 ISSUE_FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
                "--max-num-batched-tokens", "--gpu-memory-utilization", "--max-queue-len", "--dtype", "--device",
@@ -209,15 +209,7 @@ def test_generate_checks_its_flags_before_loading_weights(monkeypatch, capsys):
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0"),
 ])
 def test_serve_checks_its_flags_before_loading_weights(monkeypatch, capsys, flags, message):
-    import nanoserve.server.app
-
-    def no_serving(*args, **kwargs):
-        raise AssertionError("the server started before the flags were checked")
-
-    monkeypatch.setattr(nanoserve.server.app, "serve", no_serving)
-    with pytest.raises(SystemExit) as exit_:
-        main(["serve", "--device", "cpu", *flags])
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert message in serve_refusal(monkeypatch, capsys, *flags)
 
 
 def test_serve_takes_the_model_as_a_flag_too(server_model):

@@ -18,7 +18,7 @@ from nanoserve.cli import _engine_kwargs, build_parser, main
 from nanoserve.config import EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.server.app import build_app
-from tests.server.conftest import REPO, ServerProcess, in_process_server, tiny_engine
+from tests.server.conftest import REPO, ServerProcess, in_process_server, serve_refusal, tiny_engine
 
 TLS = REPO / "tests" / "assets" / "tls"
 CERT, KEY = str(TLS / "cert.pem"), str(TLS / "key.pem")
@@ -30,7 +30,8 @@ def test_https_serves_the_openai_client_and_the_vllm_flags_take_effect(server_mo
                        "--no-enable-prefix-caching", "--uvicorn-log-level", "warning", "--disable-fastapi-docs",
                        "--return-tokens-as-token-ids", verify=TRUSTS_CERT) as server:
         assert server.url.startswith("https://")
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", http_client=httpx.Client(verify=TRUSTS_CERT))
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none",
+                               http_client=httpx.Client(verify=TRUSTS_CERT))
         prompt = "The same long prompt, twice over, " * 8
         for _ in range(2):
             done = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0.0)
@@ -69,24 +70,13 @@ def test_https_serves_the_openai_client_and_the_vllm_flags_take_effect(server_mo
     (["--ssl-certfile", CERT, "--ssl-keyfile", KEY, "--ssl-cert-reqs", "2"], "give --ssl-ca-certs"),
 ])
 def test_bad_certificate_flags_exit_before_the_model_loads(monkeypatch, capsys, flags, message):
-    import nanoserve.server.app
-
-    def no_serving(*args, **kwargs):
-        raise AssertionError("the server started before the flags were checked")
-
-    monkeypatch.setattr(nanoserve.server.app, "serve", no_serving)
-    with pytest.raises(SystemExit) as exit_:
-        main(["serve", "--device", "cpu", *flags])
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert message in serve_refusal(monkeypatch, capsys, *flags)
 
 
 def test_an_encrypted_key_is_refused_instead_of_asking_for_its_password(capsys, monkeypatch):
-    import nanoserve.server.app
-
-    monkeypatch.setattr(nanoserve.server.app, "serve", lambda *a, **k: pytest.fail("served"))
-    with pytest.raises(SystemExit) as exit_:
-        main(["serve", "--device", "cpu", "--ssl-certfile", CERT, "--ssl-keyfile", str(TLS / "encrypted-key.pem")])
-    assert exit_.value.code == 2 and "the private key is encrypted" in capsys.readouterr().err
+    encrypted = str(TLS / "encrypted-key.pem")
+    refusal = serve_refusal(monkeypatch, capsys, "--ssl-certfile", CERT, "--ssl-keyfile", encrypted)
+    assert "the private key is encrypted" in refusal
 
 
 def _config(*flags: str) -> EngineConfig:
@@ -179,9 +169,4 @@ def test_override_generation_config_sets_defaults_over_the_models_file(server_mo
     ('{"top_p": 0}', "--override-generation-config: top_p"),
 ])
 def test_a_bad_override_generation_config_exits_before_the_model_loads(monkeypatch, capsys, value, message):
-    import nanoserve.server.app
-
-    monkeypatch.setattr(nanoserve.server.app, "serve", lambda *a, **k: pytest.fail("served"))
-    with pytest.raises(SystemExit) as exit_:
-        main(["serve", "--device", "cpu", "--override-generation-config", value])
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert message in serve_refusal(monkeypatch, capsys, "--override-generation-config", value)
