@@ -242,7 +242,9 @@ class LLMEngine:
         ban = tuple(seq.stop_token_ids) if min_tokens and end - seq.num_prompt_tokens < min_tokens else ()
         if seq.bad_words is not None:
             ban += seq.bad_words.banned(seq.token_ids, seq.num_prompt_tokens, end)
-        return ban
+        allowed = seq.params.allowed_token_ids
+        # an allow list wholly banned stands, as a grammar does: all -inf, the sampler drew token 0 outside it
+        return () if ban and allowed is not None and len(allowed) <= len(ban) and set(allowed) <= set(ban) else ban
 
     def step(self) -> list[StepOutput]:
         """Run one scheduled batch; report the tokens each request gained and who finished.

@@ -97,3 +97,14 @@ def test_a_bad_list_is_refused_before_anything_is_queued(llm, ids, match):
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
                                                    allowed_token_ids=list(range(VOCAB))), use_tqdm=False)
     assert len(out[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_list_of_stop_tokens_holds_before_min_tokens_as_a_grammar_does(llm, temperature):
+    # min_tokens bans the stop tokens: with nothing but them allowed every logit was -inf, and the
+    # sampler drew token 0, outside the list (here an EOS, three times, each ignored before min_tokens)
+    stop = ALLOWED[0]
+    params = SamplingParams(temperature=temperature, max_tokens=6, min_tokens=3, allowed_token_ids=[stop],
+                            stop_token_ids=[stop])
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [stop] * 3 and out.finish_reason == "stop"
