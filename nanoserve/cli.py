@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from nanoserve.server.app import serve  # the web stack loads only for `serve`
-    from nanoserve.server.defaults import check_generation_config, generation_overrides
+    from nanoserve.server.defaults import generation_overrides, sampling_defaults
     from nanoserve.server.tool_parsers import TOOL_PARSERS
     from nanoserve.server.connections import raise_open_file_limit
     from nanoserve.server.state import ServerSettings
@@ -248,8 +248,9 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             print(f"nanoserve: warning: {name} is set but empty: serving without an API key", file=sys.stderr)
     _check_seconds(args, parser)
     try:
-        check_generation_config(args.generation_config)
         overrides = generation_overrides(args.override_generation_config)
+        # the model folder's defaults too: a bad value there would fail every request that leaves it out
+        sampling_defaults(args.model or args.model_flag or DEFAULT_MODEL, args.generation_config, overrides, log=False)
         tls = tls_files(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
     except ValueError as exc:
         parser.error(str(exc))

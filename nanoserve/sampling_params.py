@@ -6,6 +6,7 @@ import copy
 import functools
 import json
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -198,15 +199,18 @@ class SamplingParams:
         self.bad_words = list(self.bad_words)
         if isinstance(self.structured_outputs, dict):  # e.g. decoded from a message
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        # numbers of the right kind, as the engine's message schema declares them: an integral float
+        # where an int belongs (a generation_config.json's "top_k": 20.0) is taken as that int, while
+        # a value the schema refuses would be dropped by the engine core and its request never end
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise InvalidSamplingParam(name, f"{name} must be a finite number, got {getattr(self, name)}")
+            setattr(self, name, _as_float(name, getattr(self, name)))
+        self.top_k = _as_int("top_k", self.top_k)   # its range below
         if abs(self.presence_penalty) < TINY:
             self.presence_penalty = 0.0
         if abs(self.frequency_penalty) < TINY:
             self.frequency_penalty = 0.0
-        _check_int("n", self.n, 1, MAX_INT)
+        self.n = _as_int("n", self.n, 1, MAX_INT)
         if self.temperature < 0:
             raise InvalidSamplingParam("temperature", f"temperature must be >= 0, got {self.temperature}")
         if self.temperature < GREEDY_TEMPERATURE:
@@ -225,16 +229,16 @@ class SamplingParams:
             raise InvalidSamplingParam("repetition_penalty", f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], "
                              f"got {self.repetition_penalty}")
         if self.seed is not None:
-            _check_int("seed", self.seed, *SEED_RANGE)
+            self.seed = _as_int("seed", self.seed, *SEED_RANGE)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1, MAX_INT)
-        _check_int("min_tokens", self.min_tokens, 0, MAX_INT)
+            self.max_tokens = _as_int("max_tokens", self.max_tokens, 1, MAX_INT)
+        self.min_tokens = _as_int("min_tokens", self.min_tokens, 0, MAX_INT)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidSamplingParam("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, 20)
+            self.logprobs = _as_int("logprobs", self.logprobs, 0, 20)
         if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, 0, 20)
+            self.prompt_logprobs = _as_int("prompt_logprobs", self.prompt_logprobs, 0, 20)
         if len(self.bad_words) > MAX_BAD_WORDS:
             raise InvalidSamplingParam("bad_words", f"bad_words takes at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
         for word in self.bad_words:
@@ -245,8 +249,7 @@ class SamplingParams:
             # as vLLM refuses it: "" matches before any text, and dropping it silently hid a client's bug
             raise InvalidSamplingParam("stop", "stop cannot contain an empty string; leave it out, or send the "
                                        "strings that should end the text")
-        for token in self.stop_token_ids:
-            _check_int("stop_token_ids", token, 0, MAX_INT)
+        self.stop_token_ids = [_as_int("stop_token_ids", token, 0, MAX_INT) for token in self.stop_token_ids]
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
                                             or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
             raise InvalidSamplingParam("cache_salt", f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
@@ -312,3 +315,26 @@ class SamplingParams:
 def _check_int(name: str, value: int, low: int, high: int) -> None:
     if not low <= value <= high:
         raise InvalidSamplingParam(name, f"{name} must be in [{low}, {high}], got {value}")
+
+
+def _as_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> int:
+    """value as a plain int (in [low, high] when given): an integral float becomes its int; a bool,
+    another float or a non-number is refused."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidSamplingParam(name, f"{name} must be an integer, got {value!r}")
+    value = int(value)   # numpy's integers too
+    if low is not None and high is not None:
+        _check_int(name, value, low, high)
+    return value
+
+
+def _as_float(name: str, value: Any) -> float:
+    """value as a finite float (an int is one); a bool or a non-number is refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidSamplingParam(name, f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise InvalidSamplingParam(name, f"{name} must be a finite number, got {value}")
+    return value

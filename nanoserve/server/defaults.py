@@ -42,32 +42,45 @@ def generation_overrides(text: str | None) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"--override-generation-config cannot set {', '.join(unknown)}: it takes "
                          f"{', '.join(SAMPLING_KEYS)}")
-    for key, value in found.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"--override-generation-config: {key} must be a number, got {value!r}")
-    fields = {SAMPLING_KEYS[key]: value for key, value in found.items()}
+    return _checked({SAMPLING_KEYS[key]: value for key, value in found.items()}, "--override-generation-config")
+
+
+def _checked(fields: dict[str, Any], where: str) -> dict[str, Any]:
+    """fields as a request's SamplingParams takes them (20.0 for top_k is 20), or ValueError naming
+    `where`: a bad default would otherwise fail every request that leaves the field out."""
+    if fields.get("top_k") == 0:
+        fields = {**fields, "top_k": -1}   # off, as transformers and a request read 0
     try:
-        SamplingParams(**fields)   # a request's bounds
+        params = SamplingParams(**fields)
     except ValueError as exc:
-        raise ValueError(f"--override-generation-config: {exc}") from None
-    return fields
+        raise ValueError(f"{where}: {exc}") from None
+    return {name: getattr(params, name) for name in fields}
 
 
-def sampling_defaults(model_folder: str, mode: str = "auto", overrides: dict[str, Any] | None = None
-                      ) -> dict[str, Any]:
+def sampling_defaults(model_folder: str, mode: str = "auto", overrides: dict[str, Any] | None = None,
+                      log: bool = True) -> dict[str, Any]:
     """The request fields the model's generation_config.json sets (none for mode 'vllm' or no
-    file), with `overrides` (generation_overrides) over them."""
+    file), with `overrides` (generation_overrides) over them; ValueError for a value no request
+    could take. `log`: say which defaults apply."""
     check_generation_config(mode)
     path = os.path.join(model_folder if mode == "auto" else mode, "generation_config.json")
     defaults: dict[str, Any] = {}
     if mode != "vllm" and os.path.isfile(path):
         with open(path) as f:
-            found = json.load(f)
-        defaults = {field: found[key] for key, field in SAMPLING_KEYS.items() if found.get(key) is not None}
-        if defaults:
+            try:
+                found = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} is not JSON ({exc.msg} at line {exc.lineno}); fix it, or pass "
+                                 "--generation-config vllm to ignore the file") from None
+        if not isinstance(found, dict):
+            raise ValueError(f"{path} holds no JSON object; fix it, or pass --generation-config vllm to ignore it")
+        defaults = _checked({field: found[key] for key, field in SAMPLING_KEYS.items() if found.get(key) is not None},
+                            f"{path} (--generation-config vllm ignores the file)")
+        if defaults and log:
             logger.info("Default sampling settings from %s: %s (--generation-config vllm ignores them)", path,
                         defaults)
     if overrides:
         defaults = {**defaults, **overrides}
-        logger.info("Default sampling settings with --override-generation-config: %s", defaults)
+        if log:
+            logger.info("Default sampling settings with --override-generation-config: %s", defaults)
     return defaults

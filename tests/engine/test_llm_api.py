@@ -301,3 +301,38 @@ def test_cache_salt_keeps_prefix_blocks_apart_and_leaves_outputs_alone(llm):
 def test_a_cache_salt_that_is_empty_too_long_or_not_text_is_refused(salt):
     with pytest.raises(ValueError, match="cache_salt must be a string of 1 to 1024 characters"):
         SamplingParams(cache_salt=salt)
+
+
+@pytest.mark.parametrize("given, taken", [
+    (dict(top_k=20.0, n=2.0, max_tokens=8.0, seed=3.0), dict(top_k=20, n=2, max_tokens=8, seed=3)),
+    (dict(temperature=1, top_p=1, repetition_penalty=2), dict(temperature=1.0, top_p=1.0, repetition_penalty=2.0)),
+    (dict(stop_token_ids=[1.0, 2], logprobs=3.0), dict(stop_token_ids=[1, 2], logprobs=3)),
+])
+def test_sampling_params_hold_the_number_kinds_the_engine_core_decodes(given, taken):
+    import msgspec
+    import numpy as np
+
+    from nanoserve.engine.messages import AddRequest, input_decoder, input_encoder
+
+    for params in (SamplingParams(**given), SamplingParams(**{k: np.asarray(v)[()] if not isinstance(v, list) else v
+                                                             for k, v in given.items()})):
+        assert {k: getattr(params, k) for k in taken} == taken
+        assert all(type(getattr(params, k)) is type(v) for k, v in taken.items())
+        # what the server sends its engine core decodes: a float where an int belongs was dropped there,
+        # and the request never ended
+        sent = input_decoder.decode(input_encoder.encode(AddRequest(["r"], [[1, 2]], params, [[]])))
+        assert isinstance(sent, AddRequest) and msgspec.structs.asdict(sent)["params"] == params
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("top_k", 2.5, "top_k must be an integer, got 2.5"),
+    ("top_k", True, "top_k must be an integer, got True"),
+    ("max_tokens", 3.5, "max_tokens must be an integer"),
+    ("n", "2", "n must be an integer"),
+    ("top_p", True, "top_p must be a number, got True"),
+    ("temperature", "0.5", "temperature must be a number"),
+    ("logprobs", False, "logprobs must be an integer"),
+])
+def test_sampling_params_refuse_numbers_of_the_wrong_kind(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})

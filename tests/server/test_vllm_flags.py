@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from nanoserve.cli import _engine_kwargs, build_parser, main
-from nanoserve.config import EngineConfig
+from nanoserve.config import DEFAULT_MODEL, EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.server.app import build_app
 from tests.server.conftest import REPO, ServerProcess, in_process_server, serve_refusal, tiny_engine
@@ -170,3 +170,35 @@ def test_override_generation_config_sets_defaults_over_the_models_file(server_mo
 ])
 def test_a_bad_override_generation_config_exits_before_the_model_loads(monkeypatch, capsys, value, message):
     assert message in serve_refusal(monkeypatch, capsys, "--override-generation-config", value)
+
+
+@pytest.mark.parametrize("found, expected", [
+    ({"top_k": 20.0, "temperature": 1}, {"top_k": 20, "temperature": 1.0}),   # numbers as the engine takes them
+    ({"top_k": 0}, {"top_k": -1}),                                            # off, as transformers reads 0
+])
+def test_a_model_folders_defaults_are_taken_as_a_request_would_take_them(tmp_path, found, expected):
+    from nanoserve.server.defaults import sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(found))
+    defaults = sampling_defaults(str(tmp_path))
+    assert defaults == expected and all(type(defaults[k]) is type(v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"top_k": 2.5}', "top_k must be an integer, got 2.5"),
+    ('{"top_p": "0.9"}', "top_p must be a number"),
+    ('{"temperature": -0.5}', "temperature must be >= 0"),
+    ('{"top_k": 20,}', "is not JSON"),
+    ('[0.9]', "holds no JSON object"),
+])
+def test_a_model_folder_whose_defaults_no_request_could_take_is_refused_at_startup(tmp_path, monkeypatch, capsys,
+                                                                                   content, message):
+    # a top_k of 2.5 reached the engine core, which could not decode the request and dropped it: the
+    # request never ended, and neither did any other that left top_k out
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL, model)
+    (model / "generation_config.json").write_text(content)
+    refusal = serve_refusal(monkeypatch, capsys, str(model))
+    assert message in refusal and "--generation-config vllm" in refusal
+    assert "--generation-config vllm" not in serve_refusal(monkeypatch, capsys, str(model), "--generation-config",
+                                                           "vllm", "--port", "-1")   # ignored: the next check
