@@ -28,11 +28,12 @@ import zmq.asyncio
 from nanoserve.config import EngineConfig
 from nanoserve.engine.bad_words import with_bad_words_token_ids
 from nanoserve.engine.core import EngineCore, run_engine_process
-from nanoserve.engine.llm_engine import LLMEngine, load_tokenizer
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.messages import (AbortRequests, AddRequest, EngineDied, EngineOutputs, EngineReady, EngineStats,
                                        Shutdown, input_encoder, output_decoder)
 from nanoserve.engine.outputs import RequestState
 from nanoserve.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream, RequestUpdate
+from nanoserve.engine.tokenizer import load_tokenizer
 from nanoserve.engine.validation import RequestRefused, check_params_token_ids, check_prompt, check_token_ids
 from nanoserve.sampling_params import SamplingParams
 

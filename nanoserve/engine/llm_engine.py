@@ -8,8 +8,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
-
 from nanoserve.config import EngineConfig
 from nanoserve.engine.bad_words import BadWords, with_bad_words_token_ids
 from nanoserve.engine.block_manager import BlockManager
@@ -18,6 +16,7 @@ from nanoserve.engine.grammar_state import GrammarStateGuard
 from nanoserve.engine.messages import EngineStats, StepOutput
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.tokenizer import eos_token_ids, load_tokenizer
 from nanoserve.runner.batch import PENDING_TOKEN, SequenceWork
 from nanoserve.runner.model_runner import ModelRunner, PendingSample, StepLogits
 from nanoserve.sampling_params import SamplingParams, fork_seed
@@ -28,22 +27,6 @@ if TYPE_CHECKING:  # xgrammar loads with the first structured-output request, no
     from nanoserve.engine.grammar import GrammarManager
 
 logger = logging.getLogger(__name__)
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-
-
-def eos_token_ids(model: str, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    ids: set[int] = set()
-    try:
-        found = GenerationConfig.from_pretrained(model).eos_token_id
-        ids.update(found if isinstance(found, list) else [found] if found is not None else [])
-    except OSError:  # no generation_config.json
-        pass
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 @dataclass

@@ -1,0 +1,22 @@
+"""The model's tokenizer and the token ids that end its text, as the engine and the front end load them."""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def eos_token_ids(model: str, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """generation_config.json's eos_token_id (one or a list) and the tokenizer's own."""
+    ids: set[int] = set()
+    try:
+        found = GenerationConfig.from_pretrained(model).eos_token_id
+        ids.update(found if isinstance(found, list) else [found] if found is not None else [])
+    except OSError:  # no generation_config.json
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
