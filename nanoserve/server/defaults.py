@@ -31,18 +31,22 @@ def generation_overrides(text: str | None) -> dict[str, Any]:
     wrong with it (its values are checked as a request's would be, so that no request fails for them)."""
     if text is None:
         return {}
-    try:
-        found = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--override-generation-config is not JSON ({exc.msg} at character {exc.pos}): give an "
-                         "object such as '{\"temperature\": 0.6}'") from None
-    if not isinstance(found, dict):
-        raise ValueError("--override-generation-config must be a JSON object such as '{\"temperature\": 0.6}'")
+    found = _json_object(text, "--override-generation-config", "give one such as '{\"temperature\": 0.6}'")
     unknown = sorted(set(found) - set(SAMPLING_KEYS))
     if unknown:
         raise ValueError(f"--override-generation-config cannot set {', '.join(unknown)}: it takes "
                          f"{', '.join(SAMPLING_KEYS)}")
     return _checked({SAMPLING_KEYS[key]: value for key, value in found.items()}, "--override-generation-config")
+
+
+def _json_object(text: str, where: str, fix: str) -> dict[str, Any]:
+    try:
+        found = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where} is not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); {fix}") from None
+    if not isinstance(found, dict):
+        raise ValueError(f"{where} is not a JSON object; {fix}")
+    return found
 
 
 def _checked(fields: dict[str, Any], where: str) -> dict[str, Any]:
@@ -67,13 +71,7 @@ def sampling_defaults(model_folder: str, mode: str = "auto", overrides: dict[str
     defaults: dict[str, Any] = {}
     if mode != "vllm" and os.path.isfile(path):
         with open(path) as f:
-            try:
-                found = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path} is not JSON ({exc.msg} at line {exc.lineno}); fix it, or pass "
-                                 "--generation-config vllm to ignore the file") from None
-        if not isinstance(found, dict):
-            raise ValueError(f"{path} holds no JSON object; fix it, or pass --generation-config vllm to ignore it")
+            found = _json_object(f.read(), path, "fix it, or pass --generation-config vllm to ignore the file")
         defaults = _checked({field: found[key] for key, field in SAMPLING_KEYS.items() if found.get(key) is not None},
                             f"{path} (--generation-config vllm ignores the file)")
         if defaults and log:

@@ -161,7 +161,7 @@ def test_override_generation_config_sets_defaults_over_the_models_file(server_mo
 
 @pytest.mark.parametrize("value, message", [
     ("{temperature: 0}", "is not JSON"),
-    ("[0.5]", "must be a JSON object"),
+    ("[0.5]", "is not a JSON object"),
     ('{"max_tokens": 5}', "cannot set max_tokens"),
     ('{"temperature": "low"}', "temperature must be a number"),
     ('{"top_p": true}', "top_p must be a number"),
@@ -189,7 +189,7 @@ def test_a_model_folders_defaults_are_taken_as_a_request_would_take_them(tmp_pat
     ('{"top_p": "0.9"}', "top_p must be a number"),
     ('{"temperature": -0.5}', "temperature must be >= 0"),
     ('{"top_k": 20,}', "is not JSON"),
-    ('[0.9]', "holds no JSON object"),
+    ('[0.9]', "is not a JSON object"),
 ])
 def test_a_model_folder_whose_defaults_no_request_could_take_is_refused_at_startup(tmp_path, monkeypatch, capsys,
                                                                                    content, message):
