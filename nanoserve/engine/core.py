@@ -23,7 +23,7 @@ from nanoserve.defaults import ENGINE_HEARTBEAT_S, LOG_FORMAT
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.messages import (AbortRequests, AddRequest, EngineDied, EngineOutputs, EngineReady,
                                        RequestFailed, Shutdown, input_decoder, output_encoder)
-from nanoserve.lifetime import die_with_parent
+from nanoserve.lifetime import die_with_parent, freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
         logger.exception("The engine failed to start")
         core.died(exc)
         sys.exit(1)
+    freeze_startup_heap()
     try:
         core.run(engine, time.perf_counter() - start)
     except BaseException:

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from nanoserve import __version__
 from nanoserve.config import EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError
+from nanoserve.lifetime import freeze_startup_heap
 from nanoserve.server import chat, completions, info, responses
 from nanoserve.server.backlog import BudgetMiddleware
 from nanoserve.server.connections import always_served, canonical_path, uvicorn_options
@@ -162,6 +163,11 @@ class Server(uvicorn.Server):
     def fatal(self, code: int) -> None:
         self.exit_code = code
         self.should_exit = True
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)   # the lifespan: the engine core is ready once it returns
+        if self.started:
+            freeze_startup_heap()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         timeout = self.config.timeout_graceful_shutdown
