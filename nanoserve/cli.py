@@ -250,7 +250,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
         overrides = generation_overrides(args.override_generation_config)
         # the model folder's defaults too: a bad value there would fail every request that leaves it out
-        sampling_defaults(args.model or args.model_flag or DEFAULT_MODEL, args.generation_config, overrides, log=False)
+        sampling_defaults(args.model or args.model_flag or DEFAULT_MODEL, args.generation_config, overrides)
         tls = tls_files(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
     except ValueError as exc:
         parser.error(str(exc))

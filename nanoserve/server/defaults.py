@@ -6,13 +6,10 @@ whatever the file says, as vLLM's flag does."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Any
 
 from nanoserve.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 # generation_config.json key -> request field it supplies when the request leaves it out
 SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -61,11 +58,11 @@ def _checked(fields: dict[str, Any], where: str) -> dict[str, Any]:
     return {name: getattr(params, name) for name in fields}
 
 
-def sampling_defaults(model_folder: str, mode: str = "auto", overrides: dict[str, Any] | None = None,
-                      log: bool = True) -> dict[str, Any]:
+def sampling_defaults(model_folder: str, mode: str = "auto", overrides: dict[str, Any] | None = None
+                      ) -> dict[str, Any]:
     """The request fields the model's generation_config.json sets (none for mode 'vllm' or no
     file), with `overrides` (generation_overrides) over them; ValueError for a value no request
-    could take. `log`: say which defaults apply."""
+    could take."""
     check_generation_config(mode)
     path = os.path.join(model_folder if mode == "auto" else mode, "generation_config.json")
     defaults: dict[str, Any] = {}
@@ -74,11 +71,4 @@ def sampling_defaults(model_folder: str, mode: str = "auto", overrides: dict[str
             found = _json_object(f.read(), path, "fix it, or pass --generation-config vllm to ignore the file")
         defaults = _checked({field: found[key] for key, field in SAMPLING_KEYS.items() if found.get(key) is not None},
                             f"{path} (--generation-config vllm ignores the file)")
-        if defaults and log:
-            logger.info("Default sampling settings from %s: %s (--generation-config vllm ignores them)", path,
-                        defaults)
-    if overrides:
-        defaults = {**defaults, **overrides}
-        if log:
-            logger.info("Default sampling settings with --override-generation-config: %s", defaults)
-    return defaults
+    return {**defaults, **(overrides or {})}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +25,7 @@ from nanoserve.server.metrics import RequestTimer, ServerMetrics
 from nanoserve.server.structured import SpecChecker
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,6 +60,9 @@ class ServerState:
         self.texts = TokenTexts(engine.tokenizer)
         self.sampling_defaults = sampling_defaults(engine.config.model, settings.generation_config,
                                                    settings.generation_overrides)
+        if self.sampling_defaults:
+            logger.info("Default sampling settings: %s (generation_config.json unless --generation-config vllm, "
+                        "then --override-generation-config; a request's own fields win)", self.sampling_defaults)
         # structured-output specs, checked here before the engine sees them
         self.specs = SpecChecker(self.tokenizer, engine.vocab_size, settings.limits.timeout_grammar_compile)
         self.prompt_size = PromptSize(list(engine.tokenizer.get_vocab()), engine.config.max_model_len)
