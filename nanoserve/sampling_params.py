@@ -320,9 +320,8 @@ def _check_int(name: str, value: int, low: int, high: int) -> None:
 def _as_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> int:
     """value as a plain int (in [low, high] when given): an integral float becomes its int; a bool,
     another float or a non-number is refused."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    integral = isinstance(value, numbers.Integral) or isinstance(value, float) and value.is_integer()
+    if isinstance(value, bool) or not integral:
         raise InvalidSamplingParam(name, f"{name} must be an integer, got {value!r}")
     value = int(value)   # numpy's integers too
     if low is not None and high is not None:
