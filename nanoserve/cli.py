@@ -15,7 +15,7 @@ import sys
 
 from nanoserve import __version__
 from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, ENGINE_HEARTBEAT_S, KV_CACHE_DTYPES, LOG_FORMAT,
-                               MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES)
+                               MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES, SCHEDULING_POLICIES)
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
@@ -45,6 +45,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts over steps of --max-num-batched-tokens; off: a prompt runs in one "
                         "step (the default token budget then grows to --max-model-len)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                   help="fcfs: first come, first served; priority: by each request's 'priority' (lower first, then "
+                        "arrival), preempting running requests of a lower priority when a higher one finds no room")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: flash_attn when it imports (fp16/bf16 models, KV cache not fp8), else triton on CUDA, "
                         "torch on the CPU")
@@ -125,7 +128,8 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
         num_kvcache_blocks=args.num_kvcache_blocks, enable_prefix_caching=_prefix_caching(args),
-        enable_chunked_prefill=args.enable_chunked_prefill, trust_remote_code=args.trust_remote_code,
+        enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
+        trust_remote_code=args.trust_remote_code,
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
         prefill_cuda_graphs=args.prefill_cuda_graphs, async_scheduling=args.async_scheduling,
         load_format=args.load_format, seed=args.seed, max_grammar_bytes=args.max_grammar_bytes,

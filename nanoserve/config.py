@@ -11,7 +11,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanoserve.attention_support import attention_refusal
 from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, FP8_FLASH_ATTN_REFUSAL,  # noqa: F401 - re-exported
-                                KV_CACHE_DTYPES, MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES)
+                                KV_CACHE_DTYPES, MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES, SCHEDULING_POLICIES)
 from nanoserve.sampling_params import SEED_RANGE
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -48,6 +48,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    # vLLM's: "fcfs" serves in arrival order; "priority" by each request's priority (lower first),
+    # preempting running sequences of a lower one when a higher one finds no room
+    scheduling_policy: str = "fcfs"
     block_size: int | None = None
     num_kvcache_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -121,6 +124,8 @@ class EngineConfig:
                              f"max_num_batched_tokens ({self.max_num_batched_tokens}): every running "
                              f"sequence decodes a token each step; lower --max-num-seqs or raise "
                              f"--max-num-batched-tokens")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")

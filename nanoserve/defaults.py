@@ -10,6 +10,7 @@ import os
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "assets", "tiny-qwen3")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 KV_CACHE_DTYPES = ("auto", "fp8")  # vLLM's names: auto = the model's dtype, fp8 = e4m3
+SCHEDULING_POLICIES = ("fcfs", "priority")   # vLLM's names
 FP8_FLASH_ATTN_REFUSAL = ("kv_cache_dtype='fp8' needs the triton attention backend (torch on the CPU): the "
                           "flash_attn backend cannot read an fp8 KV cache; use --attention-backend triton (or "
                           "torch on the CPU) with --kv-cache-dtype fp8, or --kv-cache-dtype auto")

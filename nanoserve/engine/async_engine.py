@@ -34,7 +34,8 @@ from nanoserve.engine.messages import (AbortRequests, AddRequest, EngineDied, En
 from nanoserve.engine.outputs import RequestState
 from nanoserve.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream, RequestUpdate
 from nanoserve.engine.tokenizer import load_tokenizer
-from nanoserve.engine.validation import RequestRefused, check_params_token_ids, check_prompt, check_token_ids
+from nanoserve.engine.validation import (RequestRefused, check_params_token_ids, check_priority, check_prompt,
+                                         check_token_ids)
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -184,7 +185,7 @@ class AsyncEngine:
         check_token_ids(token_ids, self.vocab_size, what)
 
     def add_request(self, request_id: str, prompts: Sequence[list[int]], params: SamplingParams,
-                    keep_outputs: bool = True) -> RequestStream:
+                    keep_outputs: bool = True, priority: int = 0) -> RequestStream:
         """Check and queue one request of one or more prompts; iterate the stream for outputs.
 
         With `keep_outputs` false the stream's `outputs` keep only token counts: a caller that uses
@@ -194,13 +195,15 @@ class AsyncEngine:
         becomes n engine requests that fork from the first once its prompt is cached, sharing its
         KV blocks. Raises ValueError for a prompt that cannot be served, QueueFullError when too
         many sequences wait, EngineDeadError when the core is gone; nothing is queued then. The
-        ValueErrors are RequestRefused, which name the field to change.
+        ValueErrors are RequestRefused, which name the field to change. `priority` orders requests
+        under the engine's priority policy (lower first); it must be 0 under first come, first served.
         """
         if not self.healthy:
             raise self.error or EngineDeadError("The engine is not running yet")
         if not prompts:
             raise RequestRefused("The request has no prompt", "prompt")
         check_params_token_ids(params, self.vocab_size)
+        check_priority(priority, self.config.scheduling_policy)
         for prompt in prompts:
             check_prompt(prompt, params.max_tokens, self.config.max_model_len, self.vocab_size,
                          params.min_tokens)
@@ -214,7 +217,8 @@ class AsyncEngine:
         params = with_bad_words_token_ids(params, self.tokenizer)   # here, once, not per choice in the core
         try:  # encoded before anything is registered: a request the core cannot receive leaves no trace
             frame = input_encoder.encode(AddRequest(ids[::n], [list(p) for p in prompts], params,
-                                                    [ids[p * n + 1:(p + 1) * n] for p in range(len(prompts))]))
+                                                    [ids[p * n + 1:(p + 1) * n] for p in range(len(prompts))],
+                                                    priority))
         except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
             raise RequestRefused(f"The request cannot be passed to the engine: {exc}") from None
         states = [RequestState(self.tokenizer, prompts[c // n], params, c, keep=keep_outputs)

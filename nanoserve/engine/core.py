@@ -110,7 +110,7 @@ class EngineCore:
             if isinstance(message, AddRequest):
                 for request_id, prompt, fork_ids in zip(message.request_ids, message.prompts, message.fork_ids):
                     try:
-                        self.engine.add_request(request_id, prompt, message.params, fork_ids)
+                        self.engine.add_request(request_id, prompt, message.params, fork_ids, message.priority)
                     except ValueError as exc:  # this prompt alone is bad; the engine is fine
                         failed.append(RequestFailed([request_id, *fork_ids], str(exc)))
             elif isinstance(message, AbortRequests):

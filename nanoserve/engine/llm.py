@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.validation import check_params_token_ids, check_prompt
+from nanoserve.engine.validation import check_params_token_ids, check_priority, check_prompt
 from nanoserve.engine.outputs import CompletionOutput, PromptTokenLogprob, RequestState
 from nanoserve.sampling_params import SamplingParams
 
@@ -71,22 +71,28 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs keep the prompts' order."""
+                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs keep the prompts' order.
+
+        `priority`, one per prompt, orders them under `scheduling_policy="priority"` (lower first)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                        else [sampling_params or SamplingParams()] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"Got {len(priorities)} priorities for {len(prompts)} prompts")
         token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         # all checked before any is queued: a bad prompt leaves nothing behind
-        for ids, params in zip(token_ids, params_list):
+        for ids, params, rank in zip(token_ids, params_list, priorities):
             check_prompt(ids, None, self.engine.config.max_model_len, self.engine.vocab_size)
             check_params_token_ids(params, self.engine.vocab_size)
+            check_priority(rank, self.engine.config.scheduling_policy)
         results: list[RequestOutput] = []
         states: dict[str, tuple[RequestOutput, RequestState]] = {}
-        for prompt, ids, params in zip(prompts, token_ids, params_list):
+        for prompt, ids, params, rank in zip(prompts, token_ids, params_list, priorities):
             result = RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, ids)
             results.append(result)
             request_ids = [f"{result.request_id}-{index}" for index in range(params.n)]
@@ -94,7 +100,7 @@ class LLM:
                 state = RequestState(self.tokenizer, ids, params, index, streaming=False)
                 result.outputs.append(state.output)
                 states[request_id] = (result, state)
-            self.engine.add_request(request_ids[0], ids, params, fork_ids=request_ids[1:])
+            self.engine.add_request(request_ids[0], ids, params, fork_ids=request_ids[1:], priority=rank)
         bar = tqdm(total=len(states), desc="Generating", disable=not use_tqdm)
         try:
             while self._raise_failures(states) or self.engine.has_unfinished_requests():

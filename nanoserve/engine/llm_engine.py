@@ -59,7 +59,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, show_progress)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.scheduling_policy)
         self.vocab_size = config.hf_config.vocab_size
         self.sequences: dict[str, Sequence] = {}
         self.pending_forks: dict[str, list[str]] = {}  # request id -> siblings waiting for its prompt
@@ -78,24 +78,29 @@ class LLMEngine:
         self.grammar_state = GrammarStateGuard(config.max_grammar_state_bytes)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    fork_ids: list[str] | tuple[str, ...] = ()) -> None:
+                    fork_ids: list[str] | tuple[str, ...] = (), priority: int = 0) -> None:
         """Queue a request checked by `validation.check_prompt`; output stops at max_model_len if it must.
 
         `fork_ids` name sibling requests (n > 1) with the same prompt and params. They start once
         this request's prompt is in the KV cache, so they share its blocks instead of n prefills.
+        `priority` orders requests under the priority policy (lower first); first come first served
+        ignores it.
         """
         for rid in (request_id, *fork_ids):
             if rid in self.sequences or rid in self.pending_forks:
                 raise ValueError(f"Request id {rid!r} is already in use")
         if fork_ids:  # before queueing: a request that fails at once must take its forks with it
             self.pending_forks[request_id] = list(fork_ids)
-        self._enqueue(request_id, prompt_token_ids, params)
+        self._enqueue(request_id, prompt_token_ids, params, priority)
 
-    def _enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 front: bool = False) -> None:
+    def _enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+                 fork_of: Sequence | None = None) -> None:
         # the front end tokenized them already; an offline request's here, and its forks share them
         params = with_bad_words_token_ids(params, self.tokenizer)
-        seq = Sequence(request_id, prompt_token_ids, params, next(self._arrivals))
+        # a fork keeps its request's place: its arrival, and ahead of later requests
+        arrival = next(self._arrivals) if fork_of is None else fork_of.arrival
+        front = fork_of is not None
+        seq = Sequence(request_id, prompt_token_ids, params, arrival, priority)
         room = self.config.max_model_len - len(prompt_token_ids)
         seq.max_tokens = room if seq.max_tokens is None else min(seq.max_tokens, room)
         seq.stop_token_ids = frozenset(params.stop_token_ids) | (
@@ -110,10 +115,7 @@ class LLMEngine:
                 self.grammar_queue.add(seq, first=front)
                 return
             seq.grammar = self.grammars.matcher(compiled, seq.stop_token_ids)
-        if front:
-            self.scheduler.waiting.appendleft(seq)
-        else:
-            self.scheduler.add(seq)
+        self.scheduler.add(seq, first=front)
 
     @property
     def grammars(self) -> GrammarManager:
@@ -173,7 +175,7 @@ class LLMEngine:
                 # past the top of the seed range the offset wraps around to its bottom. Derived,
                 # not checked again per fork (up to 128 of them, in the engine's loop)
                 params = shared.derived(seed=fork_seed(shared.seed, index + 1))
-            self._enqueue(forks[index], parent.prompt_token_ids, params, front=True)
+            self._enqueue(forks[index], parent.prompt_token_ids, params, parent.priority, fork_of=parent)
 
     def abort_request(self, request_id: str) -> bool:
         """Forget a request and free its blocks at once; False if it is unknown or done."""

@@ -66,6 +66,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     prompts: list[list[int]]
     params: SamplingParams
     fork_ids: list[list[str]]
+    priority: int = 0   # under the priority policy, lower values are served first
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+def rank(seq: Sequence) -> tuple[int, int]:
+    """Under the priority policy, who goes first: the lower priority value, then the earlier arrival."""
+    return seq.priority, seq.arrival
 
 
 @dataclass
@@ -24,24 +33,37 @@ class ScheduledStep:
 class Scheduler:
     """Phase-free scheduling: a prefill is a sequence with many tokens to compute, a decode one
     with one. Long prompts are chunked to the budget, so decodes keep flowing beside them.
-    When blocks run out the newest running sequence is preempted and later recomputed."""
+    When blocks run out the newest running sequence is preempted and later recomputed.
+
+    Under the priority policy (vLLM's `--scheduling-policy priority`) both queues are kept in
+    `rank` order, so the same rules favour the lower priority value: it is admitted first, the
+    last in rank is preempted first, and a waiting sequence that outranks a running one by
+    priority preempts it when there is no room (no blocks, or `max_num_seqs` running)."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, policy: SchedulingPolicy = "fcfs") -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # oldest first
+        self.by_priority = policy == "priority"
+        # first come first: a deque; by priority: a list in rank order (a few thousand at most)
+        self.waiting: deque[Sequence] | list[Sequence] = [] if self.by_priority else deque()
+        self.running: list[Sequence] = []  # oldest first (by priority: in rank order)
         self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, first: bool = False) -> None:
+        """Queue a sequence; `first` puts it ahead of the others where arrival decides the order."""
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=rank)
+        elif first:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
@@ -55,10 +77,18 @@ class Scheduler:
                 step.num_new_tokens.append(n)
                 budget -= n
                 i += 1
-        # admitting while preempting would only thrash: the preempted go first next time
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-               and not step.num_preempted):
+        # admitting while running sequences had to be preempted would only thrash: they go first next time
+        starved = step.num_preempted > 0
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            outranks = self.by_priority and self.running and seq.priority < self.running[-1].priority
+            if (len(self.running) >= self.max_num_seqs or starved) and not outranks:
+                if seq.block_table:   # its prefix, held while it preempted lower ones that did not free enough
+                    self.block_manager.release(seq)
+                break
+            if len(self.running) >= self.max_num_seqs:
+                budget += self._preempt_last(step)
+                continue
             if not seq.block_table:
                 self.block_manager.admit(seq)
             n = seq.num_tokens - seq.num_computed_tokens
@@ -67,16 +97,37 @@ class Scheduler:
                 break
             n = min(n, budget)
             if not self.block_manager.allocate_slots(seq, n):
+                if outranks:   # its cached prefix stays held: the blocks freed are for the rest
+                    budget += self._preempt_last(step)
+                    continue
                 self.block_manager.release(seq)
                 break
-            self.waiting.popleft()
+            self._pop_waiting()
             self.block_manager.record_prefix_hit(seq)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            if self.by_priority:
+                bisect.insort(self.running, seq, key=rank)
+            else:
+                self.running.append(seq)
             step.seqs.append(seq)
             step.num_new_tokens.append(n)
             budget -= n
         return step
+
+    def _pop_waiting(self) -> Sequence:
+        return self.waiting.pop(0) if self.by_priority else self.waiting.popleft()
+
+    def _preempt_last(self, step: ScheduledStep) -> int:
+        """Preempt the last running sequence for a waiting one that outranks it; give back the
+        tokens of this step it held, if it was already scheduled."""
+        victim = self.running.pop()
+        self._preempt(victim)
+        step.num_preempted += 1
+        for i, seq in enumerate(step.seqs):
+            if seq is victim:
+                del step.seqs[i]
+                return step.num_new_tokens.pop(i)
+        return 0
 
     def _reserve(self, seq: Sequence, n: int, step: ScheduledStep) -> bool:
         """Find blocks for `n` tokens of `seq`, preempting the newest running sequences."""
@@ -93,7 +144,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.add(seq, first=True)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         # a sequence preempted while its last step was in flight finishes from the waiting queue

@@ -26,7 +26,7 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival: int = 0) -> None:
+                 arrival: int = 0, priority: int = 0) -> None:
         self.request_id = request_id
         self.seq_id = next(_seq_ids)   # unique in this process, unlike a client's request id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -34,6 +34,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.arrival = arrival
+        self.priority = priority   # under the priority policy, lower values are served first
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0

@@ -52,6 +52,20 @@ def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, max_mo
     check_token_ids(prompt_token_ids, vocab_size, "the prompt", "prompt")
 
 
+PRIORITY_RANGE = (-2**63, 2**63 - 1)   # what the engine's messages carry
+
+
+def check_priority(priority: int, policy: str) -> None:
+    """Raise RequestRefused for a priority the scheduling policy cannot honour (vLLM's rule: only 0
+    unless the policy is "priority") or one outside what the engine's messages carry."""
+    if priority != 0 and policy != "priority":
+        raise RequestRefused(f"Priority scheduling is not enabled: this server serves requests first come, first "
+                             f"served (--scheduling-policy {policy}), so 'priority' must be 0", "priority",
+                             "unsupported_parameter")
+    if not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+        raise RequestRefused(f"'priority' must be between {PRIORITY_RANGE[0]} and {PRIORITY_RANGE[1]}", "priority")
+
+
 def check_params_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """Raise RequestRefused for a logit_bias, stop_token_ids or allowed_token_ids id outside the
     vocabulary (the sampler indexes the logits by them), or for more allowed ids than it has."""

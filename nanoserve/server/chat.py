@@ -190,7 +190,7 @@ async def start_chat(request: Request, state: ServerState, req: ChatCompletionRe
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     check_continuation(req.continue_final_message, req.add_generation_prompt)
     req.check_stream_options()
-    req.check_priority()
+    req.check_priority(state.engine.config.scheduling_policy)
     req.check_prompt_logprobs()
     try:
         params = req.sampling_params(max_tokens(req), (req.top_logprobs or 0) if req.logprobs else None,
@@ -210,7 +210,7 @@ async def start_chat(request: Request, state: ServerState, req: ChatCompletionRe
     # that pass alone took 20-35 ms at 16,384 messages of parts, or as many tools
     chat = await off_the_loop_if_long(len(await request.body()), ChatCompletion, state, req, model, tools, client_id)
     try:
-        stream = await state.start(chat.engine_id, [chat.prompt], params, streamed=req.stream)
+        stream = await state.start(chat.engine_id, [chat.prompt], params, streamed=req.stream, priority=req.priority)
     except APIError as exc:
         if exc.param == "max_tokens" and req.max_completion_tokens is not None:
             exc.param = "max_completion_tokens"   # the field this request set

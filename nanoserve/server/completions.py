@@ -182,7 +182,7 @@ def ids_length(prompt: str | list) -> int:
     return sum(len(p) for p in prompt_list(prompt) if not isinstance(p, str))
 
 
-def refuse_unsupported(req: CompletionRequest) -> None:
+def refuse_unsupported(req: CompletionRequest, policy: str) -> None:
     if req.suffix:   # an empty suffix asks for nothing
         raise APIError("'suffix' is not supported by this server (no fill-in-the-middle)", param="suffix",
                        code="unsupported_parameter")
@@ -193,7 +193,7 @@ def refuse_unsupported(req: CompletionRequest) -> None:
         raise APIError("max_tokens must be at least 1; 0 is allowed with echo, which returns the prompt alone "
                        "(with its logprobs when logprobs is set)", param="max_tokens")
     req.check_stream_options()
-    req.check_priority()
+    req.check_priority(policy)
     req.check_prompt_logprobs()
 
 
@@ -218,7 +218,7 @@ async def create_completion(request: Request) -> Response:
     timer = state.metrics.timer()  # latencies count from arrival, tokenizing included
     req = await parse_body(request, CompletionRequest)
     model = state.model_name(req.model)
-    refuse_unsupported(req)
+    refuse_unsupported(req, state.engine.config.scheduling_policy)
     state.settings.limits.check_request(len(prompt_list(req.prompt)), req.n, req.stop, req.stop_token_ids)
     client_id = client_request_id(request.headers.get("x-request-id"), req.request_id)
     # preparing the prompts tokenizes their text and, for echo, decodes their ids (~4 characters each)
@@ -233,7 +233,8 @@ async def create_completion(request: Request) -> Response:
     except ValueError as exc:
         raise sampling_error(exc) from None
     params = await constrain(state.specs, params, requested_spec(req), request)
-    stream = await state.start(completion.engine_id, completion.prompts, params, streamed=req.stream)
+    stream = await state.start(completion.engine_id, completion.prompts, params, streamed=req.stream,
+                               priority=req.priority)
     state.budget.watch(request.scope, stream, completion.id)
     timer.request_id = completion.id
     timer.prompt(sum(completion.prompt_lens))

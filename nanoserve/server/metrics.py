@@ -55,7 +55,7 @@ class EngineCollector(Collector):
                                   s.prefix_queried_tokens)
         yield CounterMetricFamily("nanoserve:prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                   s.prefix_hit_tokens)
-        yield CounterMetricFamily("nanoserve:num_preemptions", "Sequences preempted for lack of KV blocks",
+        yield CounterMetricFamily("nanoserve:num_preemptions", "Sequences preempted: for lack of KV blocks, or by a higher priority",
                                   s.num_preemptions)
 
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, FailFast, Field, field_validator, model_validator
 
+from nanoserve.engine.validation import RequestRefused, check_priority
 from nanoserve.sampling_params import (MAX_CACHE_SALT_CHARS, MAX_INT, MAX_SPEC_DEPTH, MIN_REPETITION_PENALTY,
                                        SEED_RANGE, SamplingParams, json_depth)
 from nanoserve.server.errors import APIError
@@ -141,8 +142,8 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # vLLM's: keep only the last k prompt tokens
-    # vLLM's: a request's place in a priority scheduler; this one is first come, first served, so
-    # only 0 (the default) is served, as vLLM serves it without --scheduling-policy priority
+    # vLLM's: a request's place under --scheduling-policy priority (lower first); first come, first
+    # served takes only 0 (the default), as vLLM does
     priority: int = Field(0, ge=-MAX_INT - 1, le=MAX_INT)
     # vLLM's beam search: not offered here, so true is refused by name (checked with priority);
     # length_penalty weighs beams only, so without them it changes nothing, as in vLLM
@@ -201,11 +202,13 @@ class SamplingFields(Strict):
             bias[int(digits)] = value
         return bias
 
-    def check_priority(self) -> None:
-        """Scheduling and search settings this server does not offer: priorities and beam search."""
-        if self.priority != 0:   # vLLM's answer where its scheduler is first come, first served
-            raise APIError("Priority scheduling is not enabled: this server serves requests first come, first "
-                           "served, so 'priority' must be 0", param="priority", code="unsupported_parameter")
+    def check_priority(self, policy: str) -> None:
+        """Scheduling and search settings this server may not offer: a priority the scheduling policy
+        ignores, and beam search."""
+        try:
+            check_priority(self.priority, policy)
+        except RequestRefused as exc:
+            raise APIError(str(exc), param=exc.param, code=exc.code) from None
         if self.use_beam_search:
             raise APIError("Beam search is not offered by this server: leave use_beam_search false (n and "
                            "best_of give several sampled choices)", param="use_beam_search",

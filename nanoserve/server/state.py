@@ -96,7 +96,7 @@ class ServerState:
             raise refusal(exc) from None
 
     async def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                    streamed: bool = False) -> RequestStream:
+                    streamed: bool = False, priority: int = 0) -> RequestStream:
         """Queue the request, turning engine refusals into OpenAI errors. A `streamed` request's
         outputs keep only counts: each update is sent as it comes, and a slow reader's backlog
         should not hold its whole answer a second time."""
@@ -104,7 +104,7 @@ class ServerState:
         params = await off_the_loop_if_long(sum(map(len, params.bad_words)), with_bad_words_token_ids, params,
                                             self.tokenizer)
         try:
-            return self.engine.add_request(request_id, prompts, params, keep_outputs=not streamed)
+            return self.engine.add_request(request_id, prompts, params, keep_outputs=not streamed, priority=priority)
         except RequestRefused as exc:
             raise refusal(exc) from None
         except QueueFullError as exc:

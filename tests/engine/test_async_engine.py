@@ -195,8 +195,8 @@ def test_a_requests_prompts_reach_the_core_in_one_message_with_one_params(qwen3_
         engine = make_engine(qwen3_model)
         received = []
         add = engine._engine.add_request
-        engine._engine.add_request = lambda rid, prompt, params, forks=(): received.append(params) or add(
-            rid, prompt, params, forks)
+        engine._engine.add_request = lambda rid, prompt, params, forks=(), priority=0: received.append(params) or add(
+            rid, prompt, params, forks, priority)
         await engine.start()
         try:
             params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, n=2, logit_bias={5: 1.0})

@@ -193,6 +193,20 @@ def test_a_token_id_outside_the_vocabulary_is_refused_before_queueing(llm, field
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_priorities_need_the_priority_policy_and_leave_greedy_outputs_alone(llm, qwen3_model):
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    with pytest.raises(ValueError, match="--scheduling-policy fcfs"):
+        llm.generate(prompts, greedy(4), use_tqdm=False, priority=[0, 1, 0])
+    with pytest.raises(ValueError, match="3 prompts"):
+        llm.generate(prompts, greedy(4), use_tqdm=False, priority=[0, 1])
+    assert not llm.engine.has_unfinished_requests()
+    by_priority = LLM(qwen3_model, dtype="float32", device="cpu", max_model_len=128, max_num_seqs=1,
+                      scheduling_policy="priority")
+    ranked = [o.outputs[0].token_ids for o in by_priority.generate(prompts, greedy(4), use_tqdm=False,
+                                                                   priority=[3, -1, 2])]
+    assert ranked == tokens(llm, prompts, greedy(4))   # outputs keep the prompts' order
+
+
 def test_a_rejected_batch_leaves_nothing_queued(qwen3_model):
     llm = LLM(qwen3_model, dtype="float32", device="cpu", max_model_len=64)
     with pytest.raises(ValueError):

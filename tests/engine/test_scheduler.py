@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.scheduler import ScheduledStep, Scheduler
+from nanoserve.engine.scheduler import ScheduledStep, Scheduler, rank
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.sampling_params import SamplingParams
 
@@ -24,15 +24,17 @@ class FakeEngine:
     `kv[block][slot]` records which prefix the K/V written there belongs to."""
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True) -> None:
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 policy: str = "fcfs") -> None:
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
+        self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy)
         self.seqs: dict[str, Sequence] = {}
         self.finish_order: list[str] = []
         self.kv: dict[int, dict[int, int]] = collections.defaultdict(dict)
 
-    def add(self, request_id: str, prompt: list[int], max_tokens: int) -> Sequence:
-        seq = Sequence(request_id, prompt, SamplingParams(max_tokens=max_tokens), arrival=len(self.seqs))
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, priority: int = 0) -> Sequence:
+        seq = Sequence(request_id, prompt, SamplingParams(max_tokens=max_tokens), arrival=len(self.seqs),
+                       priority=priority)
         self.seqs[request_id] = seq
         self.sched.add(seq)
         return seq
@@ -166,6 +168,86 @@ def test_prefix_hits_are_counted_once_per_admission_not_per_attempt():
     assert eng.bm.prefix_queried_tokens == 9 + 10 + 15
 
 
+def ids(seqs) -> list[str]:
+    return [s.request_id for s in seqs]
+
+
+def test_priority_policy_admits_the_lower_priority_value_first_then_the_earlier_arrival():
+    eng = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=64, policy="priority")
+    for name, priority in (("a", 5), ("b", 0), ("c", 5), ("d", -3), ("e", 0)):
+        eng.add(name, [1, 2, 3], max_tokens=2, priority=priority)
+    assert ids(eng.sched.waiting) == ["d", "b", "e", "a", "c"]
+    eng.run()
+    assert eng.finish_order == ["d", "b", "e", "a", "c"]
+
+
+def test_first_come_first_served_ignores_priorities():
+    eng = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
+    for name, priority in (("a", 5), ("b", 0), ("c", -3)):
+        eng.add(name, [1, 2, 3], max_tokens=2, priority=priority)
+    eng.run()
+    assert eng.finish_order == ["a", "b", "c"]
+
+
+def test_a_waiting_request_of_higher_priority_preempts_the_last_running_one_when_seats_are_full():
+    eng = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, policy="priority")
+    low = eng.add("low", [1, 2, 3], max_tokens=20, priority=1)
+    mid = eng.add("mid", [4, 5, 6], max_tokens=20, priority=0)
+    eng.step()
+    urgent = eng.add("urgent", [7, 8, 9], max_tokens=2, priority=-1)
+    step = eng.step()
+    # low was scheduled for its decode, then gave its seat (and its step's token) to urgent
+    assert step.seqs == [mid, urgent] and step.num_new_tokens == [1, 3]
+    assert step.num_preempted == 1
+    assert low.status == SequenceStatus.WAITING and low.block_table == [] and low.num_preemptions == 1
+    assert ids(eng.sched.running) == ["urgent", "mid"]
+    eng.run()
+    assert eng.finish_order == ["urgent", "mid", "low"]
+    assert low.num_output_tokens == 20 and eng.bm.num_free_blocks == 64
+
+
+def test_an_equal_priority_never_preempts_for_admission():
+    eng = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=64, policy="priority")
+    first = eng.add("first", [1, 2, 3], max_tokens=5, priority=2)
+    eng.step()
+    eng.add("second", [4, 5, 6], max_tokens=5, priority=2)
+    for _ in range(3):
+        assert eng.step().seqs == [first]
+    eng.run()
+    assert eng.finish_order == ["first", "second"] and first.num_preemptions == 0
+
+
+def test_a_waiting_request_of_higher_priority_takes_the_blocks_of_lower_ones():
+    # 6 blocks of 4: two running requests of 2 blocks each, then one that needs 3
+    eng = FakeEngine(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, policy="priority")
+    a = eng.add("a", [1] * 7, max_tokens=9, priority=3)
+    b = eng.add("b", [2] * 7, max_tokens=9, priority=4)
+    eng.step()
+    assert eng.bm.num_free_blocks == 2
+    urgent = eng.add("urgent", [3] * 10, max_tokens=2, priority=0)
+    step = eng.step()
+    assert urgent in step.seqs and b not in step.seqs
+    assert b.status == SequenceStatus.WAITING and b.num_preemptions == 1 and a.num_preemptions == 0
+    eng.run()
+    assert eng.finish_order[0] == "urgent"
+    assert all(s.num_output_tokens == s.max_tokens for s in (a, b, urgent))
+    assert eng.bm.num_free_blocks == 6
+
+
+def test_when_blocks_run_out_the_last_in_priority_is_preempted_not_the_newest():
+    eng = FakeEngine(num_blocks=4, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, policy="priority")
+    old_low = eng.add("old_low", [1, 1, 1, 1], max_tokens=3, priority=9)   # 1 block, needs a 2nd
+    new_high = eng.add("new_high", [2, 2, 2, 2, 2], max_tokens=3, priority=0)   # 2 blocks
+    mid = eng.add("mid", [3, 3, 3], max_tokens=3, priority=1)   # 1 block: the cache is now full
+    eng.step()
+    step = eng.step()
+    assert step.num_preempted == 1 and old_low.num_preemptions == 1
+    assert step.seqs == [new_high, mid]
+    eng.run()
+    assert eng.finish_order == ["new_high", "mid", "old_low"]
+    assert eng.bm.num_free_blocks == eng.bm.num_blocks
+
+
 # --- property test: random add / step / abort sequences ---
 
 PREFIXES = [[], [1, 2, 3, 0, 1, 2, 3, 0, 1], [1, 2, 3, 0, 2, 2]]
@@ -175,6 +257,11 @@ add_op = st.tuples(st.just("add"), st.integers(0, len(PREFIXES) - 1),
 abort_op = st.tuples(st.just("abort"), st.integers(0, 30))
 ops_strategy = st.lists(st.one_of(add_op, add_op, st.just(("step",)), st.just(("step",)), abort_op),
                         min_size=10, max_size=40)
+
+
+# None: first come, first served; else the priority policy with these priorities, by request
+priorities_strategy = st.tuples(st.booleans(), st.lists(st.integers(-2, 2), min_size=40, max_size=40)).map(
+    lambda drawn: drawn[1] if drawn[0] else None)
 
 
 def check_invariants(eng: FakeEngine) -> None:
@@ -196,6 +283,9 @@ def check_invariants(eng: FakeEngine) -> None:
             assert kv[s.block_table[p // bm.block_size]][p % bm.block_size] == hash(tuple(s.token_ids[:p + 1]))
     for h, b in bm.cached.items():
         assert bm.block_hash[b] == h
+    if sched.by_priority:
+        assert list(sched.waiting) == sorted(sched.waiting, key=rank)
+        assert sched.running == sorted(sched.running, key=rank)
 
 
 def request_of(op: tuple, max_model_len: int) -> tuple[list[int], int]:
@@ -208,13 +298,15 @@ def request_of(op: tuple, max_model_len: int) -> tuple[list[int], int]:
 @settings(max_examples=200, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(num_blocks=st.integers(4, 8), block_size=st.sampled_from([2, 4]), max_num_seqs=st.integers(1, 4),
-       budget=st.integers(4, 24), prefix_caching=st.booleans(), chunked=st.booleans(), ops=ops_strategy)
+       budget=st.integers(4, 24), prefix_caching=st.booleans(), chunked=st.booleans(), ops=ops_strategy,
+       priorities=priorities_strategy)
 def test_random_add_step_abort_never_leaks_blocks_or_loses_requests(num_blocks, block_size, max_num_seqs,
-                                                                     budget, prefix_caching, chunked, ops):
+                                                                     budget, prefix_caching, chunked, ops, priorities):
     max_model_len = num_blocks * block_size  # the engine's config guarantees one sequence fits
     if not chunked:  # as EngineConfig demands: a whole prompt must fit in one step's budget
         budget = max(budget, max_model_len)
-    eng = FakeEngine(num_blocks, block_size, max_num_seqs, max(budget, max_num_seqs), prefix_caching, chunked)
+    eng = FakeEngine(num_blocks, block_size, max_num_seqs, max(budget, max_num_seqs), prefix_caching, chunked,
+                     "fcfs" if priorities is None else "priority")
     aborted: set[str] = set()
     total_tokens = 0
 
@@ -227,7 +319,7 @@ def test_random_add_step_abort_never_leaks_blocks_or_loses_requests(num_blocks, 
     for op in ops:
         if op[0] == "add":
             prompt, max_tokens = request_of(op, max_model_len)
-            eng.add(f"r{len(eng.seqs)}", prompt, max_tokens)
+            eng.add(f"r{len(eng.seqs)}", prompt, max_tokens, priorities[len(eng.seqs)] if priorities else 0)
             total_tokens += len(prompt) + max_tokens
         elif op[0] == "step":
             step()
@@ -297,15 +389,19 @@ def check_engine_invariants(engine) -> None:
     assert held == collections.Counter({b: r for b, r in enumerate(bm.ref_counts) if r > 0}), "a block leaked"
     for h, b in bm.cached.items():
         assert bm.block_hash[b] == h
+    if sched.by_priority:
+        assert list(sched.waiting) == sorted(sched.waiting, key=rank)
+        assert sched.running == sorted(sched.running, key=rank)
 
 
 @settings(max_examples=15, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(num_blocks=st.integers(4, 8), block_size=st.sampled_from([2, 4]), max_num_seqs=st.integers(1, 4),
        budget=st.integers(4, 24), prefix_caching=st.booleans(), chunked=st.booleans(),
-       async_scheduling=st.booleans(), forks=st.integers(0, 1), ops=ops_strategy)
+       async_scheduling=st.booleans(), forks=st.integers(0, 1), ops=ops_strategy, priorities=priorities_strategy)
 def test_random_add_step_abort_through_the_real_engine(qwen3_model, num_blocks, block_size, max_num_seqs, budget,
-                                                        prefix_caching, chunked, async_scheduling, forks, ops):
+                                                        prefix_caching, chunked, async_scheduling, forks, ops,
+                                                        priorities):
     """LLMEngine with a real (tiny, random) model: no leaked block, no lost request, and every
     request that ran to its end got the tokens it gets alone, preemptions and prefix hits or not."""
     from nanoserve.config import EngineConfig
@@ -317,7 +413,8 @@ def test_random_add_step_abort_through_the_real_engine(qwen3_model, num_blocks, 
     engine = LLMEngine(EngineConfig(
         model=qwen3_model, device="cpu", max_model_len=max_model_len, num_kvcache_blocks=num_blocks,
         block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(budget, max_num_seqs),
-        enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked, async_scheduling=async_scheduling))
+        enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked, async_scheduling=async_scheduling,
+        scheduling_policy="fcfs" if priorities is None else "priority"))
     requests: dict[str, tuple[list[int], int]] = {}
     outputs: dict[str, list[int]] = collections.defaultdict(list)
     finished: dict[str, str] = {}
@@ -338,7 +435,7 @@ def test_random_add_step_abort_through_the_real_engine(qwen3_model, num_blocks, 
             rid = f"r{len(requests)}"
             fork_ids = [f"{rid}-fork{i}" for i in range(forks)]
             engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                               fork_ids=fork_ids)
+                               fork_ids=fork_ids, priority=priorities[len(requests) % 40] if priorities else 0)
             for r in (rid, *fork_ids):
                 requests[r] = (prompt, max_tokens)
         elif op[0] == "step":
@@ -360,6 +457,7 @@ def test_random_add_step_abort_through_the_real_engine(qwen3_model, num_blocks, 
     event(f"preempted: {engine.scheduler.num_preemptions > 0}")
     event(f"prefix hits: {engine.block_manager.prefix_hit_tokens > 0}")
     event(f"aborted: {bool(aborted)}")
+    event(f"policy: {engine.config.scheduling_policy}")
     assert engine.sequences == {} and engine.pending_forks == {}
     assert engine.block_manager.num_free_blocks == num_blocks
     assert engine.block_manager.ref_counts == [0] * num_blocks
