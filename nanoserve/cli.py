@@ -62,6 +62,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="launch the next step before reading this one's sampled ids, overlapping host and "
                         "GPU (default: on for CUDA, off on the CPU)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    p.add_argument("--revision", default=None,
+                   help="the Hub repository's branch, tag or commit when the model is a repository id (default: main)")
+    p.add_argument("--download-dir", default=None,
+                   help="where a Hub repository's files are kept (default: the Hugging Face cache, $HF_HOME)")
+    p.add_argument("--hf-token", default=None,
+                   help="token for gated or private Hub repositories (default: $HF_TOKEN, or `hf auth login`'s)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run Python files of the model folder (a custom tokenizer or config)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -123,8 +129,10 @@ def _prefix_caching(args: argparse.Namespace) -> bool:
 
 def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
     """EngineConfig fields from the flags shared by `serve` and `generate`."""
+    if args.hf_token:   # the Hub's own variable: every download, the tokenizer's included, reads it
+        os.environ["HF_TOKEN"] = args.hf_token
     return dict(
-        model=model or DEFAULT_MODEL, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        model=model or DEFAULT_MODEL, revision=args.revision, download_dir=args.download_dir, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
         num_kvcache_blocks=args.num_kvcache_blocks, enable_prefix_caching=_prefix_caching(args),
@@ -157,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=HelpWithDefaults)
     serve.add_argument("model", nargs="?", default=None,
-                       help="Hugging Face model folder (default: the bundled tiny model)")
+                       help="Hugging Face model folder, or Hub repository id such as Qwen/Qwen3-0.6B "
+                            "(default: the bundled tiny model)")
     serve.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
                        help="the same as the MODEL argument, as vLLM's `serve --model` takes it")
     serve.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1: this machine only)")
@@ -218,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete one prompt offline and print the text",
                          formatter_class=HelpWithDefaults)
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="Hugging Face model folder (default: the bundled tiny model)")
+    gen.add_argument("--model", default=None,
+                     help="Hugging Face model folder or Hub repository id (default: the bundled tiny model)")
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     _engine_args(gen)
@@ -238,6 +248,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from nanoserve.server.connections import raise_open_file_limit
     from nanoserve.server.state import ServerSettings
     from nanoserve.server.tls import tls_files
+    from nanoserve.model_source import resolve_model
 
     if args.max_queue_len < 1:
         parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
@@ -251,19 +262,22 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if args.api_key is None and os.environ.get(name) == "":
             print(f"nanoserve: warning: {name} is set but empty: serving without an API key", file=sys.stderr)
     _check_seconds(args, parser)
-    try:
-        overrides = generation_overrides(args.override_generation_config)
-        # the model folder's defaults too: a bad value there would fail every request that leaves it out
-        sampling_defaults(args.model or args.model_flag or DEFAULT_MODEL, args.generation_config, overrides)
-        tls = tls_files(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
-    except ValueError as exc:
-        parser.error(str(exc))
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_PARSERS)})")
     if args.model_flag is not None:
         if args.model is not None and args.model != args.model_flag:
             parser.error(f"the model is given twice, as {args.model!r} and --model {args.model_flag!r}: give one")
         args.model = args.model_flag
+    try:
+        overrides = generation_overrides(args.override_generation_config)
+        tls = tls_files(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+        kwargs = _engine_kwargs(args, args.model)
+        # a Hub repository is fetched now (the flags above are checked first: a download takes minutes)
+        kwargs["model"] = resolve_model(kwargs["model"], args.revision, args.download_dir, args.trust_remote_code)
+        # the model folder's defaults too: a bad value there would fail every request that leaves it out
+        sampling_defaults(kwargs["model"], args.generation_config, overrides)
+    except ValueError as exc:
+        parser.error(str(exc))
     names = args.served_model_name or [args.model or os.path.basename(DEFAULT_MODEL)]
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                               allowed_origins=args.allowed_origins, chat_template=_chat_template(args.chat_template),
@@ -282,7 +296,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     raise_open_file_limit(settings.limits.max_connections)
     # on the CPU the front end (HTTP, tokenizing, SSE) keeps a core of its own beside the engine
     threads = cpu_compute_threads(args.tensor_parallel_size, reserved=1)
-    serve(EngineConfig(**_engine_kwargs(args, args.model), cpu_threads=threads), settings, args.host, args.port,
+    serve(EngineConfig(**kwargs, cpu_threads=threads), settings, args.host, args.port,
           args.max_queue_len, args.shutdown_timeout, args.log_level, tls, args.uvicorn_log_level)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +11,7 @@ from transformers import AutoConfig, PretrainedConfig
 from nanoserve.attention_support import attention_refusal
 from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, FP8_FLASH_ATTN_REFUSAL,  # noqa: F401 - re-exported
                                 KV_CACHE_DTYPES, MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES, SCHEDULING_POLICIES)
+from nanoserve.model_source import resolve_model
 from nanoserve.sampling_params import SEED_RANGE
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -38,7 +38,11 @@ def resolve_dtype(name: str | torch.dtype | None, hf_config: PretrainedConfig, d
 class EngineConfig:
     """Everything the engine and runner need to start. Unset values are derived in __post_init__."""
 
+    # a folder, or a Hugging Face Hub repository id (fetched at `revision` into the Hub's cache, or
+    # into `download_dir`; nanoserve/model_source.py), which becomes the snapshot's folder
     model: str = DEFAULT_MODEL
+    revision: str | None = None
+    download_dir: str | None = None
     tokenizer: str | None = None
     # let transformers run the model folder's own Python (a custom tokenizer or config class)
     trust_remote_code: bool = False
@@ -84,9 +88,7 @@ class EngineConfig:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         if self.model is None:
             set_("model", DEFAULT_MODEL)
-        if not os.path.isdir(self.model):
-            raise ValueError(f"Model folder {self.model!r} does not exist; pass a Hugging Face model "
-                             "folder (config.json, *.safetensors, tokenizer files) or nothing for the bundled model")
+        set_("model", resolve_model(self.model, self.revision, self.download_dir, self.trust_remote_code))
         if self.hf_config is None:
             set_("hf_config", AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code))
         set_("tokenizer", self.tokenizer or self.model)

@@ -232,15 +232,19 @@ class ServerProcess:
     """`python -m nanoserve.cli serve MODEL ...` on a free port, its output in a log file."""
 
     def __init__(self, model: str, log_dir: Path, *args: str, api_key: str | None = None,
-                 env: dict[str, str] | None = None, verify: ssl.SSLContext | bool = True) -> None:
-        """verify: what httpx checks the server's certificate by, when args make it serve HTTPS."""
+                 env: dict[str, str] | None = None, verify: ssl.SSLContext | bool = True,
+                 served_as: str | None = "tiny") -> None:
+        """verify: what httpx checks the server's certificate by, when args make it serve HTTPS;
+        served_as: the --served-model-name (None: the server's default)."""
         self.port = free_port()
         self.url = f"{'https' if '--ssl-certfile' in args else 'http'}://127.0.0.1:{self.port}"
         self.verify = verify
         self.api_key = api_key
         self.log_path = log_dir / f"server-{self.port}.log"
         cmd = [sys.executable, "-m", "nanoserve.cli", "serve", model, "--host", "127.0.0.1",
-               "--port", str(self.port), "--device", DEVICE, "--served-model-name", "tiny", *args]
+               "--port", str(self.port), "--device", DEVICE, *args]
+        if served_as is not None:
+            cmd += ["--served-model-name", served_as]
         if api_key:
             cmd += ["--api-key", api_key]
         extra_env = env or {}

@@ -1,0 +1,60 @@
+"""Where a model's files come from: a local folder, or a Hugging Face Hub repository fetched into the
+Hub's cache, as `vllm serve Qwen/Qwen3-0.6B` fetches it.
+
+Nothing here imports torch: `serve` resolves the model before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+# what the weight loader, the config and the tokenizer read; the .bin, .pth, GGUF and ONNX copies
+# of the weights that many repositories also hold are left on the Hub
+MODEL_FILE_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "tokenizer*")
+REMOTE_CODE_PATTERNS = ("*.py",)   # the repository's own classes, read only with trust_remote_code
+
+
+def resolve_model(name: str, revision: str | None = None, download_dir: str | None = None,
+                  trust_remote_code: bool = False) -> str:
+    """The local folder of model `name`: itself when it is a folder, else the snapshot of the Hub
+    repository `name` (at `revision`) in the Hub's cache, or in `download_dir`, downloaded when
+    missing. HF_TOKEN and HF_HUB_OFFLINE apply as the Hub's own tools read them.
+
+    Raises ValueError naming what to change when it is neither."""
+    if os.path.isdir(name):
+        return name
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    neither = (f"Model {name!r} is not a local folder, and not a Hugging Face Hub repository this machine can "
+               "fetch")
+    patterns = list(MODEL_FILE_PATTERNS) + (list(REMOTE_CODE_PATTERNS) if trust_remote_code else [])
+    logger.info("Fetching %s%s from the Hugging Face Hub (or its cache)", name, f" at {revision}" if revision else "")
+    try:
+        folder = snapshot_download(name, revision=revision, cache_dir=download_dir, allow_patterns=patterns)
+    except HFValidationError:
+        raise ValueError(f"Model folder {name!r} does not exist; pass a Hugging Face model folder (config.json, "
+                         "*.safetensors, tokenizer files), a Hub repository id such as Qwen/Qwen3-0.6B, or "
+                         "nothing for the bundled model") from None
+    except GatedRepoError:
+        raise ValueError(f"{neither}: the repository is gated. Accept its terms on huggingface.co, then pass "
+                         "--hf-token or set HF_TOKEN") from None
+    except RevisionNotFoundError:
+        raise ValueError(f"{neither}: it has no revision {revision!r} (--revision)") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"{neither}: no such repository, or it is private (pass --hf-token or set HF_TOKEN). "
+                         "For a local folder, check the path") from None
+    except LocalEntryNotFoundError:
+        raise ValueError(f"{neither}: it is not in the Hub's cache{f' ({download_dir})' if download_dir else ''} "
+                         "and the Hub cannot be reached (no network, or HF_HUB_OFFLINE is set)") from None
+    except OSError as exc:   # the Hub's HTTP errors, a full disk, a cache that cannot be written
+        raise ValueError(f"{neither}: {exc}") from None
+    if not glob.glob(os.path.join(folder, "*.safetensors")):
+        raise ValueError(f"The Hub repository {name!r} has no *.safetensors weights (nanoserve does not read "
+                         ".bin or GGUF checkpoints); convert it, or pick a repository that has them")
+    return folder
