@@ -7,15 +7,28 @@ Nothing here imports torch: `serve` resolves the model before anything heavy loa
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 
 logger = logging.getLogger(__name__)
 
-# what the weight loader, the config and the tokenizer read; the .bin, .pth, GGUF and ONNX copies
-# of the weights that many repositories also hold are left on the Hub
-MODEL_FILE_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "tokenizer*")
+# what the config and the tokenizer read; the weights come after, as weight_files says. The .bin,
+# .pth, GGUF and ONNX copies of the weights that many repositories also hold are left on the Hub
+MODEL_FILE_PATTERNS = ("*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken", "tokenizer*")
 REMOTE_CODE_PATTERNS = ("*.py",)   # the repository's own classes, read only with trust_remote_code
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def weight_files(folder: str) -> list[str]:
+    """The *.safetensors names of a model folder that hold its weights: those its index lists when
+    it has one (a repository may also keep another copy, as Mistral's consolidated.safetensors
+    beside its shards), else every one."""
+    index = os.path.join(folder, SAFETENSORS_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
 
 
 def resolve_model(name: str, revision: str | None = None, download_dir: str | None = None,
@@ -37,6 +50,10 @@ def resolve_model(name: str, revision: str | None = None, download_dir: str | No
     logger.info("Fetching %s%s from the Hugging Face Hub (or its cache)", name, f" at {revision}" if revision else "")
     try:
         folder = snapshot_download(name, revision=revision, cache_dir=download_dir, allow_patterns=patterns)
+        # then the weights: with an index, only the files it names, not a second copy beside them
+        indexed = os.path.isfile(os.path.join(folder, SAFETENSORS_INDEX))
+        folder = snapshot_download(name, revision=revision, cache_dir=download_dir,
+                                   allow_patterns=weight_files(folder) if indexed else ["*.safetensors"])
     except HFValidationError:
         raise ValueError(f"Model folder {name!r} does not exist; pass a Hugging Face model folder (config.json, "
                          "*.safetensors, tokenizer files), a Hub repository id such as Qwen/Qwen3-0.6B, or "
@@ -54,7 +71,7 @@ def resolve_model(name: str, revision: str | None = None, download_dir: str | No
                          "and the Hub cannot be reached (no network, or HF_HUB_OFFLINE is set)") from None
     except OSError as exc:   # the Hub's HTTP errors, a full disk, a cache that cannot be written
         raise ValueError(f"{neither}: {exc}") from None
-    if not glob.glob(os.path.join(folder, "*.safetensors")):
+    if not weight_files(folder):
         raise ValueError(f"The Hub repository {name!r} has no *.safetensors weights (nanoserve does not read "
                          ".bin or GGUF checkpoints); convert it, or pick a repository that has them")
     return folder

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import glob
 import os
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
+
+from nanoserve.model_source import weight_files
 
 # checkpoint names of an fp8 KV cache's per-layer scales, as vLLM reads them (ModelOpt puts them
 # under k_proj / v_proj; kv_scale is the older single scale for both) -> the Attention attributes
@@ -47,7 +48,7 @@ def load_weights(model: nn.Module, folder: str, packed_modules: dict[str, tuple[
                  show_progress: bool = False) -> None:
     """Copy every checkpoint tensor into its parameter; q/k/v and gate/up land in packed weights,
     KV-cache scales on their attention layer."""
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    files = [os.path.join(folder, name) for name in weight_files(folder)]
     if not files:
         raise ValueError(f"No *.safetensors files in {folder!r}")
     params = dict(model.named_parameters(remove_duplicate=False))

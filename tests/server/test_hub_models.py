@@ -11,17 +11,19 @@ import sys
 import pytest
 
 from tests.server.conftest import REPO, ServerProcess, openai_client
+from tests.runner.test_weight_files import sharded_copy
 from tests.server.fake_hub import FakeHub, folder_files
 
 REPO_ID = "acme/tiny-qwen3"
 
 
 @pytest.fixture(scope="module")
-def hub(server_model):
+def hub(server_model, tmp_path_factory):
     model = folder_files(server_model)
     # copies of the weights the server does not read: never fetched
     decoys = {"pytorch_model.bin": b"\0" * 4096, "model.gguf": b"\0" * 4096, "README.md": b"# tiny"}
-    repos = {REPO_ID: {**model, **decoys},
+    sharded = folder_files(sharded_copy(tmp_path_factory.mktemp("hub") / "sharded"))
+    repos = {REPO_ID: {**model, **decoys}, "acme/sharded": sharded,
              "acme/gated": model,
              "acme/bin-only": {"config.json": model["config.json"], "pytorch_model.bin": b"\0" * 64}}
     with FakeHub(repos, gated=("acme/gated",)) as running:
@@ -60,6 +62,18 @@ def test_a_hub_repository_is_fetched_served_under_its_id_and_served_again_offlin
     assert done.returncode == 0, done.stderr
     assert done.stdout.rstrip("\n") == expected
     assert hub.requests == [], "offline, the Hub was still asked"
+
+
+def test_a_sharded_repository_fetches_the_files_its_index_names_and_no_other_copy(hub, server, tmp_path):
+    expected = openai_client(server.url).completions.create(model="tiny", prompt="One, two,", max_tokens=6,
+                                                             temperature=0.0).choices[0].text
+    hub.requests.clear()
+    done = nanoserve("generate", "One, two,", "--model", "acme/sharded", "--download-dir", str(tmp_path / "cache"),
+                     "--max-tokens", "6", "--device", "cpu", env={"HF_ENDPOINT": hub.url})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.rstrip("\n") == expected
+    assert "model-00001-of-00001.safetensors" in hub.downloaded()
+    assert "consolidated.safetensors" not in hub.downloaded()
 
 
 @pytest.mark.parametrize("model, flags, env, refusal", [
