@@ -181,6 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "past that a request gets 503 with a Retry-After from the queue's drain rate")
     serve.add_argument("--allowed-origins", nargs="+", default=[],
                        help="enable CORS for these origins ('*' for any); off by default")
+    serve.add_argument("--allowed-methods", nargs="+", default=["*"], help="CORS: the methods browsers may use")
+    serve.add_argument("--allowed-headers", nargs="+", default=["*"], help="CORS: the headers browsers may send")
+    serve.add_argument("--allow-credentials", action="store_true",
+                       help="CORS: browsers may send cookies and Authorization to the allowed origins")
+    serve.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="no access line per request from uvicorn (nanoserve's own request lines stay)")
+    serve.add_argument("--enable-force-include-usage", action="store_true",
+                       help="every streamed response ends with its usage, as if stream_options.include_usage were set")
+    serve.add_argument("--enable-request-id-headers", action="store_true",
+                       help="every response carries X-Request-Id: the client's own header, else a new id")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds that requests in flight get to finish after SIGTERM")
     serve.add_argument("--chat-template", default=None,
@@ -280,7 +290,11 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(str(exc))
     names = args.served_model_name or [args.model or os.path.basename(DEFAULT_MODEL)]
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
-                              allowed_origins=args.allowed_origins, chat_template=_chat_template(args.chat_template),
+                              allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                              allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                              force_include_usage=args.enable_force_include_usage,
+                              request_id_headers=args.enable_request_id_headers,
+                              chat_template=_chat_template(args.chat_template),
                               log_requests=not args.disable_log_requests, log_stats=not args.disable_log_stats,
                               api_docs=not args.disable_fastapi_docs,
                               return_tokens_as_token_ids=args.return_tokens_as_token_ids,
@@ -297,7 +311,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     # on the CPU the front end (HTTP, tokenizing, SSE) keeps a core of its own beside the engine
     threads = cpu_compute_threads(args.tensor_parallel_size, reserved=1)
     serve(EngineConfig(**kwargs, cpu_threads=threads), settings, args.host, args.port,
-          args.max_queue_len, args.shutdown_timeout, args.log_level, tls, args.uvicorn_log_level)
+          args.max_queue_len, args.shutdown_timeout, args.log_level, tls, args.uvicorn_log_level,
+          not args.disable_uvicorn_access_log)
 
 
 def _check_seconds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

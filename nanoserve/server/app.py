@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable
 
 import anyio
@@ -17,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nanoserve import __version__
 from nanoserve.config import EngineConfig
@@ -52,6 +53,29 @@ class APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestIdHeaderMiddleware:
+    """vLLM's --enable-request-id-headers: every response carries X-Request-Id, the client's own
+    header when it sent one, else a new id, so that a client can quote it in a report."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((value for name, value in scope["headers"] if name == b"x-request-id"), None)
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class CanonicalPathMiddleware:
@@ -118,8 +142,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings,
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     if settings.allowed_origins:  # outside the key check, so it answers preflights without a key
-        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
-                           allow_headers=["*"], allow_credentials=False)
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                           allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,
+                           allow_credentials=settings.allow_credentials)
+    if settings.request_id_headers:   # outside the key check: a refusal carries its id too
+        app.add_middleware(RequestIdHeaderMiddleware)
     # outermost: the key check, the limits and the routes all see the path that is served
     app.add_middleware(CanonicalPathMiddleware)
     app.router.redirect_slashes = False   # no route answers with a redirect, whatever the path
@@ -209,14 +236,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(config: EngineConfig, settings: ServerSettings, host: str = "0.0.0.0", port: int = 8000,
           max_queue_len: int | None = None, shutdown_timeout: float = 30.0, log_level: str = "info",
-          tls: TLSFiles | None = None, uvicorn_log_level: str | None = None) -> None:
+          tls: TLSFiles | None = None, uvicorn_log_level: str | None = None, access_log: bool = True) -> None:
     """Serve until SIGINT/SIGTERM; exit non-zero if the engine died or the drain was cut short.
 
     The port is taken first; the engine core then loads the model in its own process while the
     port does not yet accept connections. On SIGTERM uvicorn stops accepting connections and
     waits up to `shutdown_timeout` seconds for requests in flight, streams included, to finish.
     `tls`: serve HTTPS with these files. `uvicorn_log_level`: uvicorn's own lines (access lines
-    included), log_level's by default.
+    included), log_level's by default; `access_log` false drops the access lines alone.
     """
     sock = bind_socket(host, port)
     engine = AsyncEngine(config, max_queue_len=max_queue_len, log_level=log_level.upper())
@@ -224,6 +251,7 @@ def serve(config: EngineConfig, settings: ServerSettings, host: str = "0.0.0.0",
                 config.model, settings.served_model_names, "https" if tls else "http", host, port, config.device,
                 str(config.dtype).removeprefix("torch."))
     uv_config = uvicorn.Config(None, host=host, port=port, log_level=uvicorn_log_level or log_level,
+                               access_log=access_log,
                                timeout_graceful_shutdown=shutdown_timeout, **uvicorn_options(settings.limits),
                                **(tls.uvicorn_options() if tls else {}))
     server = Server(uv_config, engine)

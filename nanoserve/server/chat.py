@@ -190,6 +190,8 @@ async def start_chat(request: Request, state: ServerState, req: ChatCompletionRe
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     check_continuation(req.continue_final_message, req.add_generation_prompt)
     req.check_stream_options()
+    if state.settings.force_include_usage:
+        req.force_usage()
     req.check_priority(state.engine.config.scheduling_policy)
     req.check_prompt_logprobs()
     try:

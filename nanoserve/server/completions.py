@@ -219,6 +219,8 @@ async def create_completion(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
     model = state.model_name(req.model)
     refuse_unsupported(req, state.engine.config.scheduling_policy)
+    if state.settings.force_include_usage:
+        req.force_usage()
     state.settings.limits.check_request(len(prompt_list(req.prompt)), req.n, req.stop, req.stop_token_ids)
     client_id = client_request_id(request.headers.get("x-request-id"), req.request_id)
     # preparing the prompts tokenizes their text and, for echo, decodes their ids (~4 characters each)

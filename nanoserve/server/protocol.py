@@ -236,6 +236,11 @@ class SamplingFields(Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def force_usage(self) -> None:
+        """A stream ends with its usage whatever the request asked (vLLM's --enable-force-include-usage)."""
+        if self.stream and not self.include_usage:
+            self.stream_options = (self.stream_options or StreamOptions()).model_copy(update={"include_usage": True})
+
     @property
     def continuous_usage(self) -> bool:
         return self.include_usage and self.stream_options.continuous_usage_stats

@@ -35,6 +35,11 @@ class ServerSettings:
     served_model_names: list[str]
     api_key: str | None = None
     allowed_origins: list[str] = field(default_factory=list)  # CORS: empty = off
+    allow_credentials: bool = False   # CORS: browsers may send cookies and Authorization
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])   # CORS
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])   # CORS
+    force_include_usage: bool = False   # every stream ends with its usage, asked for or not
+    request_id_headers: bool = False   # every response carries X-Request-Id (the client's, else a new one)
     log_requests: bool = True  # one log line per finished request
     log_stats: bool = True  # a line of engine statistics every 10 s while there is work
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" unless a request says

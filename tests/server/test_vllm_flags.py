@@ -1,6 +1,7 @@
 """Flags a vLLM command line brings along: HTTPS (--ssl-*), vLLM's spellings of prefix caching and
-chunked prefill, --trust-remote-code, --disable-log-stats, --uvicorn-log-level, --disable-fastapi-docs
-and --return-tokens-as-token-ids."""
+chunked prefill, --trust-remote-code, --disable-log-stats, --uvicorn-log-level, --disable-fastapi-docs,
+--return-tokens-as-token-ids, CORS's --allowed-methods/--allowed-headers/--allow-credentials,
+--enable-request-id-headers, --enable-force-include-usage and --disable-uvicorn-access-log."""
 
 from __future__ import annotations
 
@@ -202,3 +203,46 @@ def test_a_model_folder_whose_defaults_no_request_could_take_is_refused_at_start
     assert message in refusal and "--generation-config vllm" in refusal
     assert "--generation-config vllm" not in serve_refusal(monkeypatch, capsys, str(model), "--generation-config",
                                                            "vllm", "--port", "-1")   # ignored: the next check
+
+
+def test_cors_request_id_usage_and_access_log_flags(server_model, tmp_path):
+    origin = "https://app.example"
+    with ServerProcess(server_model, tmp_path, "--allowed-origins", origin, "--allow-credentials",
+                       "--allowed-methods", "GET", "POST", "--allowed-headers", "Authorization", "Content-Type",
+                       "--enable-request-id-headers", "--enable-force-include-usage",
+                       "--disable-uvicorn-access-log") as server:
+        # CORS: the preflight names what the flags allow, credentials included
+        preflight = httpx.options(f"{server.url}/v1/completions", timeout=10, headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "Authorization"})
+        assert preflight.status_code == 200, preflight.text
+        assert preflight.headers["access-control-allow-origin"] == origin
+        assert preflight.headers["access-control-allow-credentials"] == "true"
+        assert set(preflight.headers["access-control-allow-methods"].split(", ")) == {"GET", "POST"}
+        refused = httpx.options(f"{server.url}/v1/completions", timeout=10, headers={
+            "Origin": origin, "Access-Control-Request-Method": "DELETE"})
+        assert refused.status_code == 400
+
+        # X-Request-Id: the client's own, else a new one on each response, errors included
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+        given = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Request-Id": "trace-42"}, timeout=60)
+        assert given.status_code == 200 and given.headers["x-request-id"] == "trace-42"
+        fresh = [httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).headers["x-request-id"]
+                 for _ in range(2)]
+        assert fresh[0] != fresh[1] and all(len(i) == 32 for i in fresh)
+        bad = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": -1}, timeout=60)
+        assert bad.status_code == 400 and len(bad.headers["x-request-id"]) == 32
+        assert httpx.get(f"{server.url}/health", timeout=10).headers["x-request-id"]
+
+        # usage ends every stream, asked for or not; continuous usage still needs asking
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        chunks = list(client.completions.create(model="tiny", prompt="Hi", max_tokens=3, stream=True))
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+        assert all(c.usage is None for c in chunks[:-1])
+        chat = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=3, stream=True,
+                                                   stream_options={"include_usage": False}))
+        assert chat[-1].usage is not None and chat[-1].usage.completion_tokens == 3
+    log = server.log_path.read_text(errors="replace")
+    # uvicorn's access lines are gone, nanoserve's own line per request is not
+    assert '"POST /v1/completions HTTP/1.1" 200' not in log and "request cmpl-trace-42: " in log
