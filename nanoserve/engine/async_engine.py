@@ -185,7 +185,7 @@ class AsyncEngine:
         check_token_ids(token_ids, self.vocab_size, what)
 
     def add_request(self, request_id: str, prompts: Sequence[list[int]], params: SamplingParams,
-                    keep_outputs: bool = True, priority: int = 0) -> RequestStream:
+                    keep_outputs: bool = True, priority: int = 0, stream_interval: int = 1) -> RequestStream:
         """Check and queue one request of one or more prompts; iterate the stream for outputs.
 
         With `keep_outputs` false the stream's `outputs` keep only token counts: a caller that uses
@@ -197,6 +197,8 @@ class AsyncEngine:
         many sequences wait, EngineDeadError when the core is gone; nothing is queued then. The
         ValueErrors are RequestRefused, which name the field to change. `priority` orders requests
         under the engine's priority policy (lower first); it must be 0 under first come, first served.
+        `stream_interval`: the stream wakes its reader once a choice has this many new tokens (its
+        first and last come at once).
         """
         if not self.healthy:
             raise self.error or EngineDeadError("The engine is not running yet")
@@ -223,7 +225,7 @@ class AsyncEngine:
             raise RequestRefused(f"The request cannot be passed to the engine: {exc}") from None
         states = [RequestState(self.tokenizer, prompts[c // n], params, c, keep=keep_outputs)
                   for c in range(len(ids))]
-        stream = RequestStream(ids, states, self.abort)
+        stream = RequestStream(ids, states, self.abort, stream_interval)
         for rid in ids:
             self._streams[rid] = stream
         self._send_frame(frame)

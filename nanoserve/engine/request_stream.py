@@ -84,8 +84,11 @@ class RequestStream:
     """
 
     def __init__(self, request_ids: list[str], states: list[RequestState],
-                 abort: Callable[[list[str]], None]) -> None:
+                 abort: Callable[[list[str]], None], interval: int = 1) -> None:
         self.request_ids = request_ids
+        # wake the reader once a choice has this many new tokens (vLLM's --stream-interval): its first
+        # and its last update come at once whatever it is, so neither TTFT nor the end waits
+        self.interval = interval
         self._states = dict(zip(request_ids, states))
         self._unfinished = set(request_ids)
         self._abort = abort
@@ -106,7 +109,10 @@ class RequestStream:
     async def _updates(self) -> AsyncIterator[RequestUpdate]:
         try:
             while True:
-                if self._pending:
+                # pending updates wait for on_step's wake-up (a choice's interval of tokens), unless the
+                # stream is over: the last ones are read whatever they hold
+                if self._pending and (self._wakeup.is_set() or self._error is not None or not self._unfinished):
+                    self._wakeup.clear()
                     pending, self._pending = self._pending, {}
                     self.pending_bytes = 0
                     for update in pending.values():
@@ -144,7 +150,10 @@ class RequestStream:
             self._pending[out.index] = update
         else:
             earlier.merge(update)
-        self._wakeup.set()
+            update = earlier
+        if (self.interval == 1 or out.finished or len(update.token_ids) >= self.interval
+                or len(update.token_ids) == out.num_tokens):   # its first tokens: not held for TTFT
+            self._wakeup.set()
         if out.finished:
             self._unfinished.discard(step.request_id)
         return out.finished

@@ -39,6 +39,7 @@ class ServerSettings:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])   # CORS
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])   # CORS
     force_include_usage: bool = False   # every stream ends with its usage, asked for or not
+    stream_interval: int = 1   # tokens a streamed choice gathers before an event (first and last at once)
     request_id_headers: bool = False   # every response carries X-Request-Id (the client's, else a new one)
     log_requests: bool = True  # one log line per finished request
     log_stats: bool = True  # a line of engine statistics every 10 s while there is work
@@ -109,7 +110,8 @@ class ServerState:
         params = await off_the_loop_if_long(sum(map(len, params.bad_words)), with_bad_words_token_ids, params,
                                             self.tokenizer)
         try:
-            return self.engine.add_request(request_id, prompts, params, keep_outputs=not streamed, priority=priority)
+            return self.engine.add_request(request_id, prompts, params, keep_outputs=not streamed, priority=priority,
+                                           stream_interval=self.settings.stream_interval if streamed else 1)
         except RequestRefused as exc:
             raise refusal(exc) from None
         except QueueFullError as exc:

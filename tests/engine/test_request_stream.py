@@ -75,3 +75,35 @@ def test_dropping_a_backlog_and_failing_the_stream_aborts_what_still_runs(tokeni
     assert stream.pending_bytes == 0 and aborted == ["r"] and stream.engine_done
     with pytest.raises(RuntimeError, match="too slow"):
         asyncio.run(read_all(stream))
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_a_reader_gets_the_first_token_alone_then_an_update_per_interval(tokenizer, interval):
+    ids = tokenizer.encode(TEXT)
+    assert len(ids) > 3 * interval + 1
+
+    async def keep_up() -> list:
+        stream = RequestStream(["r"], [RequestState(tokenizer, [1, 2], SamplingParams(max_tokens=64), keep=False)],
+                               lambda ids: None, interval)
+        async def read_slowly() -> list:   # each update takes the reader a while to send
+            updates = []
+            async for update in stream:
+                updates.append(update)
+                for _ in range(3):
+                    await asyncio.sleep(0)
+            return updates
+
+        reader = asyncio.ensure_future(read_slowly())
+        for i, token in enumerate(ids):
+            stream.on_step(step(token, i == len(ids) - 1, None))
+            await asyncio.sleep(0)   # the reader runs between steps, as the front end's loop lets it
+            await asyncio.sleep(0)
+        return await reader
+
+    updates = asyncio.run(keep_up())
+    sizes = [len(u.token_ids) for u in updates]
+    assert sum(sizes) == len(ids) and "".join(u.text for u in updates) == TEXT
+    assert sizes[0] == 1   # the first token is never held: the time to it is the TTFT
+    # a reader busy sending gets what came meanwhile merged, never an update of fewer tokens
+    assert all(size >= interval for size in sizes[1:-1]) and len(updates) <= 2 + len(ids) // interval
+    assert updates[-1].finish_reason == "length"

@@ -1,7 +1,8 @@
 """Flags a vLLM command line brings along: HTTPS (--ssl-*), vLLM's spellings of prefix caching and
 chunked prefill, --trust-remote-code, --disable-log-stats, --uvicorn-log-level, --disable-fastapi-docs,
 --return-tokens-as-token-ids, CORS's --allowed-methods/--allowed-headers/--allow-credentials,
---enable-request-id-headers, --enable-force-include-usage and --disable-uvicorn-access-log."""
+--enable-request-id-headers, --enable-force-include-usage, --disable-uvicorn-access-log and
+--stream-interval."""
 
 from __future__ import annotations
 
@@ -205,12 +206,12 @@ def test_a_model_folder_whose_defaults_no_request_could_take_is_refused_at_start
                                                            "vllm", "--port", "-1")   # ignored: the next check
 
 
-def test_cors_request_id_usage_and_access_log_flags(server_model, tmp_path):
+def test_cors_request_id_usage_access_log_and_stream_interval_flags(server_model, tmp_path):
     origin = "https://app.example"
     with ServerProcess(server_model, tmp_path, "--allowed-origins", origin, "--allow-credentials",
                        "--allowed-methods", "GET", "POST", "--allowed-headers", "Authorization", "Content-Type",
                        "--enable-request-id-headers", "--enable-force-include-usage",
-                       "--disable-uvicorn-access-log") as server:
+                       "--disable-uvicorn-access-log", "--stream-interval", "4") as server:
         # CORS: the preflight names what the flags allow, credentials included
         preflight = httpx.options(f"{server.url}/v1/completions", timeout=10, headers={
             "Origin": origin, "Access-Control-Request-Method": "POST",
@@ -243,6 +244,14 @@ def test_cors_request_id_usage_and_access_log_flags(server_model, tmp_path):
                                                    max_tokens=3, stream=True,
                                                    stream_options={"include_usage": False}))
         assert chat[-1].usage is not None and chat[-1].usage.completion_tokens == 3
+
+        # --stream-interval 4: the first token at once, then events of at least 4 tokens
+        ask = dict(model="tiny", prompt="Once upon a time", max_tokens=23, temperature=0.0,
+                   extra_body={"ignore_eos": True, "return_token_ids": True})
+        events = [c for c in client.completions.create(**ask, stream=True) if c.choices]
+        sizes = [len(c.choices[0].token_ids) for c in events if c.choices[0].token_ids]
+        assert sizes[0] == 1 and sum(sizes) == 23 and all(size >= 4 for size in sizes[1:-1]), sizes
+        assert "".join(c.choices[0].text for c in events) == client.completions.create(**ask).choices[0].text
     log = server.log_path.read_text(errors="replace")
     # uvicorn's access lines are gone, nanoserve's own line per request is not
     assert '"POST /v1/completions HTTP/1.1" 200' not in log and "request cmpl-trace-42: " in log
