@@ -14,8 +14,8 @@ import os
 import sys
 
 from nanoserve import __version__
-from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, ENGINE_HEARTBEAT_S, KV_CACHE_DTYPES, LOG_FORMAT,
-                               MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES, SCHEDULING_POLICIES)
+from nanoserve.defaults import DEFAULT_MODEL, ENGINE_HEARTBEAT_S, LOG_FORMAT
+from nanoserve.engine_flags import add_engine_flags, engine_kwargs
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
@@ -28,59 +28,6 @@ class HelpWithDefaults(argparse.HelpFormatter):
         if action.default is False or action.default == []:
             return help_  # a switch that is off, or an empty list: nothing worth printing
         return f"{help_} (default: %(default)s)" if help_ else "(default: %(default)s)"
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", help="auto (the model's, float32 on the CPU), float32, float16, bfloat16")
-    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default: 8192 on CUDA, 2048 on the CPU)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block, a power of two (default: 256 on CUDA, 16 on the CPU)")
-    p.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="share KV blocks of equal prefixes (vLLM's spelling; on by default)")
-    p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of equal prefixes")
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="split long prompts over steps of --max-num-batched-tokens; off: a prompt runs in one "
-                        "step (the default token budget then grows to --max-model-len)")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
-                   help="fcfs: first come, first served; priority: by each request's 'priority' (lower first, then "
-                        "arrival), preempting running requests of a lower priority when a higher one finds no room")
-    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="auto: flash_attn when it imports (fp16/bf16 models, KV cache not fp8), else triton on CUDA, "
-                        "torch on the CPU")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="fp8: K/V stored as e4m3 (twice the tokens fit; scales from the checkpoint or 1.0)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="also replay prefill steps of up to 4 sequences from CUDA graphs, so a short prompt's "
-                        "time to first token is mostly GPU time (default: on where they can run: one GPU, "
-                        "CUDA graphs on, Triton attention)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch the next step before reading this one's sampled ids, overlapping host and "
-                        "GPU (default: on for CUDA, off on the CPU)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    p.add_argument("--revision", default=None,
-                   help="the Hub repository's branch, tag or commit when the model is a repository id (default: main)")
-    p.add_argument("--download-dir", default=None,
-                   help="where a Hub repository's files are kept (default: the Hugging Face cache, $HF_HOME)")
-    p.add_argument("--hf-token", default=None,
-                   help="token for gated or private Hub repositories (default: $HF_TOKEN, or `hf auth login`'s)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let transformers run Python files of the model folder (a custom tokenizer or config)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over this many GPUs (or CPU processes), one worker process each")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
-                   help="dummy: random weights, for benchmarks")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and of unseeded sampling")
-    p.add_argument("--max-grammar-bytes", type=int, default=MAX_GRAMMAR_BYTES,
-                   help="compiled grammars (structured outputs) that running and waiting requests may hold at "
-                        "once, by xgrammar's count of their size; a request whose grammar does not fit waits")
-    p.add_argument("--max-grammar-state-bytes", type=int, default=MAX_GRAMMAR_STATE_BYTES,
-                   help="what the engine may grow by while requests hold grammars (a matcher's state grows with "
-                        "every token); past it the structured-output requests that accepted the most tokens are ended")
 
 
 def _limit_args(p: argparse.ArgumentParser) -> None:
@@ -119,30 +66,6 @@ def _limits(args: argparse.Namespace):
 
     # each limit's flag has the field's name
     return ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
-
-
-def _prefix_caching(args: argparse.Namespace) -> bool:
-    if args.no_prefix_caching and args.enable_prefix_caching:
-        raise ValueError("--no-prefix-caching and --enable-prefix-caching contradict each other: give one")
-    return not args.no_prefix_caching and args.enable_prefix_caching is not False
-
-
-def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
-    """EngineConfig fields from the flags shared by `serve` and `generate`."""
-    if args.hf_token:   # the Hub's own variable: every download, the tokenizer's included, reads it
-        os.environ["HF_TOKEN"] = args.hf_token
-    return dict(
-        model=model or DEFAULT_MODEL, revision=args.revision, download_dir=args.download_dir, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
-        num_kvcache_blocks=args.num_kvcache_blocks, enable_prefix_caching=_prefix_caching(args),
-        enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
-        trust_remote_code=args.trust_remote_code,
-        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
-        prefill_cuda_graphs=args.prefill_cuda_graphs, async_scheduling=args.async_scheduling,
-        load_format=args.load_format, seed=args.seed, max_grammar_bytes=args.max_grammar_bytes,
-        max_grammar_state_bytes=args.max_grammar_state_bytes,
-        tensor_parallel_size=args.tensor_parallel_size, tokenizer=args.tokenizer)
 
 
 # where the key comes from when --api-key is not given, the first one set winning: a vLLM
@@ -235,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--uvicorn-log-level", default=None,
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="least severe of uvicorn's own lines, its access lines among them (default: --log-level)")
-    _engine_args(serve)
+    add_engine_flags(serve)
 
     gen = sub.add_parser("generate", help="complete one prompt offline and print the text",
                          formatter_class=HelpWithDefaults)
@@ -244,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Hugging Face model folder or Hub repository id (default: the bundled tiny model)")
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    _engine_args(gen)
+    add_engine_flags(gen)
 
     # no -h of its own: `bench throughput --help` belongs to the benchmark (`bench --help` is handled in main)
     bench = sub.add_parser("bench", help="run a benchmark: throughput (offline) or serving (HTTP load)",
@@ -286,7 +209,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
         overrides = generation_overrides(args.override_generation_config)
         tls = tls_files(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
-        kwargs = _engine_kwargs(args, args.model)
+        kwargs = engine_kwargs(args, args.model)
         # a Hub repository is fetched now (the flags above are checked first: a download takes minutes)
         kwargs["model"] = resolve_model(kwargs["model"], args.revision, args.download_dir, args.trust_remote_code)
         # the model folder's defaults too: a bad value there would fail every request that leaves it out
@@ -358,7 +281,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     # every flag is checked before the weights load: SamplingParams here, EngineConfig first thing in LLM
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    llm = LLM(**_engine_kwargs(args, args.model))
+    llm = LLM(**engine_kwargs(args, args.model))
     print(llm.generate(args.prompt, params, use_tqdm=False)[0].text)
 
 

@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.benchmarks.fp8_agreement import PROMPTS, greedy_agreement
-from nanoserve.cli import _engine_kwargs, build_parser
+from nanoserve.cli import build_parser
+from nanoserve.engine_flags import engine_kwargs
 from nanoserve.config import DEFAULT_MODEL, EngineConfig
 from nanoserve.runner.attention.fp8 import FP8_DTYPE
 
@@ -89,7 +90,7 @@ def test_config_names_the_kv_cache_dtypes_and_refuses_fp8_with_flash_attn() -> N
 def test_the_cli_flag_reaches_the_engine_config() -> None:
     parser = build_parser()
     args = parser.parse_args(["generate", "hi", "--kv-cache-dtype", "fp8"])
-    assert EngineConfig(**_engine_kwargs(args, None)).kv_cache_dtype == "fp8"
-    assert _engine_kwargs(parser.parse_args(["serve"]), None)["kv_cache_dtype"] == "auto"
+    assert EngineConfig(**engine_kwargs(args, None)).kv_cache_dtype == "fp8"
+    assert engine_kwargs(parser.parse_args(["serve"]), None)["kv_cache_dtype"] == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--kv-cache-dtype", "int8"])

@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from nanoserve.cli import _engine_kwargs, build_parser, main
+from nanoserve.cli import build_parser, main
+from nanoserve.engine_flags import engine_kwargs
 from nanoserve.config import DEFAULT_MODEL, EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.server.app import build_app
@@ -83,7 +84,7 @@ def test_an_encrypted_key_is_refused_instead_of_asking_for_its_password(capsys, 
 
 def _config(*flags: str) -> EngineConfig:
     args = build_parser().parse_args(["generate", "hi", "--device", "cpu", *flags])
-    return EngineConfig(**_engine_kwargs(args, None))
+    return EngineConfig(**engine_kwargs(args, None))
 
 
 def test_vllm_spellings_of_prefix_caching_and_chunked_prefill(capsys):
@@ -117,7 +118,7 @@ def test_trust_remote_code_lets_the_model_folder_bring_its_tokenizer_class(serve
     model = _model_with_its_own_tokenizer_code(tmp_path / "model", server_model)
     for flags, marked in (([], False), (["--trust-remote-code"], True)):
         args = build_parser().parse_args(["serve", model, "--device", "cpu", *flags])
-        engine = AsyncEngine(EngineConfig(**_engine_kwargs(args, args.model)))   # the server's tokenizer
+        engine = AsyncEngine(EngineConfig(**engine_kwargs(args, args.model)))   # the server's tokenizer
         assert getattr(engine.tokenizer, "marked", False) is marked
 
 
