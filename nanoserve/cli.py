@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--stream-interval", type=int, default=1,
                        help="tokens a streamed choice gathers before the server sends them in one event (its first "
                             "and last tokens go at once): fewer, larger events cost the server less under load")
+    serve.add_argument("--metrics-prefix", default="nanoserve", choices=["nanoserve", "vllm"],
+                       help="the prefix of every /metrics name: vllm names them as vLLM does (vllm:num_requests_waiting, "
+                            "vllm:kv_cache_usage_perc, ...) for autoscalers and routers that read vLLM's")
     serve.add_argument("--enable-request-id-headers", action="store_true",
                        help="every response carries X-Request-Id: the client's own header, else a new id")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -221,7 +224,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                               allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                               allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                               force_include_usage=args.enable_force_include_usage,
-                              stream_interval=args.stream_interval,
+                              stream_interval=args.stream_interval, metrics_prefix=args.metrics_prefix,
                               request_id_headers=args.enable_request_id_headers,
                               chat_template=_chat_template(args.chat_template),
                               log_requests=not args.disable_log_requests, log_stats=not args.disable_log_stats,

@@ -1,12 +1,15 @@
 """Prometheus metrics: engine gauges read at scrape time, request latencies measured as tokens stream out.
 
-Names follow vLLM's (`vllm:` becomes `nanoserve:`) so existing dashboards need only the prefix changed.
+Names follow vLLM's (`vllm:` becomes `nanoserve:`) so existing dashboards need only the prefix changed,
+or none: with `--metrics-prefix vllm` the server names them `vllm:` itself, for autoscalers and routers
+that read vLLM's gauges by name (num_requests_waiting, kv_cache_usage_perc).
 Each app has its own registry, so several servers can live in one process (tests).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 
@@ -22,6 +25,7 @@ logger = logging.getLogger("nanoserve.requests")
 disable_created_metrics()
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_NAME = re.compile(rb"^((?:# (?:HELP|TYPE) )?)nanoserve:", re.MULTILINE)
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0)
 
@@ -63,8 +67,9 @@ class ServerMetrics:
     """The registry of one server and the request-level metrics it records, once per request."""
 
     def __init__(self, stats: Callable[[], EngineStats], log_requests: bool = True,
-                 alive: Callable[[], bool] = lambda: True) -> None:
+                 alive: Callable[[], bool] = lambda: True, prefix: str = "nanoserve") -> None:
         self.log_requests = log_requests  # one log line per finished request
+        self.prefix = prefix
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(stats, alive))
         r = self.registry
@@ -81,7 +86,11 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        if self.prefix == "nanoserve":
+            return text
+        # names only: a sample line starts with its name, HELP and TYPE lines name it second
+        return _NAME.sub(rb"\1" + self.prefix.encode() + b":", text)
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self)

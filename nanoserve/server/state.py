@@ -40,6 +40,7 @@ class ServerSettings:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])   # CORS
     force_include_usage: bool = False   # every stream ends with its usage, asked for or not
     stream_interval: int = 1   # tokens a streamed choice gathers before an event (first and last at once)
+    metrics_prefix: str = "nanoserve"   # of every /metrics name: "nanoserve" or vLLM's "vllm"
     request_id_headers: bool = False   # every response carries X-Request-Id (the client's, else a new one)
     log_requests: bool = True  # one log line per finished request
     log_stats: bool = True  # a line of engine statistics every 10 s while there is work
@@ -72,7 +73,8 @@ class ServerState:
         # structured-output specs, checked here before the engine sees them
         self.specs = SpecChecker(self.tokenizer, engine.vocab_size, settings.limits.timeout_grammar_compile)
         self.prompt_size = PromptSize(list(engine.tokenizer.get_vocab()), engine.config.max_model_len)
-        self.metrics = ServerMetrics(lambda: engine.stats, settings.log_requests, lambda: engine.error is None)
+        self.metrics = ServerMetrics(lambda: engine.stats, settings.log_requests, lambda: engine.error is None,
+                                     settings.metrics_prefix)
         self.budget = OutputBudget(int(settings.limits.max_undelivered_mb * MiB))
         self.metrics.registry.register(BudgetCollector(self.budget))
         self.created = int(time.time())

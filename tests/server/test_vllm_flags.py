@@ -1,8 +1,8 @@
 """Flags a vLLM command line brings along: HTTPS (--ssl-*), vLLM's spellings of prefix caching and
 chunked prefill, --trust-remote-code, --disable-log-stats, --uvicorn-log-level, --disable-fastapi-docs,
 --return-tokens-as-token-ids, CORS's --allowed-methods/--allowed-headers/--allow-credentials,
---enable-request-id-headers, --enable-force-include-usage, --disable-uvicorn-access-log and
---stream-interval."""
+--enable-request-id-headers, --enable-force-include-usage, --disable-uvicorn-access-log,
+--stream-interval and --metrics-prefix vllm."""
 
 from __future__ import annotations
 
@@ -207,12 +207,12 @@ def test_a_model_folder_whose_defaults_no_request_could_take_is_refused_at_start
                                                            "vllm", "--port", "-1")   # ignored: the next check
 
 
-def test_cors_request_id_usage_access_log_and_stream_interval_flags(server_model, tmp_path):
+def test_cors_request_id_usage_access_log_stream_interval_and_metrics_flags(server_model, tmp_path):
     origin = "https://app.example"
     with ServerProcess(server_model, tmp_path, "--allowed-origins", origin, "--allow-credentials",
                        "--allowed-methods", "GET", "POST", "--allowed-headers", "Authorization", "Content-Type",
                        "--enable-request-id-headers", "--enable-force-include-usage",
-                       "--disable-uvicorn-access-log", "--stream-interval", "4") as server:
+                       "--disable-uvicorn-access-log", "--stream-interval", "4", "--metrics-prefix", "vllm") as server:
         # CORS: the preflight names what the flags allow, credentials included
         preflight = httpx.options(f"{server.url}/v1/completions", timeout=10, headers={
             "Origin": origin, "Access-Control-Request-Method": "POST",
@@ -253,6 +253,14 @@ def test_cors_request_id_usage_access_log_and_stream_interval_flags(server_model
         sizes = [len(c.choices[0].token_ids) for c in events if c.choices[0].token_ids]
         assert sizes[0] == 1 and sum(sizes) == 23 and all(size >= 4 for size in sizes[1:-1]), sizes
         assert "".join(c.choices[0].text for c in events) == client.completions.create(**ask).choices[0].text
+
+        # /metrics under vLLM's names, as autoscalers and routers read them
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        for line in ("# TYPE vllm:num_requests_waiting gauge", "vllm:num_requests_running 0.0",
+                     "vllm:kv_cache_usage_perc ", 'vllm:request_success_total{finished_reason="length"}',
+                     "vllm:time_to_first_token_seconds_bucket{"):
+            assert line in metrics, line
+        assert "nanoserve:" not in metrics
     log = server.log_path.read_text(errors="replace")
     # uvicorn's access lines are gone, nanoserve's own line per request is not
     assert '"POST /v1/completions HTTP/1.1" 200' not in log and "request cmpl-trace-42: " in log
