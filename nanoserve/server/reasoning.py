@@ -31,11 +31,13 @@ class Qwen3ReasoningParser:
     def parse(self, text: str, final: bool) -> tuple[str | None, str]:
         """(reasoning or None, content)."""
         body = text.lstrip()
+        if not final and len(body) < len(self.START) and self.START.startswith(body):
+            # may yet open with <think>, which is no reasoning of its own even where the prompt opened
+            # one: a "<th" read as reasoning now would not be a prefix of the reasoning once "ink>" came
+            return None, ""
         if self.opened_in_prompt and not body.startswith(self.START):
             body = self.START + body
         if not body.startswith(self.START):
-            if not final and self.START.startswith(body):
-                return None, ""  # may yet open with <think>
             return None, text
         inner = body[len(self.START):]
         end = inner.find(self.END)
@@ -69,12 +71,16 @@ class Qwen3ReasoningStream:
             self.decided = not self.START.startswith(opening) or opening == self.START
             if opening == self.START:
                 self.inner = self.lead + len(self.START)
+            elif not (self.decided or final):
+                # may yet open with <think>, which is no reasoning of its own, even where the prompt
+                # opened one: a "<th" sent as reasoning could not be taken back once "ink>" came
+                return None, None
             elif self.opened:   # the prompt opened it: the output starts inside it
                 self.inner = self.lead
             elif self.decided:
                 self.answer = True
             else:
-                return None, (0 if final else None)   # may yet open with <think>
+                return None, 0   # it ends without opening: all of it is the answer
         if self.answer:
             return None, 0
         k = len(text)

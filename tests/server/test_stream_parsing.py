@@ -223,18 +223,19 @@ def call_text(parser: str, calls: list[tuple[str, dict]]) -> str:
 @given(thought=st.one_of(st.none(), st.text(max_size=40)), answer=st.text(max_size=40),
        calls=st.lists(st.tuples(st.text(min_size=1, max_size=8), st.dictionaries(st.text(max_size=5), st.one_of(
            st.text(max_size=30), st.integers(), st.lists(st.text(max_size=5), max_size=3)), max_size=3)), max_size=3),
-       sizes=cuts)
-def test_streamed_deltas_add_up_to_the_whole_message(parser, thought, answer, calls, sizes):
+       sizes=cuts, opened=st.booleans())
+def test_streamed_deltas_add_up_to_the_whole_message(parser, thought, answer, calls, sizes, opened):
     """Well-formed outputs: reasoning, content, calls in the parser's format (strings that hold
-    quotes, brackets, escapes and tags among them)."""
+    quotes, brackets, escapes and tags among them). `opened`: the prompt left a <think> open, and
+    the output may open its own all the same (streamed, a "<th" was sent as reasoning)."""
     marker = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{"}[parser]
     if thought is not None and "</think>" in thought or marker in answer or parser == "llama3_json" and calls:
         answer = ""   # llama3_json: a reply is calls or content, never both
     thinking = "" if thought is None else f"<think>{thought}</think>"
     text = thinking + answer + (call_text(parser, calls) if calls else "")
     plan = lambda: ToolPlan("auto", TOOL_PARSERS[parser]())  # noqa: E731
-    message, _ = ChoiceReader(plan(), Qwen3ReasoningParser()).message(text, "stop")
-    reader = ChoiceReader(plan(), Qwen3ReasoningParser())
+    message, _ = ChoiceReader(plan(), Qwen3ReasoningParser(opened)).message(text, "stop")
+    reader = ChoiceReader(plan(), Qwen3ReasoningParser(opened))
     updates = pieces(text, sizes)
     deltas = [reader.delta(p, "stop" if i == len(updates) - 1 else None)[0] for i, p in enumerate(updates)]
     assert "".join(d.get("content", "") for d in deltas) == (message["content"] or "")

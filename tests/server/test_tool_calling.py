@@ -246,6 +246,22 @@ def test_a_think_tag_the_user_writes_does_not_make_the_answer_reasoning(client, 
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_output_that_opens_the_think_the_prompt_left_open_is_split_alike_whole_and_streamed(client, stream):
+    # streamed, the tag's first characters went out as reasoning before it was known to be the
+    # tag, and the reasoning after it came back short by as many: "<think I think." for "Paris, I think."
+    body = dict(model="tiny", messages=[*MESSAGES, {"role": "assistant", "content": "<think>\n"}], max_tokens=60,
+                temperature=0, stream=stream, extra_body={
+                    "guided_regex": r"<think>Paris, I think\.</think>Paris", "add_generation_prompt": False,
+                    "continue_final_message": True})
+    if stream:
+        content, _, _, reasoning = streamed_message(client.chat.completions.create(**body))
+    else:
+        message = client.chat.completions.create(**body).choices[0].message
+        content, reasoning = message.content, message.model_extra.get("reasoning")
+    assert (reasoning, content) == ("Paris, I think.", "Paris")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_include_reasoning_false_drops_the_reasoning_and_keeps_the_answer(client, stream):
     body = dict(model="tiny", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=stream,
                 extra_body={"guided_regex": r"<think>[a-z ]{5,30}</think>[a-z ]{3,20}", "include_reasoning": False})
