@@ -210,29 +210,36 @@ def test_hundreds_of_nested_hermes_blocks_stream_what_the_whole_parse_sends(seed
     assert len(streamed.ids) <= base.MAX_TOOL_CALLS
 
 
-def call_text(parser: str, calls: list[tuple[str, dict]]) -> str:
+def call_text(parser: str, calls: list[tuple[str, dict]], arguments_first: bool = False) -> str:
+    """The calls in the parser's format; `arguments_first`: each object's arguments before its name."""
+    key = "parameters" if parser == "llama3_json" else "arguments"
+    objects = [{key: a, "name": n} if arguments_first else {"name": n, key: a} for n, a in calls]
     if parser == "hermes":
-        return "".join(f'<tool_call>\n{json.dumps({"name": n, "arguments": a})}\n</tool_call>\n' for n, a in calls)
+        return "".join(f'<tool_call>\n{json.dumps(o)}\n</tool_call>\n' for o in objects)
     if parser == "mistral":
-        return "[TOOL_CALLS] " + json.dumps([{"name": n, "arguments": a} for n, a in calls])
-    return "<|python_tag|>" + "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls[:1])
+        return "[TOOL_CALLS] " + json.dumps(objects)
+    return "<|python_tag|>" + "; ".join(json.dumps(o) for o in objects[:1])
 
 
 @pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
 @SETTINGS
 @given(thought=st.one_of(st.none(), st.text(max_size=40)), answer=st.text(max_size=40),
-       calls=st.lists(st.tuples(st.text(min_size=1, max_size=8), st.dictionaries(st.text(max_size=5), st.one_of(
-           st.text(max_size=30), st.integers(), st.lists(st.text(max_size=5), max_size=3)), max_size=3)), max_size=3),
-       sizes=cuts, opened=st.booleans())
-def test_streamed_deltas_add_up_to_the_whole_message(parser, thought, answer, calls, sizes, opened):
+       calls=st.lists(st.tuples(st.text(min_size=1, max_size=8), st.dictionaries(
+           st.one_of(st.just("name"), st.text(max_size=5)),
+           st.one_of(st.text(max_size=30), st.integers(), st.lists(st.text(max_size=5), max_size=3)), max_size=3)),
+           max_size=3),
+       sizes=cuts, opened=st.booleans(), arguments_first=st.booleans())
+def test_streamed_deltas_add_up_to_the_whole_message(parser, thought, answer, calls, sizes, opened, arguments_first):
     """Well-formed outputs: reasoning, content, calls in the parser's format (strings that hold
     quotes, brackets, escapes and tags among them). `opened`: the prompt left a <think> open, and
-    the output may open its own all the same (streamed, a "<th" was sent as reasoning)."""
+    the output may open its own all the same (streamed, a "<th" was sent as reasoning).
+    `arguments_first`: a call's arguments, which may have a "name" of their own, before its name
+    (streamed, that "name" was taken for the function's)."""
     marker = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{"}[parser]
     if thought is not None and "</think>" in thought or marker in answer or parser == "llama3_json" and calls:
         answer = ""   # llama3_json: a reply is calls or content, never both
     thinking = "" if thought is None else f"<think>{thought}</think>"
-    text = thinking + answer + (call_text(parser, calls) if calls else "")
+    text = thinking + answer + (call_text(parser, calls, arguments_first) if calls else "")
     plan = lambda: ToolPlan("auto", TOOL_PARSERS[parser]())  # noqa: E731
     message, _ = ChoiceReader(plan(), Qwen3ReasoningParser(opened)).message(text, "stop")
     reader = ChoiceReader(plan(), Qwen3ReasoningParser(opened))

@@ -188,6 +188,37 @@ def test_a_call_object_that_names_no_function_leaves_the_output_content_whole_an
     assert (content, calls, finish) == (message.content, [], whole.choices[0].finish_reason)
 
 
+def call_of(client, regex: str, stream: bool) -> tuple[str | None, list[tuple[str, str]], str | None]:
+    """(content, [(name, arguments)], finish reason) of the call `regex` makes the model write."""
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=0,
+                  extra_body={"guided_regex": regex, "chat_template_kwargs": {"enable_thinking": False}})
+    if stream:
+        content, calls, finish, _ = streamed_message(client.chat.completions.create(**kwargs, stream=True))
+        return content or None, [(c["name"], c["arguments"]) for c in calls], finish
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    return choice.message.content, calls, choice.finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_call_that_writes_its_arguments_before_its_name_names_its_function(client, stream):
+    # streamed, the first "name" key was taken for the call's, though it was an argument's: a
+    # call of "Lyon" (the arguments' name) went out, where the whole message said GetWeather
+    regex = (r'<tool_call>\n\{"arguments": \{"name": "Lyon", "city": "Paris", "unit": "celsius"\}, '
+             r'"name": "GetWeather"\}\n</tool_call>')
+    assert call_of(client, regex, stream) == (
+        None, [("GetWeather", '{"name": "Lyon", "city": "Paris", "unit": "celsius"}')], "tool_calls")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_call_whose_name_is_no_string_is_content_not_a_call(client, stream):
+    # the object's name went through str(): a call of the function "{'city': 'Paris'}" (or "5"),
+    # where vLLM, which reads no such call, answers with the text as content
+    text = '<tool_call>\n{"name": {"city": "Paris"}, "arguments": {}}\n</tool_call>'
+    regex = r'<tool_call>\n\{"name": \{"city": "Paris"\}, "arguments": \{\}\}\n</tool_call>'
+    assert call_of(client, regex, stream) == (text, [], "stop")
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_call_whose_name_escapes_a_lone_surrogate_is_answered_with_a_replacement_character(client, stream):
     # json.loads turns "\\ud800" into a code point UTF-8 cannot encode: the body was a 500 and

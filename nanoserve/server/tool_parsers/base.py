@@ -125,18 +125,26 @@ def scan_call(text: str, pos: int = 0) -> tuple[PartialCall, int | None]:
     except _UNREADABLE:
         obj, end = None, None
     if isinstance(obj, dict):
-        call.name = _encodable(str(obj.get("name"))) if obj.get("name") is not None else None
+        # a name that is no string names no function (str() made {"a": 1} the name "{'a': 1}")
+        call.name = _encodable(obj["name"]) if isinstance(obj.get("name"), str) else None
         args = obj.get("arguments", obj.get("parameters", {}))
         call.arguments = _raw_arguments(text[start:end]) or _encodable(json.dumps(args, ensure_ascii=False))
         call.complete = call.name is not None
         return call, end
     name = _NAME.search(text, start)
-    if name:
-        call.name = call_name(name.group(1))
     args = _ARGS.search(text, start)
+    if name and not name_in_arguments(name.start(), args.start() if args else -1):
+        call.name = call_name(name.group(1))
     if args:
         call.arguments = _partial_arguments(text[args.end():])
     return call, None
+
+
+def name_in_arguments(name_at: int, args_at: int) -> bool:
+    """Whether a "name" key found at `name_at` of an open call is one of its arguments' (they were
+    written first, at `args_at`, -1 if not yet): `{"arguments": {"name": "Bob"}, "name": "add_user"}`
+    streamed a call of "Bob". The call's own name is read once its object closes."""
+    return 0 <= args_at < name_at
 
 
 def call_name(written: str) -> str:

@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable
 
 from nanoserve.server.tool_parsers.base import (
-    _UNREADABLE, _WHITESPACE, MAX_TOOL_CALLS, PartialCall, Span, _decoder, call_name, scan_call)
+    _UNREADABLE, _WHITESPACE, MAX_TOOL_CALLS, PartialCall, Span, _decoder, call_name, name_in_arguments, scan_call)
 
 # what a JSON value's end depends on: outside a string its brackets and quotes, inside one its
 # quote and escapes
@@ -241,9 +241,11 @@ class CallScanner:
             if end is not None:
                 self.closed = (call, end)
                 return
-        if self.call.name is None and self.name.advance(text):
+        args = self.args.advance(text)
+        if (self.call.name is None and self.name.advance(text)
+                and not name_in_arguments(self.name.at, self.args.at if args else -1)):
             self.call.name = call_name(text[self.name.value:self.name.pos])
-        if self.args.advance(text):
+        if args:
             self.call.arguments = self._arguments(text)
 
     def _arguments(self, text: str) -> Span:
