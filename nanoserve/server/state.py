@@ -82,7 +82,7 @@ class ServerState:
     def model_name(self, requested: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
         names = self.settings.served_model_names
-        if requested is None:
+        if not requested:   # left out, null or "": the served model, as vLLM reads an empty name
             return names[0]
         if requested not in names:
             # cut, as every echo of a request's text in an error is: the body of a 20 MB name came back whole

@@ -301,3 +301,15 @@ def test_models_list_and_errors_reach_the_client(client):
         client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=-1)
+
+
+def test_an_empty_model_name_asks_for_the_served_model_as_in_vllm(client):
+    # "" was a 404 "The model '' does not exist"; vLLM serves its model to a request that names none
+    completion = client.completions.create(model="", prompt="x", max_tokens=2)
+    chat = client.chat.completions.create(model="", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    streamed = list(client.chat.completions.create(model="", messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=2, stream=True))
+    assert completion.model == chat.model == streamed[0].model == "tiny"
+    assert completion.usage.completion_tokens == chat.usage.completion_tokens == 2
+    response = client.responses.create(model="", input="Hi", max_output_tokens=2)
+    assert response.model == "tiny" and response.status == "incomplete"
