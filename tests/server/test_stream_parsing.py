@@ -255,6 +255,25 @@ def test_streamed_deltas_add_up_to_the_whole_message(parser, thought, answer, ca
         [[c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls", [])]
 
 
+@pytest.mark.parametrize("end", ["</tool_call>", " </tool_call>\n<tool_call>", "</tool_call> after"])
+@pytest.mark.parametrize("call", ['{"name": "f", "arguments": {"a": 1', '{"name": "f", "arguments": {"a": "x',
+                                  '{"name": "f", "arguments": tru', '{"name": "f", "arguments": '])
+def test_a_hermes_call_left_open_before_its_end_tag_streams_what_the_whole_message_says(call, end):
+    """The object ends at the block's tag; streamed, the characters of a tag that was still being
+    written were sent as arguments ("</too"), which the tag then took back. Cut at every point."""
+    text = f"<tool_call>\n{call}{end}"
+    plan = lambda: ToolPlan("auto", TOOL_PARSERS["hermes"]())  # noqa: E731
+    message, _ = ChoiceReader(plan(), None).message(text, "stop")
+    for cut in range(1, len(text)):
+        reader = ChoiceReader(plan(), None)
+        deltas = [reader.delta(text[:cut], None)[0], reader.delta(text[cut:], "stop")[0]]
+        streamed: dict[int, str] = {}
+        for entry in (e for d in deltas for e in d.get("tool_calls", [])):
+            streamed[entry["index"]] = streamed.get(entry["index"], "") + entry["function"].get("arguments", "")
+        assert [streamed[i] for i in sorted(streamed)] == \
+            [c["function"]["arguments"] for c in message["tool_calls"]], text[:cut]
+
+
 OPENING = str.maketrans("]}", "[{")
 
 

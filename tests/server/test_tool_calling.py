@@ -211,6 +211,14 @@ def test_a_call_that_writes_its_arguments_before_its_name_names_its_function(cli
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_call_left_open_before_its_end_tag_has_the_same_arguments_whole_and_streamed(client, stream):
+    # a model that forgets the object's closing braces: the block still ends at its tag, but the
+    # stream sent the tag's characters as arguments while they might yet have been the object's
+    regex = r'<tool_call>\n\{"name": "GetWeather", "arguments": \{"city": "Paris" </tool_call>'
+    assert call_of(client, regex, stream) == (None, [("GetWeather", '{"city": "Paris"')], "tool_calls")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_call_whose_name_is_no_string_is_content_not_a_call(client, stream):
     # the object's name went through str(): a call of the function "{'city': 'Paris'}" (or "5"),
     # where vLLM, which reads no such call, answers with the text as content

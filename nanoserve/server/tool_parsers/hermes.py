@@ -26,7 +26,9 @@ class HermesToolParser(ToolParser):
             # a closed object ends the call, whatever tags its strings hold; an open one runs to its end tag
             call, end = scan_call(body)
             if end is None:
-                end = body.find(END) if END in body else len(body)
+                # an open object runs to its end tag, or to a tail that may yet become one: a model's
+                # call left open before its tag ("{"a": 1</tool_call>") streamed "</too" as arguments
+                end = body.find(END) if END in body else len(body) - (0 if final else held_back(body, END))
                 call, _ = scan_call(body[:end])
             rest = body[end:]
             following = rest.find(START)
@@ -106,12 +108,15 @@ class _Block:
         # block's tag from the rest
         self.end_at, self.end_seek = -1, body
         self.next_at, self.next_seek = -1, body
+        # an open call's arguments less a tail that may yet become its end tag, while none is written
+        self.short: PartialCall | None = None
 
     def update(self, text: str) -> int:
         """Where the following block's tag begins, or -1 while none is written. Once it is, the
         call and whether its end tag comes first are settled (an end tag before it would be found
         by now), unless an open call's object closes."""
         call, end = self.scanner.update(text)
+        self.short = None
         if end is not None and not self.closed:   # closed: what follows it is read again from its end
             self.closed, self.found = True, call
             self.end_at, self.end_seek, self.next_at, self.next_seek = -1, end, -1, end
@@ -122,7 +127,7 @@ class _Block:
                     self.next_seek = self.end_at
                     self.found = scan_call(text[self.body:self.end_at])[0]
             if self.end_at < 0:
-                self.found = call
+                self.found, self.short = call, _short_of_end_tag(text, self.body, call)
                 return -1
         elif self.end_at < 0:
             self.end_at, self.end_seek = find_from(_END, text, self.end_seek, len(END))
@@ -132,8 +137,22 @@ class _Block:
 
     def call(self, final: bool) -> PartialCall:
         ended = self.end_at >= 0 and (self.next_at < 0 or self.end_at < self.next_at)
-        found = self.found
+        found = self.found if final or self.short is None else self.short
         return PartialCall(found.name, found.arguments, found.complete and (ended or final))
 
     def settled(self) -> bool:
         return self.closed and self.next_at >= 0
+
+
+def _short_of_end_tag(text: str, body: int, call: PartialCall) -> PartialCall | None:
+    """`call` (open, its block's end tag not written) as `parse` reads it before the text's tail
+    that may yet grow into that tag: its arguments end before that tail and the spaces before it
+    (parse strips an open value's trailing spaces). None when the tail cuts nothing."""
+    k = len(text)
+    held = held_back(text[max(body, k - len(END) + 1):], END)
+    if not held or not isinstance(call.arguments, tuple) or call.arguments[1] <= k - held:
+        return None
+    begin, end = call.arguments[0], k - held
+    while end > begin and text[end - 1].isspace():
+        end -= 1
+    return PartialCall(call.name, (begin, max(begin, end)), call.complete)
