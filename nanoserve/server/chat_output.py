@@ -58,7 +58,7 @@ class ChoiceReader:
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The whole message and the finish reason ("tool_calls" when the model called)."""
         reasoning, content, parsed = self.parse(text, final=True)
-        calls = announced(parsed.calls)
+        calls = announced(parsed.calls)[:1 if self.plan.single else None]
         message: dict = {"role": "assistant", "content": parsed.content or None}
         if reasoning is not None and self.include_reasoning:
             # vLLM's current name, and the older one that DeepSeek-style clients read
@@ -91,6 +91,8 @@ class ChoiceReader:
         reasoning, start = self.split.update(text, final) if self.split is not None else (None, 0)
         begin = len(text) if start is None else start   # the content is text[begin:], or "" (begin = len)
         content_end, calls, settled, changed = self._stream_calls(text, start, final)
+        if self.plan.single:   # the first call alone is sent, as message() keeps it alone
+            calls, settled, changed = calls[:1], min(settled, 1), min(changed, 1)
         delta: dict = {}
         if reasoning is not None and self.include_reasoning and reasoning[1] - reasoning[0] > self.sent_reasoning:
             delta["reasoning"] = delta["reasoning_content"] = text[reasoning[0] + self.sent_reasoning:reasoning[1]]

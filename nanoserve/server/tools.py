@@ -34,6 +34,9 @@ class ToolPlan:
     parser: ToolParser | None = None   # auto: reads calls out of free text
     function: str | None = None        # named: the one function called
     spec: StructuredOutputsParams | None = None  # required / named: the grammar that enforces it
+    # parallel_tool_calls false: a reply carries its first call only, as OpenAI and vLLM answer
+    # (required's grammar allows one; auto's model may write several, the rest are dropped)
+    single: bool = False
 
     @property
     def active(self) -> bool:
@@ -65,7 +68,7 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None, auto_enabled
             raise APIError('"auto" tool choice needs the server started with --enable-auto-tool-choice and '
                            "--tool-call-parser NAME; or ask for tool_choice 'required' or a named function",
                            param="tool_choice")
-        return ToolPlan("auto", TOOL_PARSERS[parser_name]())
+        return ToolPlan("auto", TOOL_PARSERS[parser_name](), single=req.parallel_tool_calls is False)
     if choice == "required":
         if len(tools) * MIN_CALL_CHARS > MAX_SPEC_CHARS:
             # refused before the schema is built and written out on the event loop: for 50,000

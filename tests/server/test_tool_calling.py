@@ -188,9 +188,9 @@ def test_a_call_object_that_names_no_function_leaves_the_output_content_whole_an
     assert (content, calls, finish) == (message.content, [], whole.choices[0].finish_reason)
 
 
-def call_of(client, regex: str, stream: bool) -> tuple[str | None, list[tuple[str, str]], str | None]:
-    """(content, [(name, arguments)], finish reason) of the call `regex` makes the model write."""
-    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=0,
+def call_of(client, regex: str, stream: bool, **fields) -> tuple[str | None, list[tuple[str, str]], str | None]:
+    """(content, [(name, arguments)], finish reason) of the calls `regex` makes the model write."""
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=0, **fields,
                   extra_body={"guided_regex": regex, "chat_template_kwargs": {"enable_thinking": False}})
     if stream:
         content, calls, finish, _ = streamed_message(client.chat.completions.create(**kwargs, stream=True))
