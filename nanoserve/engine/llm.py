@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
@@ -27,11 +28,13 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
 
-    @property
+    @functools.cached_property
     def prompt_logprobs(self) -> list[PromptTokenLogprob | None] | None:
         """With SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob,
-        top-N alternatives and rank."""
-        return self.outputs[0].prompt_logprobs
+        top-N alternatives and rank. Listed once, on first read, from the packed arrays the engine
+        keeps (CompletionOutput.prompt_logprobs)."""
+        scored = self.outputs[0].prompt_logprobs
+        return None if scored is None else scored.entries()
 
     @property
     def text(self) -> str:

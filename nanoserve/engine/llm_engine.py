@@ -335,8 +335,8 @@ class LLMEngine:
         before it finishes the forward pass, whatever the host does next."""
         sampled = launched.pending.result()
         self.num_generated_tokens += len(launched.sequences)
-        for (seq, start), entries in zip(launched.scored, sampled.prompt_logprobs):
-            seq.prompt_logprobs[start + 1:start + 1 + len(entries)] = entries
+        for (seq, start), scores in zip(launched.scored, sampled.prompt_logprobs):
+            seq.prompt_logprobs.write(start, scores)
         complete: set[int] = set()   # ids of the sequences whose grammar has just terminated
         if launched.constrained:
             # every live constrained row advances its matcher in one call, on xgrammar's threads
@@ -371,9 +371,9 @@ class LLMEngine:
             first = position == seq.num_prompt_tokens
             # readmitted after a preemption, its outputs may be cached too: usage counts prompt tokens only
             cached = min(seq.num_cached_tokens, seq.num_prompt_tokens)
+            scored = seq.prompt_logprobs.packed() if first and seq.prompt_logprobs is not None else None
             outputs.append(StepOutput(seq.request_id, [token], [logprob] if logprob is not None else None,
-                                      reason is not None, reason, seq.num_prompt_tokens, cached,
-                                      seq.prompt_logprobs if first else None))
+                                      reason is not None, reason, seq.num_prompt_tokens, cached, scored))
         return outputs
 
     @staticmethod

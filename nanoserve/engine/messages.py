@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import msgspec
 
+from nanoserve.engine.prompt_logprobs import PromptLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 # (logprob of the chosen token, [(token id, logprob), ...] of the top alternatives)
 TokenLogprob = tuple[float, list[tuple[int, float]]]
-# a prompt token's: the same, then its rank (1 + how many tokens the model found more likely)
-PromptTokenLogprob = tuple[float, list[tuple[int, float]], int]
 
 
 class StepOutput(msgspec.Struct, array_like=True, gc=False):
@@ -27,9 +26,9 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str | None       # "stop", "length", "abort" once finished
     num_prompt_tokens: int
     num_cached_tokens: int
-    # with the first token of a request that asked for them: one entry per prompt token, None first;
-    # siblings (n > 1) get none, their prompt's are those of its first choice
-    prompt_logprobs: list[PromptTokenLogprob | None] | None = None
+    # with the first token of a request that asked for them, its whole prompt's; siblings (n > 1)
+    # get none, their prompt's are those of its first choice
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):

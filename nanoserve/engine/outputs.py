@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
-from nanoserve.engine.messages import PromptTokenLogprob, StepOutput, TokenLogprob
+from nanoserve.engine.messages import StepOutput, TokenLogprob
+from nanoserve.engine.prompt_logprobs import PromptLogprobs, PromptTokenLogprob
 from nanoserve.sampling_params import SamplingParams
 
-__all__ = ["CompletionOutput", "PromptTokenLogprob", "RequestState", "StepOutput", "TokenLogprob"]
+__all__ = ["CompletionOutput", "PromptLogprobs", "PromptTokenLogprob", "RequestState", "StepOutput", "TokenLogprob"]
 
 
 @dataclass
@@ -26,7 +27,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0  # tokens generated so far, kept or not
     logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[PromptTokenLogprob | None] | None = None  # see StepOutput
+    prompt_logprobs: PromptLogprobs | None = None  # see StepOutput (RequestOutput lists them)
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
 

@@ -6,8 +6,9 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from nanoserve.engine.messages import PromptTokenLogprob, StepOutput, TokenLogprob
+from nanoserve.engine.messages import StepOutput, TokenLogprob
 from nanoserve.engine.outputs import CompletionOutput, RequestState
+from nanoserve.engine.prompt_logprobs import PromptLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 # What a token's output holds in this process, by sys.getsizeof on CPython 3.12: its id (an int
@@ -25,10 +26,8 @@ def output_bytes_per_token(params: SamplingParams) -> int:
     return TOKEN_BYTES + LOGPROB_BYTES + ALTERNATIVE_BYTES * params.logprobs
 
 
-def prompt_logprobs_bytes(prompt_logprobs: list | None, params: SamplingParams) -> int:
-    if not prompt_logprobs:
-        return 0
-    return len(prompt_logprobs) * (LOGPROB_BYTES + ALTERNATIVE_BYTES * (params.prompt_logprobs or 0))
+def prompt_logprobs_bytes(prompt_logprobs: PromptLogprobs | None) -> int:
+    return 0 if prompt_logprobs is None else prompt_logprobs.nbytes
 
 
 class EngineDeadError(RuntimeError):
@@ -50,7 +49,7 @@ class RequestUpdate:
     finish_reason: str | None               # "stop" or "length" on the choice's last update
     num_prompt_tokens: int
     num_cached_tokens: int                  # prompt tokens found in the prefix cache
-    prompt_logprobs: list[PromptTokenLogprob | None] | None = None  # with the first update, when asked for
+    prompt_logprobs: PromptLogprobs | None = None  # with the first update, when asked for
     stop_reason: str | int | None = None    # with a "stop": the stop string or stop token id, None for EOS
     # texts merged after `text`, joined once the update is read: `text +=` on each merge copied the
     # whole backlog again, O(n^2) for a reader that lags by thousands of tokens
@@ -70,7 +69,8 @@ class RequestUpdate:
         self.finish_reason = later.finish_reason or self.finish_reason
         self.stop_reason = later.stop_reason if later.stop_reason is not None else self.stop_reason
         self.num_cached_tokens = later.num_cached_tokens
-        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
 
 
 class RequestStream:
@@ -141,7 +141,7 @@ class RequestStream:
                                step.num_prompt_tokens, step.num_cached_tokens, step.prompt_logprobs,
                                out.stop_reason)
         size = len(out.text_delta) + len(step.new_token_ids) * self._token_bytes
-        scored = prompt_logprobs_bytes(step.prompt_logprobs, self._params)
+        scored = prompt_logprobs_bytes(step.prompt_logprobs)
         self.pending_bytes += size + scored
         # outputs keep a prompt's logprobs either way: an echo shows them with each of its n choices
         self.kept_bytes += scored + (size if self._keeps else 0)

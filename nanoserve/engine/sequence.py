@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 
+from nanoserve.engine.prompt_logprobs import PromptLogprobBuffer
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -51,9 +52,8 @@ class Sequence:
         # preemption recomputes the KV cache but keeps the tokens, so the matcher stays right
         self.grammar = None
         self.bad_words = None  # engine/bad_words.BadWords, set by the engine when params has any
-        # by position; the first token has none (nothing predicts it)
-        self.prompt_logprobs: list | None = [None] * self.num_prompt_tokens \
-            if params.prompt_logprobs is not None else None
+        self.prompt_logprobs: PromptLogprobBuffer | None = PromptLogprobBuffer(
+            self.num_prompt_tokens, params.prompt_logprobs) if params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from nanoserve.sampling_params import SamplingParams
@@ -113,12 +114,26 @@ class AttentionMetadata:
 
 
 @dataclass
+class PromptScores:
+    """The prompt logprobs one step computed for one sequence, packed (a few arrays, not a Python
+    object per token): row i scores the prompt token at position start + 1 + i of its chunk."""
+
+    logprobs: np.ndarray      # [rows] float32, the prompt token's logprob (MIN_LOGPROB at most negative)
+    ranks: np.ndarray         # [rows] int32, 1 + how many tokens the model found more likely
+    top_ids: np.ndarray       # [rows, top_n] int32, the most likely tokens, best first
+    top_logprobs: np.ndarray  # [rows, top_n] float32, their logprobs
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+
+@dataclass
 class SampleOutput:
     """Sampled token per sampling row, with logprobs where asked for."""
 
     token_ids: list[int]
     # per row: (logprob of the sampled token, [(token id, logprob), ...] top-N) or None
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
-    # per sequence that asked for prompt logprobs, in work order: one entry per prompt token it
-    # predicted this step (positions start + 1 ...), in the same form, then the token's rank
-    prompt_logprobs: list[list[tuple[float, list[tuple[int, float]], int]]] = field(default_factory=list)
+    # per sequence that asked for prompt logprobs, in work order: the prompt tokens it predicted
+    # this step (positions start + 1 ...)
+    prompt_logprobs: list[PromptScores] = field(default_factory=list)

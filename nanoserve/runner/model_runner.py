@@ -11,7 +11,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.cpu_threads import cpu_compute_threads
 from nanoserve.runner.attention import select_backend
-from nanoserve.runner.batch import SampleOutput, SequenceWork, TokenMask
+from nanoserve.runner.batch import PromptScores, SampleOutput, SequenceWork, TokenMask
 from nanoserve.runner.inputs import build_inputs
 from nanoserve.runner.layers.ops import EAGER_OPS, compiled_ops
 from nanoserve.runner.kv_cache import KVCache, blocks_for_cpu, blocks_for_gpu, local_kv_heads, profile_work
@@ -20,7 +20,8 @@ from nanoserve.runner.models.decoder import head_dim_of
 from nanoserve.runner.models.registry import model_class
 from nanoserve.runner.parallel import SINGLE, TensorParallel
 from nanoserve.runner.penalties import PenaltyCounts
-from nanoserve.runner.sampler import draw, draws_in_graph, score_prompt
+from nanoserve.runner.prompt_scoring import score_prompt
+from nanoserve.runner.sampler import draw, draws_in_graph
 from nanoserve.runner.warm_up import warm_up_work
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class StepLogits:
 
     logits: torch.Tensor | None
     rows: list[SequenceWork]
-    prompt: list | None  # prompt logprobs, per asking sequence
+    prompt: list[PromptScores] | None  # prompt logprobs, per asking sequence
     drawn: torch.Tensor | None = None  # a decode graph's own draw, for rows that ask no more of it
 
 
@@ -40,7 +41,7 @@ class PendingSample:
     """The sampled ids of a launched step. `result()` is the step's one device-to-host sync."""
 
     def __init__(self, tokens: torch.Tensor | None, logprobs: list | None, num_rows: int,
-                 prompt_logprobs: list | None = None) -> None:
+                 prompt_logprobs: list[PromptScores] | None = None) -> None:
         self.tokens, self.logprobs, self.num_rows = tokens, logprobs, num_rows
         self.prompt_logprobs = prompt_logprobs or []
         self.event = None
@@ -222,7 +223,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden) if rows else None
         return StepLogits(logits, rows, prompt)
 
-    def _forward_eager(self, work: list[SequenceWork]) -> tuple[torch.Tensor, list[SequenceWork], list | None]:
+    def _forward_eager(self, work: list[SequenceWork]
+                       ) -> tuple[torch.Tensor, list[SequenceWork], list[PromptScores] | None]:
         """A step outside the graphs: the sampling rows' hidden states, those rows, prompt logprobs."""
         inputs = build_inputs(work, self.block_size, self.device, self.prev_tokens)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)

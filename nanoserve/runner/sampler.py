@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from nanoserve.runner.batch import SampleOutput, SequenceWork, TokenMask
-from nanoserve.runner.inputs import PromptLogprobRows
 from nanoserve.runner.penalties import PenaltyCounts, apply_penalties
 
 # JSON has no -inf; OpenAI clients expect a large negative number instead
@@ -228,42 +225,12 @@ def _fused_draw(logits: torch.Tensor, st: SamplingTensors, token_mask: TokenMask
     return tokens
 
 
-def token_logprobs(chosen_ids: torch.Tensor, logprobs: torch.Tensor, top_n: list[int | None],
-                   ranks: bool = False) -> list:
+def token_logprobs(chosen_ids: torch.Tensor, logprobs: torch.Tensor, top_n: list[int | None]) -> list:
     """Per row: (logprob of chosen_ids[row], [(id, logprob), ...] of its top_n[row] best), or None
-    where top_n[row] is None; with `ranks`, each tuple also holds the chosen token's rank (1 + how
-    many tokens are more likely). Reads the values back to the host."""
-    raw = logprobs.gather(-1, chosen_ids[:, None])
-    chosen = raw.squeeze(-1).clamp(min=MIN_LOGPROB)
+    where top_n[row] is None. Reads the values back to the host."""
+    chosen = logprobs.gather(-1, chosen_ids[:, None]).squeeze(-1).clamp(min=MIN_LOGPROB)
     top_vals, top_ids = logprobs.topk(max(max((n for n in top_n if n is not None), default=0), 1), dim=-1)
     top_vals = top_vals.clamp(min=MIN_LOGPROB)
-    if ranks:   # read back beside the chosen logprobs, in one transfer (float32 holds any rank exactly)
-        chosen_list, rank_list = torch.stack((chosen, (logprobs > raw).sum(-1).to(chosen.dtype) + 1)).tolist()
-    else:
-        chosen_list = chosen.tolist()
-    ids_list, vals_list = top_ids.tolist(), top_vals.tolist()
-    rows = [None if n is None else (chosen_list[i], list(zip(ids_list[i][:n], vals_list[i][:n])))
+    chosen_list, ids_list, vals_list = chosen.tolist(), top_ids.tolist(), top_vals.tolist()
+    return [None if n is None else (chosen_list[i], list(zip(ids_list[i][:n], vals_list[i][:n])))
             for i, n in enumerate(top_n)]
-    if not ranks:
-        return rows
-    return [row and (*row, int(rank_list[i])) for i, row in enumerate(rows)]
-
-
-# rows of float32 logits scored at once: a long prompt is scored in slices no larger than the
-# sampling step of the default max_num_seqs (256), not in one [prompt, vocab] tensor
-PROMPT_SCORING_ROWS = 256
-
-
-def score_prompt(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                 asks: PromptLogprobRows) -> list[list]:
-    """Prompt logprobs: for each asking sequence, one entry per prompt token its rows predict,
-    (logprob, top alternatives, rank)."""
-    top_n = [n for n, count in zip(asks.top_n, asks.counts) for _ in range(count)]
-    entries: list = []
-    for s in range(0, len(top_n), PROMPT_SCORING_ROWS):
-        rows = asks.rows[s:s + PROMPT_SCORING_ROWS]
-        logprobs = compute_logits(hidden[rows]).float().log_softmax(dim=-1)
-        entries += token_logprobs(asks.targets[s:s + PROMPT_SCORING_ROWS], logprobs, top_n[s:s + len(rows)],
-                                  ranks=True)
-    bounds = np.cumsum([0, *asks.counts])
-    return [entries[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
