@@ -11,7 +11,7 @@ import re
 
 from transformers import PreTrainedTokenizerBase
 
-from nanoserve.engine.outputs import PromptTokenLogprob, TokenLogprob
+from nanoserve.engine.outputs import TokenLogprob
 
 _HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte-fallback tokens
 
@@ -142,26 +142,3 @@ def chat_logprobs(texts: TokenTexts | TokenIdNames, token_ids: list[int], logpro
                for tid, lp in alternatives[:top_n]]
         content.append({"token": text, "logprob": chosen, "bytes": list(raw), "top_logprobs": top})
     return {"content": content}
-
-
-def prompt_logprob_entries(texts: TokenTexts, token_ids: list[int], scored: list[PromptTokenLogprob | None],
-                           top_n: int) -> list[dict | None]:
-    """vLLM's `prompt_logprobs`: per prompt token None (the first: nothing predicts it), else
-    {token id: {"logprob", "rank", "decoded_token"}} for the token itself (its rank from the
-    engine, over the whole vocabulary), then its top_n alternatives (ranks 1..top_n)."""
-    out: list[dict | None] = []
-    for token_id, entry in zip(token_ids, scored):
-        if entry is None:
-            out.append(None)
-            continue
-        chosen, alternatives, rank = entry
-        tokens = {str(token_id): _entry(texts, token_id, chosen, rank)}
-        for r, (tid, lp) in enumerate(alternatives[:top_n], start=1):
-            tokens.setdefault(str(tid), _entry(texts, tid, lp, r))
-        out.append(tokens)
-    return out
-
-
-def _entry(texts: TokenTexts, token_id: int, logprob: float, rank: int | None) -> dict:
-    # as vLLM's detokenizer writes one token: a piece of a character is U+FFFD, not "bytes:..."
-    return {"logprob": logprob, "rank": rank, "decoded_token": texts.get(token_id)[0].decode("utf-8", "replace")}

@@ -16,8 +16,9 @@ from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError, R
 from nanoserve.engine.outputs import PromptLogprobs
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.errors import APIError
-from nanoserve.server.logprobs import TOKEN_ID_NAMES, TokenIdNames, TokenTexts, prompt_logprob_entries
+from nanoserve.server.logprobs import TOKEN_ID_NAMES, TokenIdNames, TokenTexts
 from nanoserve.server.metrics import RequestTimer
+from nanoserve.server.prompt_logprobs import prompt_logprobs_json
 from nanoserve.server.state import ServerState, engine_error, new_id, off_the_loop_if_long, timed, usage
 from nanoserve.server.wire import DONE, sse_event, whole_json_response
 
@@ -127,8 +128,7 @@ class OpenAIResponse:
         top_n = self.req.prompt_logprobs
 
         def build() -> orjson.Fragment:
-            return orjson.Fragment(orjson.dumps(prompt_logprob_entries(self.state.texts, prompt, scored.entries(),
-                                                                       top_n)))
+            return orjson.Fragment(prompt_logprobs_json(self.state.texts, prompt, scored, top_n))
 
         return await off_the_loop_if_long(len(prompt) * (top_n + 1), build)
 
