@@ -102,7 +102,9 @@ def test_streams_nobody_reads_are_ended_and_aborted_while_a_reading_client_is_se
 
 def test_a_whole_response_nobody_reads_is_ended(budgeted):
     before = ended(budgeted)
-    sock = unread(budgeted, {**ECHOED, "max_tokens": 1})
+    # a longer prompt than the streams': its outputs keep the prompt's logprobs as packed arrays (a
+    # quarter of a MB), so what the budget sees is the written body, two choices of ~1.2 MB at a time
+    sock = unread(budgeted, {**ECHOED, "prompt": [100 + i % 200 for i in range(2000)], "max_tokens": 1})
     wait_for_ended(budgeted, before + 1)
     received = read_until_closed(sock)
     sock.close()
