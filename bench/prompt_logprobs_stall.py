@@ -5,8 +5,8 @@
 Starts the server (bundled model unless --model) with a `gc.callbacks` probe in each of its
 processes, then sends one request of 16 prompts of 2,000 random token ids with prompt_logprobs 20
 and max_tokens 1, three times, while /health is polled every 5 ms. Prints, per run, the request's
-latency and the slowest /health, then the full collections (generation 2) each process ran while
-the requests were served.
+latency, the CPU time each process spent on it and the slowest /health, then the full collections
+(generation 2) each process ran while the requests were served.
 """
 
 from __future__ import annotations
@@ -73,6 +73,19 @@ async def one_run(url: str, body: dict) -> tuple[float, float]:
     return latency, max(waits)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far (Linux): unlike wall time, it does not grow
+    while other work on the machine holds the cores."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (the engine core and anything it started)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [pid, *(p for child in children for p in process_tree(int(child)))]
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -115,9 +128,13 @@ def main() -> None:
         try:
             wait_ready(url, proc)
             serving_since = time.time()
+            engine = [p for p in process_tree(proc.pid) if p != proc.pid]
             for run in range(args.runs):
+                before = cpu_seconds(proc.pid), sum(map(cpu_seconds, engine))
                 latency, slowest = asyncio.run(one_run(url, body))
-                print(f"run {run + 1}: request {latency:.2f} s, slowest /health {1e3 * slowest:.1f} ms")
+                front, core = cpu_seconds(proc.pid) - before[0], sum(map(cpu_seconds, engine)) - before[1]
+                print(f"run {run + 1}: request {latency:.2f} s (CPU: front end {front:.2f} s, engine core {core:.2f} s), "
+                      f"slowest /health {1e3 * slowest:.1f} ms")
             lines = probe_file.read_text().split("\n") if probe_file.exists() else []
         finally:
             proc.terminate()
