@@ -168,86 +168,6 @@ def test_prefix_hits_are_counted_once_per_admission_not_per_attempt():
     assert eng.bm.prefix_queried_tokens == 9 + 10 + 15
 
 
-def ids(seqs) -> list[str]:
-    return [s.request_id for s in seqs]
-
-
-def test_priority_policy_admits_the_lower_priority_value_first_then_the_earlier_arrival():
-    eng = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=64, policy="priority")
-    for name, priority in (("a", 5), ("b", 0), ("c", 5), ("d", -3), ("e", 0)):
-        eng.add(name, [1, 2, 3], max_tokens=2, priority=priority)
-    assert ids(eng.sched.waiting) == ["d", "b", "e", "a", "c"]
-    eng.run()
-    assert eng.finish_order == ["d", "b", "e", "a", "c"]
-
-
-def test_first_come_first_served_ignores_priorities():
-    eng = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
-    for name, priority in (("a", 5), ("b", 0), ("c", -3)):
-        eng.add(name, [1, 2, 3], max_tokens=2, priority=priority)
-    eng.run()
-    assert eng.finish_order == ["a", "b", "c"]
-
-
-def test_a_waiting_request_of_higher_priority_preempts_the_last_running_one_when_seats_are_full():
-    eng = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, policy="priority")
-    low = eng.add("low", [1, 2, 3], max_tokens=20, priority=1)
-    mid = eng.add("mid", [4, 5, 6], max_tokens=20, priority=0)
-    eng.step()
-    urgent = eng.add("urgent", [7, 8, 9], max_tokens=2, priority=-1)
-    step = eng.step()
-    # low was scheduled for its decode, then gave its seat (and its step's token) to urgent
-    assert step.seqs == [mid, urgent] and step.num_new_tokens == [1, 3]
-    assert step.num_preempted == 1
-    assert low.status == SequenceStatus.WAITING and low.block_table == [] and low.num_preemptions == 1
-    assert ids(eng.sched.running) == ["urgent", "mid"]
-    eng.run()
-    assert eng.finish_order == ["urgent", "mid", "low"]
-    assert low.num_output_tokens == 20 and eng.bm.num_free_blocks == 64
-
-
-def test_an_equal_priority_never_preempts_for_admission():
-    eng = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=64, policy="priority")
-    first = eng.add("first", [1, 2, 3], max_tokens=5, priority=2)
-    eng.step()
-    eng.add("second", [4, 5, 6], max_tokens=5, priority=2)
-    for _ in range(3):
-        assert eng.step().seqs == [first]
-    eng.run()
-    assert eng.finish_order == ["first", "second"] and first.num_preemptions == 0
-
-
-def test_a_waiting_request_of_higher_priority_takes_the_blocks_of_lower_ones():
-    # 6 blocks of 4: two running requests of 2 blocks each, then one that needs 3
-    eng = FakeEngine(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, policy="priority")
-    a = eng.add("a", [1] * 7, max_tokens=9, priority=3)
-    b = eng.add("b", [2] * 7, max_tokens=9, priority=4)
-    eng.step()
-    assert eng.bm.num_free_blocks == 2
-    urgent = eng.add("urgent", [3] * 10, max_tokens=2, priority=0)
-    step = eng.step()
-    assert urgent in step.seqs and b not in step.seqs
-    assert b.status == SequenceStatus.WAITING and b.num_preemptions == 1 and a.num_preemptions == 0
-    eng.run()
-    assert eng.finish_order[0] == "urgent"
-    assert all(s.num_output_tokens == s.max_tokens for s in (a, b, urgent))
-    assert eng.bm.num_free_blocks == 6
-
-
-def test_when_blocks_run_out_the_last_in_priority_is_preempted_not_the_newest():
-    eng = FakeEngine(num_blocks=4, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, policy="priority")
-    old_low = eng.add("old_low", [1, 1, 1, 1], max_tokens=3, priority=9)   # 1 block, needs a 2nd
-    new_high = eng.add("new_high", [2, 2, 2, 2, 2], max_tokens=3, priority=0)   # 2 blocks
-    mid = eng.add("mid", [3, 3, 3], max_tokens=3, priority=1)   # 1 block: the cache is now full
-    eng.step()
-    step = eng.step()
-    assert step.num_preempted == 1 and old_low.num_preemptions == 1
-    assert step.seqs == [new_high, mid]
-    eng.run()
-    assert eng.finish_order == ["new_high", "mid", "old_low"]
-    assert eng.bm.num_free_blocks == eng.bm.num_blocks
-
-
 # --- property test: random add / step / abort sequences ---
 
 PREFIXES = [[], [1, 2, 3, 0, 1, 2, 3, 0, 1], [1, 2, 3, 0, 2, 2]]
@@ -262,6 +182,13 @@ ops_strategy = st.lists(st.one_of(add_op, add_op, st.just(("step",)), st.just(("
 # None: first come, first served; else the priority policy with these priorities, by request
 priorities_strategy = st.tuples(st.booleans(), st.lists(st.integers(-2, 2), min_size=40, max_size=40)).map(
     lambda drawn: drawn[1] if drawn[0] else None)
+
+
+def check_queue_order(sched: Scheduler) -> None:
+    """Under the priority policy both queues stay in rank order."""
+    if sched.by_priority:
+        assert list(sched.waiting) == sorted(sched.waiting, key=rank)
+        assert sched.running == sorted(sched.running, key=rank)
 
 
 def check_invariants(eng: FakeEngine) -> None:
@@ -283,9 +210,7 @@ def check_invariants(eng: FakeEngine) -> None:
             assert kv[s.block_table[p // bm.block_size]][p % bm.block_size] == hash(tuple(s.token_ids[:p + 1]))
     for h, b in bm.cached.items():
         assert bm.block_hash[b] == h
-    if sched.by_priority:
-        assert list(sched.waiting) == sorted(sched.waiting, key=rank)
-        assert sched.running == sorted(sched.running, key=rank)
+    check_queue_order(sched)
 
 
 def request_of(op: tuple, max_model_len: int) -> tuple[list[int], int]:
@@ -389,9 +314,7 @@ def check_engine_invariants(engine) -> None:
     assert held == collections.Counter({b: r for b, r in enumerate(bm.ref_counts) if r > 0}), "a block leaked"
     for h, b in bm.cached.items():
         assert bm.block_hash[b] == h
-    if sched.by_priority:
-        assert list(sched.waiting) == sorted(sched.waiting, key=rank)
-        assert sched.running == sorted(sched.running, key=rank)
+    check_queue_order(sched)
 
 
 @settings(max_examples=15, deadline=None, derandomize=True, database=None,
