@@ -14,7 +14,7 @@ import os
 import sys
 
 from nanoserve import __version__
-from nanoserve.defaults import DEFAULT_MODEL, ENGINE_HEARTBEAT_S, LOG_FORMAT
+from nanoserve.defaults import DEFAULT_MODEL, ENGINE_HEARTBEAT_S, LOG_FORMAT, MAX_API_SERVERS
 from nanoserve.engine_flags import add_engine_flags, engine_kwargs
 
 
@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no access line per request from uvicorn (nanoserve's own request lines stay)")
     serve.add_argument("--enable-force-include-usage", action="store_true",
                        help="every streamed response ends with its usage, as if stream_options.include_usage were set")
+    serve.add_argument("--api-server-count", "-asc", type=int, default=1,
+                       help="front-end processes (HTTP, tokenizing, detokenizing, SSE) sharing the port and the one "
+                            "engine core: more when the front end's one core cannot keep up with the GPU")
     serve.add_argument("--stream-interval", type=int, default=1,
                        help="tokens a streamed choice gathers before the server sends them in one event (its first "
                             "and last tokens go at once): fewer, larger events cost the server less under load")
@@ -181,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from nanoserve.server.app import serve  # the web stack loads only for `serve`
+    from nanoserve.server.app import HTTPOptions, serve  # the web stack loads only for `serve`
     from nanoserve.server.defaults import generation_overrides, sampling_defaults
     from nanoserve.server.tool_parsers import TOOL_PARSERS
     from nanoserve.server.connections import raise_open_file_limit
@@ -191,6 +194,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     if args.max_queue_len < 1:
         parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
+    if not 1 <= args.api_server_count <= MAX_API_SERVERS:
+        parser.error(f"--api-server-count must be 1-{MAX_API_SERVERS} processes, got {args.api_server_count}")
     if not 1 <= args.stream_interval <= 1024:
         parser.error(f"--stream-interval must be 1-1024 tokens, got {args.stream_interval}")
     if not 0 <= args.port <= 65535:   # else bind() raised OverflowError, traceback and all
@@ -241,10 +246,10 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     raise_open_file_limit(settings.limits.max_connections)
     # on the CPU the front end (HTTP, tokenizing, SSE) keeps a core of its own beside the engine
-    threads = cpu_compute_threads(args.tensor_parallel_size, reserved=1)
-    serve(EngineConfig(**kwargs, cpu_threads=threads), settings, args.host, args.port,
-          args.max_queue_len, args.shutdown_timeout, args.log_level, tls, args.uvicorn_log_level,
-          not args.disable_uvicorn_access_log)
+    threads = cpu_compute_threads(args.tensor_parallel_size, reserved=args.api_server_count)
+    options = HTTPOptions(args.host, args.port, args.max_queue_len, args.shutdown_timeout, args.log_level, tls,
+                          args.uvicorn_log_level, not args.disable_uvicorn_access_log)
+    serve(EngineConfig(**kwargs, cpu_threads=threads), settings, options, args.api_server_count)
 
 
 def _check_seconds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ FP8_FLASH_ATTN_REFUSAL = ("kv_cache_dtype='fp8' needs the triton attention backe
 # a core that has nothing to say still says so this often (the front end's liveness); idle, it
 # looks up from its input socket once a second, so two heartbeats can be up to 2 s apart
 ENGINE_HEARTBEAT_S = 1.0
+MAX_API_SERVERS = 64   # --api-server-count: front-end processes, each with a model's tokenizer in memory
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"   # the server's and the engine process's
 # bytes of compiled grammars that the engine's sequences may hold at once, by xgrammar's count of
 # their size (engine/grammar_queue.py): the largest spec a request may give compiles to ~34 MB,

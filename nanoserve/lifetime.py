@@ -22,6 +22,15 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def ignore_stop_signals() -> None:
+    """For a child whose parent stops it: Ctrl-C reaches the whole process group, and a service
+    manager's stop may SIGTERM the whole group too. The parent (the front end, the server's main
+    process, the engine core for its workers) drains first, then tells the child to stop, or kills
+    it past its limit; a child that died on the signal would fail the requests being drained."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def freeze_startup_heap() -> None:
     """Move what startup built (modules, the tokenizer's vocabulary, the model's Python objects) out of
     the garbage collector's reach: every full collection walked it again. Serving 16 prompts of 2,000

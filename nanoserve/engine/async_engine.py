@@ -12,20 +12,20 @@ import asyncio
 import logging
 import multiprocessing
 import os
-import random
 import shutil
 import signal
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.admission import Admission, QueueFullError
 from nanoserve.engine.bad_words import with_bad_words_token_ids
 from nanoserve.engine.core import EngineCore, run_engine_process
 from nanoserve.engine.llm_engine import LLMEngine
@@ -40,18 +40,10 @@ from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineStats", "QueueFullError", "RequestFailedError",
+__all__ = ["AsyncEngine", "CoreLink", "EngineDeadError", "EngineStats", "QueueFullError", "RequestFailedError",
            "RequestStream", "RequestUpdate"]
 
 _SHUTDOWN_WAIT_S = 30.0  # for the core to close its workers before it is killed
-
-
-class QueueFullError(RuntimeError):
-    """More sequences are waiting than the server admits; the client should retry later."""
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 def exit_reason(process: multiprocessing.process.BaseProcess, wait_s: float = 1.0) -> str:
@@ -70,37 +62,53 @@ def exit_reason(process: multiprocessing.process.BaseProcess, wait_s: float = 1.
     return f"exited with code {code}"
 
 
+@dataclass(frozen=True)
+class CoreLink:
+    """How one of several front ends (`serve --api-server-count N`) reaches the engine core that the
+    server's main process started: the core connects to both addresses, which this front end binds."""
+
+    index: int            # this front end's number, 0 .. count-1; the core routes outputs by it
+    count: int            # front ends sharing the core
+    input_address: str    # ZeroMQ addresses (ipc://...)
+    output_address: str
+    core_pid: int         # watched: the core is not this process's child
+
+
 class AsyncEngine:
     """Serves many asyncio callers from one engine core.
 
     By default the core runs in a child process, started by `await start()`; pass `engine` to
-    run an already-built LLMEngine on a thread of this process instead (tests). At most
+    run an already-built LLMEngine on a thread of this process instead (tests), or `link` to share
+    a core that another process started with other front ends. At most
     `max_num_seqs + max_queue_len` sequences (prompts × n) are admitted at once: running ones
-    plus those that wait; past that `add_request` raises QueueFullError (the server's 503).
+    plus those that wait; past that `add_request` raises QueueFullError (the server's 503). Front
+    ends that share a core count the others' sequences from the core's last stats.
     """
 
     def __init__(self, config: EngineConfig, max_queue_len: int | None = None, engine: LLMEngine | None = None,
-                 log_level: str = "INFO") -> None:
+                 log_level: str = "INFO", link: CoreLink | None = None) -> None:
         self.config = engine.config if engine is not None else config
         self.tokenizer = (engine.tokenizer if engine is not None
                           else load_tokenizer(self.config.tokenizer, self.config.trust_remote_code))
         self.vocab_size = self.config.hf_config.vocab_size
-        self.max_queue_len = max_queue_len
+        self.admission = Admission(self.config.max_num_seqs, max_queue_len)
         self.log_level = log_level
         self.ready: EngineReady | None = None
         self.error: EngineDeadError | None = None
         self.crashed = False                 # the core died on its own, not stopped by shutdown()
         self.dead = asyncio.Event()          # set once the core is gone, for whoever must act on it
         self._engine = engine
+        self._link = link
+        self._client = link.index if link is not None else 0
         self._streams: dict[str, RequestStream] = {}  # engine request id -> its stream, while unfinished
         self._stats = EngineStats()
         self._last_heard = time.monotonic()  # when the core last sent anything
-        self._finished_times: deque[float] = deque(maxlen=4096)  # recent request completions, for Retry-After
         self._dir = tempfile.mkdtemp(prefix="nanoserve-")
         self._context = zmq.asyncio.Context()
         self._inputs = self._context.socket(zmq.PUSH)
         self._outputs = self._context.socket(zmq.PULL)
         self._process: multiprocessing.process.BaseProcess | None = None
+        self._core_watch: int | None = None   # a pidfd of a core started by another process
         self._thread: threading.Thread | None = None
         self._reader: asyncio.Task | None = None
         self._ready = None  # the future `start()` awaits
@@ -122,21 +130,26 @@ class AsyncEngine:
 
     @property
     def num_unfinished(self) -> int:
-        """Sequences admitted and not finished: those running and those waiting."""
+        """Sequences admitted here and not finished: those running and those waiting."""
         return len(self._streams)
 
     async def start(self) -> EngineReady:
         """Start the core, wait until its model is loaded; raise EngineDeadError if it fails to start."""
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
-        input_address, output_address = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        if self._link is not None:
+            input_address, output_address = self._link.input_address, self._link.output_address
+        else:
+            input_address, output_address = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
         self._inputs.setsockopt(zmq.SNDHWM, 0)
         self._inputs.bind(input_address)
         self._outputs.setsockopt(zmq.RCVHWM, 0)
         self._outputs.bind(output_address)
         self._reader = asyncio.create_task(self._read_outputs())
-        if self._engine is not None:
-            core = EngineCore(input_address, output_address)
+        if self._link is not None:
+            self._watch_core(self._link.core_pid)
+        elif self._engine is not None:
+            core = EngineCore([input_address], [output_address])
             self._thread = threading.Thread(target=self._run_thread, args=(core, self._engine),
                                             name="nanoserve-engine", daemon=True)
             self._thread.start()
@@ -144,12 +157,33 @@ class AsyncEngine:
         else:
             spawn = multiprocessing.get_context("spawn")  # a CUDA context cannot be forked
             self._process = spawn.Process(target=run_engine_process, name="nanoserve-engine",
-                                          args=(self.config, input_address, output_address, os.getpid(),
+                                          args=(self.config, [input_address], [output_address], os.getpid(),
                                                 self.log_level))
             self._process.start()
             loop.add_reader(self._process.sentinel, self._process_exited)
         self.ready = await self._ready
         return self.ready
+
+    def _watch_core(self, pid: int) -> None:
+        """Learn at once that a core this process did not start has exited, as a child's sentinel tells."""
+        try:
+            self._core_watch = os.pidfd_open(pid)
+        except (AttributeError, OSError):   # no pidfd here (or it is gone): the heartbeat's silence tells
+            logger.warning("Cannot watch the engine process %d; a silent engine shows as a stall", pid)
+            return
+        asyncio.get_running_loop().add_reader(self._core_watch, self._core_exited)
+
+    def _core_exited(self) -> None:
+        self._stop_watching()
+        if not self._stopping and self.error is None:
+            logger.error("The engine process %d exited", self._link.core_pid)
+        self._mark_dead(EngineDeadError("The engine stopped unexpectedly; the server must be restarted"))
+
+    def _stop_watching(self) -> None:
+        if self._core_watch is not None:
+            asyncio.get_running_loop().remove_reader(self._core_watch)
+            os.close(self._core_watch)
+            self._core_watch = None
 
     @staticmethod
     def _run_thread(core: EngineCore, engine: LLMEngine) -> None:
@@ -161,7 +195,11 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         """Stop the core; requests still in flight fail with EngineDeadError."""
         self._stopping = True
-        if self._process is not None or self._thread is not None:
+        if self._link is not None:   # the core stops once every front end has said so
+            self._stop_watching()
+            if self.error is None:
+                self._inputs.send(input_encoder.encode(Shutdown()))
+        elif self._process is not None or self._thread is not None:
             if self.error is None:
                 self._inputs.send(input_encoder.encode(Shutdown()))
             worker = self._process or self._thread
@@ -175,7 +213,7 @@ class AsyncEngine:
         self._mark_dead(EngineDeadError("The server is shutting down"))
         if self._reader is not None:
             self._reader.cancel()
-        self._inputs.close(linger=0)
+        self._inputs.close(linger=1000 if self._link is not None else 0)   # the Shutdown must go out
         self._outputs.close(linger=0)
         self._context.term()
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -215,12 +253,12 @@ class AsyncEngine:
         if any(rid in self._streams for rid in ids):
             raise RequestRefused(f"Request id {request_id!r} is already in use")
         # past what the server ever holds, the request is too large by n, or by its prompts
-        self._admit(len(ids), "n" if len(prompts) == 1 else "prompt")
+        self.admission.check(len(ids), self.num_unfinished, "n" if len(prompts) == 1 else "prompt")
         params = with_bad_words_token_ids(params, self.tokenizer)   # here, once, not per choice in the core
         try:  # encoded before anything is registered: a request the core cannot receive leaves no trace
             frame = input_encoder.encode(AddRequest(ids[::n], [list(p) for p in prompts], params,
                                                     [ids[p * n + 1:(p + 1) * n] for p in range(len(prompts))],
-                                                    priority))
+                                                    priority, self._client))
         except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
             raise RequestRefused(f"The request cannot be passed to the engine: {exc}") from None
         states = [RequestState(self.tokenizer, prompts[c // n], params, c, keep=keep_outputs)
@@ -230,28 +268,6 @@ class AsyncEngine:
             self._streams[rid] = stream
         self._send_frame(frame)
         return stream
-
-    def _admit(self, num_seqs: int, param: str) -> None:
-        if self.max_queue_len is None:
-            return
-        capacity = self.config.max_num_seqs + self.max_queue_len
-        if num_seqs > capacity:
-            raise RequestRefused(f"The request asks for {num_seqs} sequences (prompts × n), more than this server "
-                                 f"ever holds at once ({capacity}: max_num_seqs + max_queue_len)", param,
-                                 "too_many_sequences")
-        if self.num_unfinished + num_seqs > capacity:
-            waiting = max(0, self.num_unfinished - self.config.max_num_seqs)
-            raise QueueFullError(f"{waiting} sequences are already waiting (max_queue_len {self.max_queue_len}); "
-                                 "retry later", self._retry_after(waiting + num_seqs))
-
-    def _retry_after(self, queued: int) -> int:
-        """Seconds until about `queued` sequences have drained, at the recent rate; jittered so that
-        refused clients do not all come back in the same second."""
-        now = time.monotonic()
-        recent = [t for t in self._finished_times if now - t < 30.0]
-        rate = len(recent) / 30.0
-        estimate = queued / rate if rate > 0 else 5.0
-        return max(1, min(60, round(estimate * random.uniform(0.75, 1.25))))
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Drop these requests in the core and free their blocks; unknown ids are ignored."""
@@ -302,7 +318,7 @@ class AsyncEngine:
             try:
                 if stream.on_step(step):
                     del self._streams[step.request_id]
-                    self._finished_times.append(time.monotonic())
+                    self.admission.finished()
                     if not step.finished:
                         done.append(step.request_id)
             except Exception:  # noqa: BLE001 - detokenizing one request must not fail the others
@@ -311,6 +327,9 @@ class AsyncEngine:
                                                                  "output"))
         if done:
             self._send(AbortRequests(done))
+        if self._link is not None and self._link.count > 1:
+            # the core's count includes this front end's own, less those it has not yet received
+            self.admission.others = max(0, message.stats.num_running + message.stats.num_waiting - len(self._streams))
 
     def _fail(self, request_ids: list[str], exc: BaseException) -> None:
         streams = {self._streams.get(rid) for rid in request_ids} - {None}

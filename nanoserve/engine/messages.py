@@ -66,6 +66,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     params: SamplingParams
     fork_ids: list[list[str]]
     priority: int = 0   # under the priority policy, lower values are served first
+    client: int = 0     # which front end sent it (of --api-server-count): its outputs go back there
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -73,7 +74,11 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
-    """Stop stepping, close the tensor-parallel workers and exit."""
+    """This front end is done. Once every front end has said so, the core stops stepping, closes the
+    tensor-parallel workers and exits; at once with `everyone` (the server's main process: all its
+    front ends have exited, whether or not each said so)."""
+
+    everyone: bool = False
 
 
 EngineInput = AddRequest | AbortRequests | Shutdown

@@ -13,7 +13,7 @@ import os
 import socket
 
 from nanoserve.config import EngineConfig
-from nanoserve.lifetime import die_with_parent
+from nanoserve.lifetime import die_with_parent, ignore_stop_signals
 from nanoserve.runner.parallel import TensorParallel, init_process_group
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, parent_pid: 
     from nanoserve.runner.model_runner import ModelRunner
 
     die_with_parent(parent_pid)  # a SIGKILLed engine must not leave its workers on the GPU
+    ignore_stop_signals()
     tp = init_process_group(rank, config.tensor_parallel_size, init_method, config.device)
     runner = ModelRunner(config, tp=tp)
     runner.serve_steps()

@@ -12,6 +12,7 @@ import sys
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import anyio
 import uvicorn
@@ -234,31 +235,53 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(config: EngineConfig, settings: ServerSettings, host: str = "0.0.0.0", port: int = 8000,
-          max_queue_len: int | None = None, shutdown_timeout: float = 30.0, log_level: str = "info",
-          tls: TLSFiles | None = None, uvicorn_log_level: str | None = None, access_log: bool = True) -> None:
+@dataclass(frozen=True)
+class HTTPOptions:
+    """How a front end listens, admits and stops: the HTTP side of `serve`."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    max_queue_len: int | None = None    # sequences waiting past max_num_seqs before a 503
+    shutdown_timeout: float = 30.0      # the drain's limit on SIGTERM
+    log_level: str = "info"
+    tls: TLSFiles | None = None         # serve HTTPS with these files
+    uvicorn_log_level: str | None = None   # uvicorn's own lines (access lines included); log_level's by default
+    access_log: bool = True             # false drops the access lines alone
+
+
+def serve(config: EngineConfig, settings: ServerSettings, options: HTTPOptions = HTTPOptions(),
+          api_server_count: int = 1) -> None:
     """Serve until SIGINT/SIGTERM; exit non-zero if the engine died or the drain was cut short.
 
     The port is taken first; the engine core then loads the model in its own process while the
     port does not yet accept connections. On SIGTERM uvicorn stops accepting connections and
-    waits up to `shutdown_timeout` seconds for requests in flight, streams included, to finish.
-    `tls`: serve HTTPS with these files. `uvicorn_log_level`: uvicorn's own lines (access lines
-    included), log_level's by default; `access_log` false drops the access lines alone.
+    waits up to `options.shutdown_timeout` seconds for requests in flight, streams included, to
+    finish. With `api_server_count` > 1 that many front-end processes share the port and the core
+    (server/api_servers.py).
     """
-    sock = bind_socket(host, port)
-    engine = AsyncEngine(config, max_queue_len=max_queue_len, log_level=log_level.upper())
-    logger.info("Serving %s as %s on %s://%s:%d once the engine is ready (device %s, dtype %s)",
-                config.model, settings.served_model_names, "https" if tls else "http", host, port, config.device,
-                str(config.dtype).removeprefix("torch."))
-    uv_config = uvicorn.Config(None, host=host, port=port, log_level=uvicorn_log_level or log_level,
-                               access_log=access_log,
-                               timeout_graceful_shutdown=shutdown_timeout, **uvicorn_options(settings.limits),
-                               **(tls.uvicorn_options() if tls else {}))
+    sock = bind_socket(options.host, options.port)
+    logger.info("Serving %s as %s on %s://%s:%d once the engine is ready (device %s, dtype %s%s)",
+                config.model, settings.served_model_names, "https" if options.tls else "http", options.host,
+                options.port, config.device, str(config.dtype).removeprefix("torch."),
+                f", {api_server_count} front-end processes" if api_server_count > 1 else "")
+    if api_server_count > 1:
+        from nanoserve.server.api_servers import run_api_servers
+        sys.exit(run_api_servers(config, settings, options, sock, api_server_count))
+    engine = AsyncEngine(config, max_queue_len=options.max_queue_len, log_level=options.log_level.upper())
+    sys.exit(run_front_end(engine, settings, options, sock))
+
+
+def run_front_end(engine: AsyncEngine, settings: ServerSettings, options: HTTPOptions, sock: socket.socket) -> int:
+    """uvicorn serving the app around `engine` on the bound `sock` until it is told to stop; the exit code."""
+    uv_config = uvicorn.Config(None, host=options.host, port=options.port,
+                               log_level=options.uvicorn_log_level or options.log_level,
+                               access_log=options.access_log, timeout_graceful_shutdown=options.shutdown_timeout,
+                               **uvicorn_options(settings.limits),
+                               **(options.tls.uvicorn_options() if options.tls else {}))
     server = Server(uv_config, engine)
     uv_config.app = build_app(engine, settings, on_fatal=server.fatal)
     if threading.current_thread() is threading.main_thread():
         # uvicorn drains, then re-raises SIGTERM to the handler it found: exit with the drain's verdict
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(server.exit_code))
     server.run(sockets=[sock])
-    if server.exit_code or not server.started:
-        sys.exit(server.exit_code or 1)
+    return server.exit_code or (0 if server.started else 1)

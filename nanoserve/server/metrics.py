@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -64,15 +65,25 @@ class EngineCollector(Collector):
 
 
 class ServerMetrics:
-    """The registry of one server and the request-level metrics it records, once per request."""
+    """The registry of one server and the request-level metrics it records, once per request.
+
+    With `multiprocess_dir` (front ends sharing one port, server/api_servers.py) the request-level
+    counters and histograms are those of every front end, summed from the files prometheus_client
+    keeps there (its multiprocess mode, which PROMETHEUS_MULTIPROC_DIR turned on before it was
+    imported): a scrape answered by any one process shows the whole server. The engine's gauges come
+    from the core's stats, which every front end receives alike."""
 
     def __init__(self, stats: Callable[[], EngineStats], log_requests: bool = True,
-                 alive: Callable[[], bool] = lambda: True, prefix: str = "nanoserve") -> None:
+                 alive: Callable[[], bool] = lambda: True, prefix: str = "nanoserve",
+                 multiprocess_dir: str | None = None) -> None:
         self.log_requests = log_requests  # one log line per finished request
         self.prefix = prefix
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(stats, alive))
         r = self.registry
+        if multiprocess_dir is not None:
+            MultiProcessCollector(self.registry, path=multiprocess_dir)
+            r = CollectorRegistry()   # never scraped: the values go to this process's files
         self.prompt_tokens = Counter("nanoserve:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("nanoserve:generation_tokens", "Tokens generated", registry=r)
         self.request_success = Counter("nanoserve:request_success", "Finished choices by finish reason",

@@ -55,6 +55,7 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" needs it, as in vLLM
     reasoning_parser: str | None = None  # splits reasoning_content from content (server/reasoning.py)
     limits: ServerLimits = field(default_factory=ServerLimits)
+    metrics_dir: str | None = None   # several front ends: where their request metrics meet (server/metrics.py)
 
 
 class ServerState:
@@ -74,7 +75,7 @@ class ServerState:
         self.specs = SpecChecker(self.tokenizer, engine.vocab_size, settings.limits.timeout_grammar_compile)
         self.prompt_size = PromptSize(list(engine.tokenizer.get_vocab()), engine.config.max_model_len)
         self.metrics = ServerMetrics(lambda: engine.stats, settings.log_requests, lambda: engine.error is None,
-                                     settings.metrics_prefix)
+                                     settings.metrics_prefix, settings.metrics_dir)
         self.budget = OutputBudget(int(settings.limits.max_undelivered_mb * MiB))
         self.metrics.registry.register(BudgetCollector(self.budget))
         self.created = int(time.time())

@@ -233,9 +233,10 @@ class ServerProcess:
 
     def __init__(self, model: str, log_dir: Path, *args: str, api_key: str | None = None,
                  env: dict[str, str] | None = None, verify: ssl.SSLContext | bool = True,
-                 served_as: str | None = "tiny") -> None:
+                 served_as: str | None = "tiny", new_session: bool = False) -> None:
         """verify: what httpx checks the server's certificate by, when args make it serve HTTPS;
-        served_as: the --served-model-name (None: the server's default)."""
+        served_as: the --served-model-name (None: the server's default); new_session: the server
+        leads a process group of its own (one that a test may signal whole)."""
         self.port = free_port()
         self.url = f"{'https' if '--ssl-certfile' in args else 'http'}://127.0.0.1:{self.port}"
         self.verify = verify
@@ -253,7 +254,8 @@ class ServerProcess:
         env.pop("VLLM_API_KEY", None)
         env.update(extra_env)
         self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                     start_new_session=new_session)
         self.wait_ready()
 
     def __enter__(self) -> "ServerProcess":

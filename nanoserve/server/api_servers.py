@@ -1,0 +1,147 @@
+"""`serve --api-server-count N`: N front-end processes share the listening socket and one engine core.
+
+One front end is one event loop: HTTP parsing, tokenizing, detokenizing and SSE for every request
+run on one core, and at ~45 us of front-end CPU per streamed token that core is the limit past
+~20k tokens/s. Here the server's main process binds the port, starts the engine core and N
+front ends, and supervises them: the kernel hands each new connection to one front end, each
+front end sends its requests to the core and gets back only their outputs (engine/core.py routes
+them), and every front end sees the core's stats. Any process that dies unasked stops the server
+with a non-zero exit, as a single front end does when its engine dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+
+import zmq
+
+from nanoserve.config import EngineConfig
+from nanoserve.defaults import LOG_FORMAT
+from nanoserve.engine.async_engine import AsyncEngine, CoreLink, exit_reason
+from nanoserve.engine.core import run_engine_process
+from nanoserve.engine.messages import Shutdown, input_encoder
+from nanoserve.lifetime import die_with_parent
+from nanoserve.server.app import HTTPOptions, run_front_end
+from nanoserve.server.state import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+_CORE_STOP_S = 30.0   # for the core to stop once every front end has gone
+
+
+def run_api_servers(config: EngineConfig, settings: ServerSettings, options: HTTPOptions, sock: socket.socket,
+                    count: int) -> int:
+    """Start the core and `count` front ends on the bound `sock`; supervise them until all have
+    exited. The exit code: 0 after a clean stop, 1 if any process failed or died unasked."""
+    workdir = tempfile.mkdtemp(prefix="nanoserve-")
+    metrics_dir = os.path.join(workdir, "metrics")
+    os.mkdir(metrics_dir)
+    # prometheus_client reads it as each front end imports it (they are spawned: they inherit it)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    links = [CoreLink(i, count, f"ipc://{workdir}/input-{i}", f"ipc://{workdir}/output-{i}", 0) for i in range(count)]
+    spawn = multiprocessing.get_context("spawn")   # a CUDA context cannot be forked
+    level = options.log_level.upper()
+    control = f"ipc://{workdir}/control"   # this process's own line to the core, to stop it
+    core = spawn.Process(target=run_engine_process, name="nanoserve-engine",
+                         args=(config, [control, *(link.input_address for link in links)],
+                               [link.output_address for link in links], os.getpid(), level))
+    supervisor = _Supervisor(core, control)   # from here a SIGTERM or SIGINT is a stop, whatever has started
+    try:
+        core.start()
+        for link in links:
+            # one line of engine statistics for the server, not one per front end
+            own = dataclasses.replace(settings, metrics_dir=metrics_dir, log_stats=settings.log_stats and link.index == 0)
+            front_end = spawn.Process(target=_front_end_main, name=f"nanoserve-api-{link.index}",
+                                      args=(config, own, options, sock, dataclasses.replace(link, core_pid=core.pid),
+                                            os.getpid()))
+            front_end.start()
+            supervisor.front_ends.append(front_end)
+        sock.close()   # the front ends hold their own copies
+        return supervisor.run()
+    finally:
+        for process in [core, *supervisor.front_ends]:
+            if process.is_alive():
+                process.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _front_end_main(config: EngineConfig, settings: ServerSettings, options: HTTPOptions, sock: socket.socket,
+                    link: CoreLink, parent_pid: int) -> None:
+    die_with_parent(parent_pid)
+    logging.basicConfig(level=options.log_level.upper(), format=LOG_FORMAT.replace("%(name)s", f"[api {link.index}] %(name)s"))
+    engine = AsyncEngine(config, max_queue_len=options.max_queue_len, log_level=options.log_level.upper(), link=link)
+    sys.exit(run_front_end(engine, settings, options, sock))
+
+
+class _Supervisor:
+    """Waits for the front ends; forwards a stop to them; stops them all when one fails unasked; then
+    sees the core out. SIGINT from a terminal reaches every process of the group: the front ends
+    drain on their own and the core waits for them, as with one front end."""
+
+    def __init__(self, core: multiprocessing.process.BaseProcess, control_address: str) -> None:
+        self.core = core
+        self.context = zmq.Context()
+        self.control = self.context.socket(zmq.PUSH)
+        self.control.bind(control_address)
+        self.front_ends: list[multiprocessing.process.BaseProcess] = []
+        self.stopping = False
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+
+    def stop(self, *_) -> None:
+        self.stopping = True
+        for process in self.front_ends:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM)   # uvicorn drains on SIGTERM; a second SIGINT would cut
+
+    def run(self) -> int:
+        """The exit code: 0 after a clean stop, 1 if any process failed or died unasked."""
+        code = 0
+        running = {process.sentinel: process for process in self.front_ends}
+        if self.stopping:   # asked before the last front end had started
+            self.stop()
+        while running:
+            for sentinel in multiprocessing.connection.wait(list(running)):
+                process = running.pop(sentinel)
+                process.join()
+                # a front end stopped before it had set up its handlers dies of the SIGTERM itself,
+                # with nothing in flight: that is a clean stop too
+                if process.exitcode != 0 and not (self.stopping and process.exitcode == -signal.SIGTERM):
+                    code = 1
+                if not self.stopping:
+                    logger.error("Front end %s %s; stopping the server", process.name, exit_reason(process))
+                    self.stop()
+        return self._see_core_out(code)
+
+    def _see_core_out(self, code: int) -> int:
+        # a front end that stopped cleanly told the core so, one that failed or was stopped while it
+        # started did not: the core stops now, having finished its step and closed its workers
+        core, deadline = self.core, time.monotonic() + _CORE_STOP_S
+        while core.is_alive() and time.monotonic() < deadline:
+            try:   # a core still importing has not connected yet: the message waits for it
+                self.control.send(input_encoder.encode(Shutdown(everyone=True)), zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                core.join(0.05)
+        self.control.close(linger=1000)
+        self.context.term()
+        core.join(max(0.0, deadline - time.monotonic()))
+        if core.is_alive():
+            logger.warning("The engine core did not stop in %.0f s after the front ends; killing it", _CORE_STOP_S)
+            core.kill()
+            core.join()
+            return 1
+        if core.exitcode != 0:
+            logger.error("The engine core %s", exit_reason(core))
+            return 1
+        return code
