@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [served-asc] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +37,10 @@ for part in $parts; do
     t256) python3 bench/throughput.py --num-seqs 256 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
     sync) python3 bench/throughput.py --num-seqs 256 --no-async-scheduling 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
     served) OUT="$out" bash bench/served_vs_offline.sh offline inf rates single 2>&1 | grep -vE "it/s" ;;
+    served-asc) # the fp8 workload served by 1, then 2 front-end processes (--api-server-count), 8 client processes
+         for asc in 1 2; do echo "== fp8, --api-server-count $asc"
+           OUT="$out/served-asc$asc" SERVE_ARGS="--kv-cache-dtype fp8 --api-server-count $asc ${ASC_ARGS:-}" CLIENTS=8 \
+             bash bench/served_vs_offline.sh inf 2>&1 | grep -vE "it/s"; done ;;
     spy-json) # where the host's time goes in constrained steps: collapsed stacks of every thread (py-spy from .whl)
           /tmp/site/bin/py-spy record -r 250 --threads --format raw -o /tmp/json-spy.txt -- \
             python3 bench/throughput.py --num-seqs 256 --json-schema --runs 1 2>&1 | grep -E "^throughput|^triton|Error"
