@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the same as the MODEL argument, as vLLM's `serve --model` takes it")
     serve.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--uds", default=None, metavar="PATH",
+                       help="listen on this Unix domain socket instead of --host and --port")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="names clients use in 'model' (default: the MODEL argument as given)")
     serve.add_argument("--api-key", default=_api_key_from_environment(),
@@ -248,7 +250,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     # on the CPU the front end (HTTP, tokenizing, SSE) keeps a core of its own beside the engine
     threads = cpu_compute_threads(args.tensor_parallel_size, reserved=args.api_server_count)
     options = HTTPOptions(args.host, args.port, args.max_queue_len, args.shutdown_timeout, args.log_level, tls,
-                          args.uvicorn_log_level, not args.disable_uvicorn_access_log)
+                          args.uvicorn_log_level, not args.disable_uvicorn_access_log, args.uds)
     serve(EngineConfig(**kwargs, cpu_threads=threads), settings, options, args.api_server_count)
 
 

@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import uuid
@@ -222,8 +224,11 @@ class Server(uvicorn.Server):
             self.exit_code = self.exit_code or 1
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Take the port now, before the model loads, so that a busy port fails in a second, not after it."""
+def bind_socket(host: str, port: int, uds: str | None = None) -> socket.socket:
+    """Take the port (or the Unix socket's path) now, before the model loads, so that a busy one fails
+    in a second, not after it."""
+    if uds is not None:
+        return _bind_unix_socket(uds)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -232,6 +237,28 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise SystemExit(f"nanoserve: error: cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def _bind_unix_socket(path: str) -> socket.socket:
+    """A socket left by a server that died is taken over; one that a live server answers on, or a
+    file that is not a socket, is refused."""
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise SystemExit(f"nanoserve: error: cannot listen on {path}: it exists and is not a socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(path)
+            except OSError:
+                os.unlink(path)   # nothing answers: a dead server's
+            else:
+                raise SystemExit(f"nanoserve: error: cannot listen on {path}: another server answers there")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"nanoserve: error: cannot listen on {path}: {exc.strerror or exc}") from None
     return sock
 
 
@@ -247,6 +274,12 @@ class HTTPOptions:
     tls: TLSFiles | None = None         # serve HTTPS with these files
     uvicorn_log_level: str | None = None   # uvicorn's own lines (access lines included); log_level's by default
     access_log: bool = True             # false drops the access lines alone
+    uds: str | None = None              # listen on this Unix socket's path instead of host:port
+
+    @property
+    def address(self) -> str:
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}+unix://{self.uds}" if self.uds else f"{scheme}://{self.host}:{self.port}"
 
 
 def serve(config: EngineConfig, settings: ServerSettings, options: HTTPOptions = HTTPOptions(),
@@ -259,16 +292,23 @@ def serve(config: EngineConfig, settings: ServerSettings, options: HTTPOptions =
     finish. With `api_server_count` > 1 that many front-end processes share the port and the core
     (server/api_servers.py).
     """
-    sock = bind_socket(options.host, options.port)
-    logger.info("Serving %s as %s on %s://%s:%d once the engine is ready (device %s, dtype %s%s)",
-                config.model, settings.served_model_names, "https" if options.tls else "http", options.host,
-                options.port, config.device, str(config.dtype).removeprefix("torch."),
+    sock = bind_socket(options.host, options.port, options.uds)
+    logger.info("Serving %s as %s on %s once the engine is ready (device %s, dtype %s%s)",
+                config.model, settings.served_model_names, options.address, config.device,
+                str(config.dtype).removeprefix("torch."),
                 f", {api_server_count} front-end processes" if api_server_count > 1 else "")
-    if api_server_count > 1:
-        from nanoserve.server.api_servers import run_api_servers
-        sys.exit(run_api_servers(config, settings, options, sock, api_server_count))
-    engine = AsyncEngine(config, max_queue_len=options.max_queue_len, log_level=options.log_level.upper())
-    sys.exit(run_front_end(engine, settings, options, sock))
+    try:
+        if api_server_count > 1:
+            from nanoserve.server.api_servers import run_api_servers
+            code = run_api_servers(config, settings, options, sock, api_server_count)
+        else:
+            engine = AsyncEngine(config, max_queue_len=options.max_queue_len, log_level=options.log_level.upper())
+            code = run_front_end(engine, settings, options, sock)
+    finally:
+        if options.uds is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(options.uds)
+    sys.exit(code)
 
 
 def run_front_end(engine: AsyncEngine, settings: ServerSettings, options: HTTPOptions, sock: socket.socket) -> int:

@@ -1,0 +1,89 @@
+"""`serve --uds PATH`: the server listens on a Unix domain socket instead of a TCP port (vLLM's flag),
+for a proxy or sidecar on the same machine. A dead server's socket file is taken over, a live
+server's or a file that is not a socket is refused, and a stop removes the file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import DEVICE, REPO, SERVER_ARGS
+
+
+def _serve(model: str, path: Path, log: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "serve", model, "--uds", str(path), "--device",
+                             DEVICE, "--served-model-name", "tiny", *SERVER_ARGS, *args],
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def _client(path: Path) -> httpx.Client:
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://nanoserve", timeout=30)
+
+
+def _wait_healthy(server: subprocess.Popen, path: Path, log: Path) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert server.poll() is None, log.read_text()
+        try:
+            with _client(path) as client:
+                if client.get("/health").status_code == 200:
+                    return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(log.read_text())
+
+
+@pytest.mark.parametrize("count", ["1", "2"])
+def test_serves_the_openai_client_on_a_unix_socket_and_removes_it_on_stop(server_model, tmp_path, count):
+    path, log = tmp_path / "nanoserve.sock", tmp_path / "server.log"
+    # a dead server's socket file: bound, never unlinked
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()
+    server = _serve(server_model, path, log, "--api-server-count", count)
+    try:
+        _wait_healthy(server, path, log)
+        with openai.OpenAI(base_url="http://nanoserve/v1", api_key="none", max_retries=0,
+                           http_client=_client(path)) as client:
+            whole = client.completions.create(model="tiny", prompt="The weather", max_tokens=12, temperature=0)
+            streamed = "".join(c.choices[0].text for c in client.completions.create(
+                model="tiny", prompt="The weather", max_tokens=12, temperature=0, stream=True) if c.choices)
+            assert whole.choices[0].text == streamed and whole.usage.completion_tokens > 0
+        # another server on the same path is refused at once, before its model loads
+        second = subprocess.run([sys.executable, "-m", "nanoserve.cli", "serve", server_model, "--uds", str(path),
+                                 "--device", DEVICE], capture_output=True, text=True, cwd=REPO, timeout=120,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert second.returncode != 0 and "another server answers there" in second.stderr
+        with _client(path) as http:
+            assert http.get("/health").status_code == 200   # and the first one still serves
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0, log.read_text()
+        assert not path.exists()
+    finally:
+        server.kill()
+
+
+def test_a_path_that_is_not_a_socket_is_refused(server_model, tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("keep me")
+    done = subprocess.run([sys.executable, "-m", "nanoserve.cli", "serve", server_model, "--uds", str(path),
+                           "--device", DEVICE], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode != 0 and "exists and is not a socket" in done.stderr
+    assert path.read_text() == "keep me"
+    too_long = tmp_path / ("x" * 120)
+    done = subprocess.run([sys.executable, "-m", "nanoserve.cli", "serve", server_model, "--uds", str(too_long),
+                           "--device", DEVICE], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode != 0 and "cannot listen on" in done.stderr and "Traceback" not in done.stderr
