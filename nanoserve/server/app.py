@@ -27,7 +27,7 @@ from nanoserve import __version__
 from nanoserve.config import EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError
 from nanoserve.lifetime import freeze_startup_heap
-from nanoserve.server import chat, completions, info, responses
+from nanoserve.server import chat, completions, info, invocations, responses
 from nanoserve.server.backlog import BudgetMiddleware
 from nanoserve.server.connections import always_served, canonical_path, uvicorn_options
 from nanoserve.server.errors import APIError, install_handlers
@@ -137,7 +137,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings,
     app.state.server = ServerState(engine, settings)
     install_handlers(app)
     install_openapi(app, has_api_key=bool(settings.api_key))
-    for module in (completions, chat, responses, info):
+    for module in (completions, chat, responses, info, invocations):
         app.include_router(module.router)
     # innermost: it counts the body messages the routes send
     app.add_middleware(BudgetMiddleware, budget=app.state.server.budget)

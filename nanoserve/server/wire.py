@@ -127,6 +127,15 @@ async def _values_outside_strings(body: bytes) -> int:
     return values
 
 
+async def read_body(request: Request) -> bytes:
+    """The whole body; Starlette keeps it, so that a later read gets it again."""
+    try:
+        return await request.body()
+    except ClientDisconnect:   # gone, or cut off by --timeout-body: nobody reads the answer
+        raise APIError("The connection closed before the request body was complete", param=None,
+                       code="incomplete_body") from None
+
+
 async def parse_body(request: Request, model: type[M]) -> M:
     """The request's JSON body validated against `model`; any problem is a 400 naming the field."""
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
@@ -137,11 +146,7 @@ async def parse_body(request: Request, model: type[M]) -> M:
     if encoding not in ("", "identity"):   # an empty header names no coding: the body is as sent
         raise APIError(f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed",
                        param=None, code="unsupported_content_encoding")
-    try:
-        body = await request.body()
-    except ClientDisconnect:   # gone, or cut off by --timeout-body: nobody reads the answer
-        raise APIError("The connection closed before the request body was complete", param=None,
-                       code="incomplete_body") from None
+    body = await read_body(request)
     await check_json_values(body, request.app.state.server.settings.limits.max_request_json_values)
     try:
         if len(body) <= INLINE_BODY_BYTES:

@@ -114,18 +114,25 @@ def _admitted(proc: ServerProcess) -> float:
     return m["nanoserve:num_requests_running"] + m["nanoserve:num_requests_waiting"]
 
 
+def streaming(proc: ServerProcess, name: str, count: int, tokens: int) -> tuple[list[threading.Thread], dict]:
+    """`count` streams of `tokens` tokens each, once the core holds them all: their threads, and
+    where each puts its (status, events) under its prompt."""
+    ends: dict = {}
+    streams = [threading.Thread(target=_stream, args=(proc.url, f"{name} {i}", tokens, ends)) for i in range(count)]
+    for t in streams:
+        t.start()
+    deadline = time.monotonic() + 60
+    while _admitted(proc) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return streams, ends
+
+
 def test_admission_counts_the_other_front_ends_sequences(server_model, tmp_path):
     # room for 2 running + 2 waiting in the whole server, not in each front end
     with ServerProcess(server_model, tmp_path, *SERVER_ARGS[:4], "--max-num-seqs", "2", "--max-queue-len", "2",
                        "--api-server-count", "2") as proc:
         started(proc)
-        ends: dict = {}
-        streams = [threading.Thread(target=_stream, args=(proc.url, f"Long {i}", 400, ends)) for i in range(4)]
-        for t in streams:
-            t.start()
-        deadline = time.monotonic() + 60
-        while _admitted(proc) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        streams, ends = streaming(proc, "Long", 4, 400)
         refused = [httpx.post(f"{proc.url}/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=30)
                    for _ in range(8)]
         assert [r.status_code for r in refused] == [503] * 8, [r.text for r in refused]
@@ -139,13 +146,7 @@ def test_admission_counts_the_other_front_ends_sequences(server_model, tmp_path)
 def test_sigterm_drains_both_front_ends_and_every_process_exits_zero(server_model, tmp_path):
     proc = started(ServerProcess(server_model, tmp_path, *SERVER_ARGS, "--api-server-count", "2"))
     core, front_ends = processes(proc)
-    ends: dict = {}
-    streams = [threading.Thread(target=_stream, args=(proc.url, f"Drain {i}", 300, ends)) for i in range(6)]
-    for t in streams:
-        t.start()
-    deadline = time.monotonic() + 60
-    while _admitted(proc) < 6 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    streams, ends = streaming(proc, "Drain", 6, 300)
     proc.proc.send_signal(signal.SIGTERM)
     for t in streams:
         t.join(120)
@@ -165,13 +166,7 @@ def test_sigterm_to_the_whole_process_group_drains_as_sigterm_to_the_server(serv
     try:
         if count == "2":
             started(proc)
-        ends: dict = {}
-        streams = [threading.Thread(target=_stream, args=(proc.url, f"Group {i}", 300, ends)) for i in range(4)]
-        for t in streams:
-            t.start()
-        deadline = time.monotonic() + 60
-        while _admitted(proc) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        streams, ends = streaming(proc, "Group", 4, 300)
         os.killpg(proc.proc.pid, signal.SIGTERM)
         for t in streams:
             t.join(120)
@@ -220,13 +215,7 @@ def test_killing_the_engine_fails_streams_on_both_front_ends_then_the_server_exi
     try:
         started(proc)
         core, front_ends = processes(proc)
-        ends: dict = {}
-        streams = [threading.Thread(target=_stream, args=(proc.url, f"Doomed {i}", 1500, ends)) for i in range(8)]
-        for t in streams:
-            t.start()
-        deadline = time.monotonic() + 60
-        while _admitted(proc) < 8 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        streams, ends = streaming(proc, "Doomed", 8, 1500)
         killed = time.monotonic()
         os.kill(core, signal.SIGKILL)
         for t in streams:
