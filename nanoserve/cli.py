@@ -210,6 +210,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if args.api_key is None and os.environ.get(name) == "":
             print(f"nanoserve: warning: {name} is set but empty: serving without an API key", file=sys.stderr)
     _check_seconds(args, parser)
+    _check_cors(args, parser)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_PARSERS)})")
     if args.model_flag is not None:
@@ -269,6 +270,16 @@ def _check_seconds(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         # nan: the drain on SIGTERM crashed with a traceback and cut every request at once
         parser.error(f"--shutdown-timeout must be a number of seconds >= 0 (inf: wait for every request), "
                      f"got {args.shutdown_timeout}")
+
+
+def _check_cors(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """CORS values are sent in, or matched against, headers: one a header cannot carry (a stray
+    newline, a space, a character past latin-1) failed every preflight with an empty reply."""
+    for flag in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        for value in getattr(args, flag):
+            if not value or not value.isascii() or not value.isprintable() or " " in value:
+                parser.error(f"--{flag.replace('_', '-')} {value!r} is not a header value: give printable ASCII "
+                             "without spaces (an origin's host in its punycode form, xn--...)")
 
 
 def _chat_template(value: str | None) -> str | None:

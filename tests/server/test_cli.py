@@ -207,6 +207,11 @@ def test_generate_checks_its_flags_before_loading_weights(monkeypatch, capsys):
     (["--engine-death-grace-period", "-5"], "--engine-death-grace-period must be a finite number of seconds >= 0"),
     (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a number of seconds >= 0"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0"),
+    # a value a header cannot carry (a stray newline from a quoted variable, or a character past
+    # latin-1) failed every CORS preflight with an empty reply, not the server's start
+    (["--allowed-origins", "*", "--allowed-headers", "X-Foo\nX-Bar"], "--allowed-headers 'X-Foo\\nX-Bar'"),
+    (["--allowed-origins", "*", "--allowed-methods", "GET", "PO ST"], "--allowed-methods 'PO ST'"),
+    (["--allowed-origins", "https://b\u00e9\u4e2d.example"], "--allowed-origins 'https://b\u00e9\u4e2d.example'"),
 ])
 def test_serve_checks_its_flags_before_loading_weights(monkeypatch, capsys, flags, message):
     assert message in serve_refusal(monkeypatch, capsys, *flags)
