@@ -26,9 +26,24 @@ def weight_files(folder: str) -> list[str]:
     beside its shards), else every one."""
     index = os.path.join(folder, SAFETENSORS_INDEX)
     if os.path.isfile(index):
-        with open(index) as f:
-            return sorted(set(json.load(f)["weight_map"].values()))
+        return _indexed_files(index)
     return sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
+
+
+def _indexed_files(index: str) -> list[str]:
+    """The files an index's weight_map names; ValueError for an index that is not one (its loader
+    raised KeyError or TypeError), or that names a file outside its folder."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        names = set(weight_map.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        names = None
+    if not names or not all(isinstance(name, str) and name.endswith(".safetensors") and not os.path.isabs(name)
+                            and ".." not in name.replace("\\", "/").split("/") for name in names):
+        raise ValueError(f"{index} is not a safetensors index: it needs a 'weight_map' of "
+                         "tensor names to *.safetensors files in its folder")
+    return sorted(names)
 
 
 def resolve_model(name: str, revision: str | None = None, download_dir: str | None = None,

@@ -25,7 +25,13 @@ def hub(server_model, tmp_path_factory):
     sharded = folder_files(sharded_copy(tmp_path_factory.mktemp("hub") / "sharded"))
     repos = {REPO_ID: {**model, **decoys}, "acme/sharded": sharded,
              "acme/gated": model,
-             "acme/bin-only": {"config.json": model["config.json"], "pytorch_model.bin": b"\0" * 64}}
+             "acme/bin-only": {"config.json": model["config.json"], "pytorch_model.bin": b"\0" * 64},
+             # indexes no checkpoint writes: none of them may end in a traceback, or send the loader
+             # to a file outside the snapshot
+             "acme/index-without-map": {**model, "model.safetensors.index.json": b'{"metadata": {}}'},
+             "acme/index-not-json": {**model, "model.safetensors.index.json": b"{weight_map"},
+             "acme/index-outside": {**model, "model.safetensors.index.json":
+                                    b'{"weight_map": {"lm_head.weight": "../../../../outside.safetensors"}}'}}
     with FakeHub(repos, gated=("acme/gated",)) as running:
         yield running
 
@@ -83,6 +89,9 @@ def test_a_sharded_repository_fetches_the_files_its_index_names_and_no_other_cop
     (REPO_ID, ("--revision", "v9"), {}, "it has no revision 'v9' (--revision)"),
     (REPO_ID, (), {"HF_HUB_OFFLINE": "1"}, "it is not in the Hub's cache"),
     ("/no/such/folder", (), {}, "Model folder '/no/such/folder' does not exist"),
+    ("acme/index-without-map", (), {}, "model.safetensors.index.json is not a safetensors index"),
+    ("acme/index-not-json", (), {}, "model.safetensors.index.json is not a safetensors index"),
+    ("acme/index-outside", (), {}, "model.safetensors.index.json is not a safetensors index"),
 ])
 def test_a_model_that_cannot_be_fetched_is_refused_before_anything_loads(hub, tmp_path, model, flags, env, refusal):
     done = nanoserve("serve", model, "--device", "cpu", "--download-dir", str(tmp_path / "empty-cache"), *flags,
