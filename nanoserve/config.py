@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,17 @@ def resolve_dtype(name: str | torch.dtype | None, hf_config: PretrainedConfig, d
     if name not in _DTYPES:
         raise ValueError(f"Unknown dtype {name!r}; choose one of {sorted(set(_DTYPES))} or 'auto'")
     return _DTYPES[name]
+
+
+def _read_hf_config(model: str, trust_remote_code: bool) -> PretrainedConfig:
+    """The folder's config.json as transformers reads it; ValueError naming the file when it cannot
+    be read: transformers raises OSError for bad JSON, the Hub's dataclasses their own error for a
+    field of the wrong type, and a caller (the CLI) turns only ValueError into a refusal."""
+    try:
+        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except Exception as exc:   # noqa: BLE001 - whatever fails here, the file is the cause
+        raise ValueError(f"{os.path.join(model, 'config.json')} cannot be read as a model's config: "
+                         f"{type(exc).__name__}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -90,7 +102,7 @@ class EngineConfig:
             set_("model", DEFAULT_MODEL)
         set_("model", resolve_model(self.model, self.revision, self.download_dir, self.trust_remote_code))
         if self.hf_config is None:
-            set_("hf_config", AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code))
+            set_("hf_config", _read_hf_config(self.model, self.trust_remote_code))
         set_("tokenizer", self.tokenizer or self.model)
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):

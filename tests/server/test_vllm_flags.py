@@ -207,6 +207,17 @@ def test_a_model_folder_whose_defaults_no_request_could_take_is_refused_at_start
                                                            "vllm", "--port", "-1")   # ignored: the next check
 
 
+@pytest.mark.parametrize("content", ["{bad", '{"model_type": "qwen3", "hidden_size": "wide"}', "[]"])
+def test_a_model_folder_whose_config_cannot_be_read_is_refused_at_startup(tmp_path, monkeypatch, capsys, content):
+    # a config.json transformers cannot read ended serve in a traceback (OSError, or the Hub's
+    # StrictDataclassFieldValidationError), not a refusal naming the file
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL, model)
+    (model / "config.json").write_text(content)
+    refusal = serve_refusal(monkeypatch, capsys, str(model))
+    assert f"{model / 'config.json'} cannot be read as a model's config" in refusal
+
+
 def test_cors_request_id_usage_access_log_stream_interval_and_metrics_flags(server_model, tmp_path):
     origin = "https://app.example"
     with ServerProcess(server_model, tmp_path, "--allowed-origins", origin, "--allow-credentials",
