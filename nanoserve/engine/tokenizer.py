@@ -6,7 +6,13 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    """ValueError naming `path` when transformers cannot load it: its OSError (a path that is no
+    folder is read as a Hub id) ended serve and generate in a traceback."""
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(f"Tokenizer {path!r} (--tokenizer, else the model folder's own) cannot be loaded: "
+                         f"{exc}") from exc
 
 
 def eos_token_ids(model: str, tokenizer: PreTrainedTokenizerBase) -> set[int]:

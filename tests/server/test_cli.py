@@ -227,6 +227,17 @@ def test_serve_takes_the_model_as_a_flag_too(server_model):
     assert result.returncode == 2 and "given twice" in result.stderr
 
 
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_a_tokenizer_that_cannot_be_loaded_is_refused_naming_it(command):
+    # transformers' OSError (a path that is no folder is read as a Hub id, and refused as one) was a
+    # traceback, from the front end's AsyncEngine or the offline engine
+    args = ["--port", "0"] if command == "serve" else ["hi"]
+    result = run_cli(command, *args, "--device", "cpu", "--tokenizer", "/no/such/tokenizer", timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Tokenizer '/no/such/tokenizer' (--tokenizer, else the model folder's own) cannot be loaded" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_serve_refuses_cuda_when_there_is_none_instead_of_falling_back():
     import torch
 
