@@ -283,10 +283,23 @@ def _check_cors(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
 
 
 def _chat_template(value: str | None) -> str | None:
-    """The template text: read from a file when `value` names one (as vLLM's flag does)."""
-    if value is not None and os.path.isfile(value):
+    """The template text: read from a file when `value` names one (as vLLM's flag does). ValueError
+    for text that cannot be a template or does not compile: the server started, and every chat
+    request got a 400 that blamed its messages."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
         with open(value) as f:
-            return f.read()
+            value = f.read()
+    elif not any(mark in value for mark in "{}\n"):   # vLLM's rule: no Jinja in it, so a path
+        raise ValueError(f"--chat-template {value!r} is not a file, and no template (it has no Jinja in it)")
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:   # as apply_chat_template compiles it, with transformers' own tags
+        _compile_jinja_template(value)
+    except TemplateError as exc:
+        raise ValueError(f"--chat-template is not a Jinja template that compiles: {exc}") from None
     return value
 
 

@@ -209,6 +209,10 @@ def test_generate_checks_its_flags_before_loading_weights(monkeypatch, capsys):
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0"),
     # a value a header cannot carry (a stray newline from a quoted variable, or a character past
     # latin-1) failed every CORS preflight with an empty reply, not the server's start
+    # a template that cannot compile, or a file that is not there (read as the template's text),
+    # served every chat request a 400 that blamed its messages
+    (["--chat-template", "{% for %}"], "--chat-template is not a Jinja template that compiles"),
+    (["--chat-template", "/no/such/template.jinja"], "--chat-template '/no/such/template.jinja' is not a file"),
     (["--allowed-origins", "*", "--allowed-headers", "X-Foo\nX-Bar"], "--allowed-headers 'X-Foo\\nX-Bar'"),
     (["--allowed-origins", "*", "--allowed-methods", "GET", "PO ST"], "--allowed-methods 'PO ST'"),
     (["--allowed-origins", "https://b\u00e9\u4e2d.example"], "--allowed-origins 'https://b\u00e9\u4e2d.example'"),
