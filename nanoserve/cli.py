@@ -293,13 +293,10 @@ def _chat_template(value: str | None) -> str | None:
             value = f.read()
     elif not any(mark in value for mark in "{}\n"):   # vLLM's rule: no Jinja in it, so a path
         raise ValueError(f"--chat-template {value!r} is not a file, and no template (it has no Jinja in it)")
-    from jinja2 import TemplateError
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+    from nanoserve.server.conversation import template_compile_error
 
-    try:   # as apply_chat_template compiles it, with transformers' own tags
-        _compile_jinja_template(value)
-    except TemplateError as exc:
-        raise ValueError(f"--chat-template is not a Jinja template that compiles: {exc}") from None
+    if (error := template_compile_error(value)) is not None:
+        raise ValueError(f"--chat-template is not a Jinja template that compiles: {error}")
     return value
 
 

@@ -78,6 +78,9 @@ def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_
     try:
         text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
                                        continue_final_message=continue_final_message, **extra)
+    except jinja2.TemplateSyntaxError as exc:   # the server's template is broken, whatever the messages
+        raise APIError(f"The server's chat template does not compile ({exc}); chat requests fail until the server "
+                       "is given a working one with --chat-template", 500, code="chat_template_error") from None
     except (jinja2.TemplateError, TypeError, ValueError) as exc:  # e.g. "roles must alternate user/assistant"
         raise APIError(f"The chat template refused these messages: {exc}", param="messages") from None
     if keep_tokens is not None:   # its end alone is tokenized, as a long completion prompt's is

@@ -18,6 +18,19 @@ RESERVED_TEMPLATE_KWARGS = (set(inspect.signature(PreTrainedTokenizerBase.apply_
                             - {"self", "kwargs"}) | {"messages"}
 
 
+def template_compile_error(template: str) -> str | None:
+    """Why `template` does not compile as apply_chat_template compiles it (with transformers' own
+    tags), or None when it does."""
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateError as exc:
+        return str(exc)
+    return None
+
+
 def template_message(m: ChatMessage) -> dict[str, Any]:
     message: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.name:

@@ -17,6 +17,7 @@ from nanoserve.engine.bad_words import with_bad_words_token_ids
 from nanoserve.engine.validation import RequestRefused, check_prompt_length
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.backlog import BudgetCollector, OutputBudget
+from nanoserve.server.conversation import template_compile_error
 from nanoserve.server.defaults import sampling_defaults
 from nanoserve.server.errors import APIError
 from nanoserve.server.limits import MiB, PromptSize, ServerLimits
@@ -65,6 +66,10 @@ class ServerState:
         self.tokenizer = engine.tokenizer
         if settings.chat_template is not None:
             self.tokenizer.chat_template = settings.chat_template
+        elif isinstance(self.tokenizer.chat_template, str) and (
+                error := template_compile_error(self.tokenizer.chat_template)) is not None:
+            logger.error("The model's chat template does not compile (%s): every chat request will fail with a 500 "
+                         "until the server is given a working one with --chat-template", error)
         self.texts = TokenTexts(engine.tokenizer)
         self.sampling_defaults = sampling_defaults(engine.config.model, settings.generation_config,
                                                    settings.generation_overrides)

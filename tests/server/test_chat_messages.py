@@ -82,3 +82,21 @@ def test_continue_final_message_extends_the_assistant_message_as_vllm_does(http)
         "messages": messages, "add_generation_prompt": False}).json()["tokens"])
     both = http.post("/v1/chat/completions", json={**body, "messages": messages, "continue_final_message": True})
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+def test_a_model_chat_template_that_does_not_compile_is_the_servers_fault_not_the_clients(server_model, caplog):
+    # it answered every chat request with a 400 saying the template refused the request's messages
+    from tests.server.conftest import serving, tiny_engine
+
+    engine = tiny_engine(server_model)
+    engine.tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}"   # no endfor
+    with caplog.at_level("ERROR", logger="nanoserve.server.state"), serving(engine) as (url, _):
+        assert any("chat template does not compile" in r.getMessage() for r in caplog.records)
+        messages = [{"role": "user", "content": "Hi"}]
+        for path, body in (("/v1/chat/completions", {"messages": messages, "max_tokens": 2}),
+                           ("/v1/responses", {"input": "Hi", "max_output_tokens": 2}),
+                           ("/tokenize", {"messages": messages})):
+            r = httpx.post(f"{url}{path}", json=body, timeout=60)
+            assert r.status_code == 500, (path, r.text)
+            assert r.json()["error"]["code"] == "chat_template_error" and "--chat-template" in r.json()["error"]["message"]
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60).status_code == 200
