@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -372,8 +373,11 @@ class LLMEngine:
             # readmitted after a preemption, its outputs may be cached too: usage counts prompt tokens only
             cached = min(seq.num_cached_tokens, seq.num_prompt_tokens)
             scored = seq.prompt_logprobs.packed() if first and seq.prompt_logprobs is not None else None
-            outputs.append(StepOutput(seq.request_id, [token], [logprob] if logprob is not None else None,
-                                      reason is not None, reason, seq.num_prompt_tokens, cached, scored))
+            output = StepOutput(seq.request_id, [token], [logprob] if logprob is not None else None,
+                                reason is not None, reason, seq.num_prompt_tokens, cached, scored)
+            if first and seq.scheduled_at is not None:
+                output.timing = (seq.scheduled_at - seq.added_at, time.monotonic() - seq.scheduled_at)
+            outputs.append(output)
         return outputs
 
     @staticmethod

@@ -29,6 +29,8 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False):
     # with the first token of a request that asked for them, its whole prompt's; siblings (n > 1)
     # get none, their prompt's are those of its first choice
     prompt_logprobs: PromptLogprobs | None = None
+    # with the first token: (seconds queued before it first ran, seconds from then to this token)
+    timing: tuple[float, float] | None = None
 
 
 class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):

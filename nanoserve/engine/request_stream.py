@@ -98,6 +98,7 @@ class RequestStream:
         self._keeps = states[0].keep
         self.pending_bytes = 0   # about what the updates not read yet hold in memory
         self.kept_bytes = 0      # about what `outputs` hold (prompt logprobs only, for states that keep counts)
+        self.timing: tuple[float, float] | None = None   # (queued, first run to first token) seconds, from the core
         self._error: BaseException | None = None
         self._wakeup = asyncio.Event()
         self.outputs: list[CompletionOutput] = [state.output for state in states]
@@ -137,6 +138,8 @@ class RequestStream:
         if step.request_id not in self._unfinished:
             return False  # steps already in flight when a stop string ended the choice
         out = self._states[step.request_id].update(step)
+        if step.timing is not None and (self.timing is None or step.timing[0] > self.timing[0]):
+            self.timing = step.timing   # the choice that waited longest: the request waited as long
         update = RequestUpdate(out.index, out.text_delta, step.new_token_ids, step.logprobs, out.finish_reason,
                                step.num_prompt_tokens, step.num_cached_tokens, step.prompt_logprobs,
                                out.stop_reason)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -105,6 +106,8 @@ class Scheduler:
             self._pop_waiting()
             self.block_manager.record_prefix_hit(seq)
             seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_at is None:
+                seq.scheduled_at = time.monotonic()
             if self.by_priority:
                 bisect.insort(self.running, seq, key=rank)
             else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 
 from nanoserve.engine.prompt_logprobs import PromptLogprobBuffer
 from nanoserve.sampling_params import SamplingParams
@@ -35,6 +36,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.arrival = arrival
+        self.added_at = time.monotonic()
+        self.scheduled_at: float | None = None   # when it first ran: its time in the queue ends there
         self.priority = priority   # under the priority policy, lower values are served first
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []

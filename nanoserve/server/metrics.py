@@ -64,6 +64,17 @@ class EngineCollector(Collector):
                                   s.num_preemptions)
 
 
+def _one_two_five(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit`, as vLLM buckets token counts."""
+    buckets, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return buckets
+            buckets.append(float(step * scale))
+        scale *= 10
+
+
 class ServerMetrics:
     """The registry of one server and the request-level metrics it records, once per request.
 
@@ -75,7 +86,7 @@ class ServerMetrics:
 
     def __init__(self, stats: Callable[[], EngineStats], log_requests: bool = True,
                  alive: Callable[[], bool] = lambda: True, prefix: str = "nanoserve",
-                 multiprocess_dir: str | None = None) -> None:
+                 multiprocess_dir: str | None = None, max_model_len: int = 1 << 17) -> None:
         self.log_requests = log_requests  # one log line per finished request
         self.prefix = prefix
         self.registry = CollectorRegistry()
@@ -95,6 +106,20 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS)
         self.e2e = Histogram("nanoserve:e2e_request_latency_seconds", "Arrival to last token", registry=r,
                              buckets=_LATENCY_BUCKETS)
+        # vLLM's names for the phases of a request, which its dashboards chart
+        self.queue = Histogram("nanoserve:request_queue_time_seconds", "Time waiting in the engine before first run",
+                               registry=r, buckets=_LATENCY_BUCKETS)
+        self.prefill = Histogram("nanoserve:request_prefill_time_seconds", "First run to first token", registry=r,
+                                 buckets=_LATENCY_BUCKETS)
+        self.decode = Histogram("nanoserve:request_decode_time_seconds", "First token to last token", registry=r,
+                                buckets=_LATENCY_BUCKETS)
+        self.inference = Histogram("nanoserve:request_inference_time_seconds", "First run to last token",
+                                   registry=r, buckets=_LATENCY_BUCKETS)
+        sizes = _one_two_five(max_model_len)
+        self.prompt_sizes = Histogram("nanoserve:request_prompt_tokens", "Prompt tokens of a request", registry=r,
+                                      buckets=sizes)
+        self.generation_sizes = Histogram("nanoserve:request_generation_tokens", "Tokens generated for a request",
+                                          registry=r, buckets=sizes)
 
     def render(self) -> bytes:
         text = generate_latest(self.registry)
@@ -121,6 +146,7 @@ class RequestTimer:
         self.num_prompt_tokens = 0
         self.num_generated = 0
         self.finish_reasons: list[str] = []
+        self.timing: tuple[float, float] | None = None   # (queued, first run to first token), from the engine
         self.logged = False
 
     def prompt(self, num_tokens: int) -> None:
@@ -152,6 +178,14 @@ class RequestTimer:
             if self.num_generated > 1:
                 m.tpot.observe((self.last - self.first) / (self.num_generated - 1))
         m.e2e.observe(now - self.arrival)
+        m.prompt_sizes.observe(self.num_prompt_tokens)
+        m.generation_sizes.observe(self.num_generated)
+        if self.timing is not None and self.first is not None:
+            queued, prefill = self.timing
+            m.queue.observe(queued)
+            m.prefill.observe(prefill)
+            m.decode.observe(self.last - self.first)
+            m.inference.observe(prefill + self.last - self.first)
         if m.log_requests:
             ttft = f"{1e3 * (self.first - self.arrival):.1f} ms" if self.first is not None else "-"
             logger.info("request %s: %d prompt + %d generated tokens, TTFT %s, latency %.1f ms, finish %s",

@@ -80,7 +80,7 @@ class ServerState:
         self.specs = SpecChecker(self.tokenizer, engine.vocab_size, settings.limits.timeout_grammar_compile)
         self.prompt_size = PromptSize(list(engine.tokenizer.get_vocab()), engine.config.max_model_len)
         self.metrics = ServerMetrics(lambda: engine.stats, settings.log_requests, lambda: engine.error is None,
-                                     settings.metrics_prefix, settings.metrics_dir)
+                                     settings.metrics_prefix, settings.metrics_dir, engine.config.max_model_len)
         self.budget = OutputBudget(int(settings.limits.max_undelivered_mb * MiB))
         self.metrics.registry.register(BudgetCollector(self.budget))
         self.created = int(time.time())
@@ -156,6 +156,7 @@ async def timed(stream: RequestStream, timer: RequestTimer) -> AsyncIterator[Req
                 timer.finished(update.finish_reason)
             yield update
     finally:
+        timer.timing = stream.timing
         timer.done()
 
 
