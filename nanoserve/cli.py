@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the same as the MODEL argument, as vLLM's `serve --model` takes it")
     serve.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--root-path", default="", metavar="PREFIX",
+                       help="the path prefix of a proxy that routes to this server by path (/llm): requests are served "
+                            "with it or without it, and the API docs name it")
     serve.add_argument("--uds", default=None, metavar="PATH",
                        help="listen on this Unix domain socket instead of --host and --port")
     serve.add_argument("--served-model-name", nargs="+", default=None,
@@ -198,6 +201,10 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
     if not 1 <= args.api_server_count <= MAX_API_SERVERS:
         parser.error(f"--api-server-count must be 1-{MAX_API_SERVERS} processes, got {args.api_server_count}")
+    if args.root_path and (not args.root_path.startswith("/") or not args.root_path.isprintable()
+                           or any(c in args.root_path for c in " ?#")):
+        parser.error(f"--root-path must be a URL path that starts with '/' (such as /llm), got {args.root_path!r}")
+    args.root_path = args.root_path.rstrip("/")
     if not 1 <= args.stream_interval <= 1024:
         parser.error(f"--stream-interval must be 1-1024 tokens, got {args.stream_interval}")
     if not 0 <= args.port <= 65535:   # else bind() raised OverflowError, traceback and all
@@ -233,7 +240,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                               allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                               force_include_usage=args.enable_force_include_usage,
                               stream_interval=args.stream_interval, metrics_prefix=args.metrics_prefix,
-                              request_id_headers=args.enable_request_id_headers,
+                              request_id_headers=args.enable_request_id_headers, root_path=args.root_path,
                               chat_template=_chat_template(args.chat_template),
                               log_requests=not args.disable_log_requests, log_stats=not args.disable_log_stats,
                               api_docs=not args.disable_fastapi_docs,

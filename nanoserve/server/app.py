@@ -29,7 +29,7 @@ from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError
 from nanoserve.lifetime import freeze_startup_heap
 from nanoserve.server import chat, completions, info, invocations, responses
 from nanoserve.server.backlog import BudgetMiddleware
-from nanoserve.server.connections import always_served, canonical_path, uvicorn_options
+from nanoserve.server.connections import always_served, canonical_path, route_path, uvicorn_options
 from nanoserve.server.errors import APIError, install_handlers
 from nanoserve.server.limits import BodyLimitMiddleware
 from nanoserve.server.openapi import install_openapi
@@ -92,7 +92,8 @@ class CanonicalPathMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            path = canonical_path(scope["path"])
+            # behind a proxy that keeps the --root-path prefix, the route's path is what follows it
+            path = canonical_path(route_path(scope))
             if path != scope["path"]:
                 scope = {**scope, "path": path}
         await self.app(scope, receive, send)
@@ -133,7 +134,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings,
             await engine.shutdown()
 
     docs = {} if settings.api_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
-    app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan, **docs)
+    app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan, root_path=settings.root_path, **docs)
     app.state.server = ServerState(engine, settings)
     install_handlers(app)
     install_openapi(app, has_api_key=bool(settings.api_key))

@@ -52,6 +52,15 @@ def canonical_path(path: str) -> str:
     return "/" + "/".join(part for part in path.split("/") if part)
 
 
+def route_path(scope: Scope) -> str:
+    """The path after the app's root_path (--root-path) where the request's path starts with it, as
+    Starlette's router reads it: a proxy may strip the prefix or keep it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path
+
+
 def always_served(path: str) -> bool:
     """A probe path: served without the API key and past the connection cap ("/health/" too)."""
     return canonical_path(path) in ALWAYS_SERVED

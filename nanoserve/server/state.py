@@ -56,6 +56,7 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" needs it, as in vLLM
     reasoning_parser: str | None = None  # splits reasoning_content from content (server/reasoning.py)
     limits: ServerLimits = field(default_factory=ServerLimits)
+    root_path: str = ""   # the path prefix of a proxy in front ("/llm"): served with it and without it
     metrics_dir: str | None = None   # several front ends: where their request metrics meet (server/metrics.py)
 
 
