@@ -1,8 +1,8 @@
 """`serve --api-server-count N`: N front-end processes share the listening socket and one engine core.
 
 One front end is one event loop: HTTP parsing, tokenizing, detokenizing and SSE for every request
-run on one core, and at ~45 us of front-end CPU per streamed token that core is the limit past
-~20k tokens/s. Here the server's main process binds the port, starts the engine core and N
+run on one core (on the H200's host, 0.83 of it while streaming 34k tokens/s of short answers; more
+with tool or reasoning parsing, structured outputs, longer answers or more connections). Here the server's main process binds the port, starts the engine core and N
 front ends, and supervises them: the kernel hands each new connection to one front end, each
 front end sends its requests to the core and gets back only their outputs (engine/core.py routes
 them), and every front end sees the core's stats. Any process that dies unasked stops the server
