@@ -227,7 +227,12 @@ class Server(uvicorn.Server):
 
 def bind_socket(host: str, port: int, uds: str | None = None) -> socket.socket:
     """Take the port (or the Unix socket's path) now, before the model loads, so that a busy one fails
-    in a second, not after it."""
+    in a second, not after it.
+
+    The socket listens at once: connections made while the model loads wait in its backlog. A socket
+    only bound would not hold the port against a second server (Linux lets two SO_REUSEADDR sockets
+    bind one port while neither listens), and on a Unix socket it would refuse the second server's
+    probe, which then took the path over as a dead server's."""
     if uds is not None:
         return _bind_unix_socket(uds)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -235,6 +240,7 @@ def bind_socket(host: str, port: int, uds: str | None = None) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen()
     except OSError as exc:
         sock.close()
         raise SystemExit(f"nanoserve: error: cannot listen on {host}:{port}: {exc.strerror}") from None
@@ -257,6 +263,7 @@ def _bind_unix_socket(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)
+        sock.listen()
     except OSError as exc:
         sock.close()
         raise SystemExit(f"nanoserve: error: cannot listen on {path}: {exc.strerror or exc}") from None
@@ -287,8 +294,8 @@ def serve(config: EngineConfig, settings: ServerSettings, options: HTTPOptions =
           api_server_count: int = 1) -> None:
     """Serve until SIGINT/SIGTERM; exit non-zero if the engine died or the drain was cut short.
 
-    The port is taken first; the engine core then loads the model in its own process while the
-    port does not yet accept connections. On SIGTERM uvicorn stops accepting connections and
+    The port is taken first; the engine core then loads the model in its own process while
+    connections wait in the port's backlog. On SIGTERM uvicorn stops accepting connections and
     waits up to `options.shutdown_timeout` seconds for requests in flight, streams included, to
     finish. With `api_server_count` > 1 that many front-end processes share the port and the core
     (server/api_servers.py).

@@ -87,3 +87,26 @@ def test_a_path_that_is_not_a_socket_is_refused(server_model, tmp_path):
                            "--device", DEVICE], capture_output=True, text=True, cwd=REPO, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode != 0 and "cannot listen on" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("where", ["uds", "port"])
+def test_a_second_server_is_refused_while_the_first_still_loads(tmp_path, where):
+    # the first server holds its socket from before its model loads; a second one started then must
+    # be refused at once: on a Unix socket it took the path over as a dead server's (the first then
+    # served on a file no one could reach, and removed the second's on exit), on a port it loaded its
+    # model and only then failed to listen
+    from nanoserve.server.app import bind_socket
+    from tests.server.conftest import free_port
+
+    path, port = str(tmp_path / "loading.sock"), free_port()
+    first = bind_socket("127.0.0.1", port, path if where == "uds" else None)
+    try:
+        with pytest.raises(SystemExit, match="cannot listen on"):
+            bind_socket("127.0.0.1", port, path if where == "uds" else None).close()
+        if where == "uds":   # the path still reaches the first server
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+                client.connect(path)
+                first.settimeout(5)
+                first.accept()[0].close()
+    finally:
+        first.close()
