@@ -103,7 +103,9 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # engine request id -> its stream, while unfinished
         self._stats = EngineStats()
         self._last_heard = time.monotonic()  # when the core last sent anything
-        self._dir = tempfile.mkdtemp(prefix="nanoserve-")
+        # the sockets' folder; a front end that shares a core binds in the folder of the process
+        # that started it, and makes none: one of its own outlived it when it was killed
+        self._dir = tempfile.mkdtemp(prefix="nanoserve-") if link is None else None
         self._context = zmq.asyncio.Context()
         self._inputs = self._context.socket(zmq.PUSH)
         self._outputs = self._context.socket(zmq.PULL)
@@ -216,7 +218,8 @@ class AsyncEngine:
         self._inputs.close(linger=1000 if self._link is not None else 0)   # the Shutdown must go out
         self._outputs.close(linger=0)
         self._context.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def check_token_ids(self, token_ids: list[int], what: str) -> None:
         """Raise RequestRefused for an id outside the vocabulary."""
