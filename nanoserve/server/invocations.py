@@ -35,7 +35,7 @@ _keys = msgspec.json.Decoder(_Keys)
 async def invocations(request: Request) -> Response:
     try:
         keys = _keys.decode(await read_body(request))   # kept for the route's own read
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):   # RecursionError: nested past msgspec's depth
         return await create_completion(request)     # which says what is wrong with the body
     if _given(keys.messages):
         return await create_chat_completion(request)
