@@ -209,6 +209,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--stream-interval must be 1-1024 tokens, got {args.stream_interval}")
     if not 0 <= args.port <= 65535:   # else bind() raised OverflowError, traceback and all
         parser.error(f"--port must be in 0-65535, got {args.port}")
+    if args.uds == "":   # Linux binds "" to a random abstract address: served where no client finds it
+        parser.error("--uds needs the path of the socket file to listen on")
     if args.api_key is not None and (not args.api_key.strip() or not args.api_key.isascii()):
         # an empty key (an unset variable spliced in) would leave every route open without a word
         parser.error("--api-key is empty, blank or not ASCII: give a key of printable ASCII characters, "

@@ -110,3 +110,11 @@ def test_a_second_server_is_refused_while_the_first_still_loads(tmp_path, where)
                 first.accept()[0].close()
     finally:
         first.close()
+
+
+def test_an_empty_path_is_refused_before_the_model_loads(monkeypatch, capsys):
+    # an unset variable spliced in (--uds "$SOCK"): Linux binds an empty path to a random abstract
+    # address, and the server served where no client could find it
+    from tests.server.conftest import serve_refusal
+
+    assert "--uds" in serve_refusal(monkeypatch, capsys, "--uds", "")
