@@ -169,6 +169,8 @@ async def _log_stats(engine: AsyncEngine) -> None:
     last = engine.stats
     while True:
         await asyncio.sleep(STATS_INTERVAL_S)
+        if engine.dead.is_set():   # its last stats are of requests that have failed since
+            return
         now = engine.stats
         if now == last and not now.num_running and not now.num_waiting:
             continue

@@ -67,3 +67,34 @@ def test_requests_in_flight_fail_with_503_and_health_turns_503(failing_server):
     late = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
     assert set(late.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_the_periodic_engine_line_stops_once_the_engine_is_dead(monkeypatch, caplog):
+    # the line read the dead core's last stats ("6 running, KV cache 14% used") every interval
+    # through the grace period, as if the requests it had failed still ran
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    import nanoserve.server.app as app_module
+    from nanoserve.engine.messages import EngineStats
+
+    monkeypatch.setattr(app_module, "STATS_INTERVAL_S", 0.01)
+
+    async def log_for_a_while(engine) -> None:
+        task = asyncio.create_task(app_module._log_stats(engine))
+        await asyncio.sleep(0.2)
+        task.cancel()
+
+    async def lines(dead: bool) -> list[str]:
+        engine = SimpleNamespace(stats=EngineStats(num_running=6, num_blocks=8, num_free_blocks=2),
+                                 dead=asyncio.Event())
+        if dead:
+            engine.dead.set()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="nanoserve.server.app"):
+            await log_for_a_while(engine)
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Engine: ")]
+
+    assert asyncio.run(lines(dead=False))   # the line is there while the engine lives
+    assert asyncio.run(lines(dead=True)) == []
