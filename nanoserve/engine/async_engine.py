@@ -41,7 +41,7 @@ from nanoserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "CoreLink", "EngineDeadError", "EngineStats", "QueueFullError", "RequestFailedError",
-           "RequestStream", "RequestUpdate"]
+           "RequestStream", "RequestUpdate", "socket_dir"]
 
 _SHUTDOWN_WAIT_S = 30.0  # for the core to close its workers before it is killed
 
@@ -60,6 +60,20 @@ def exit_reason(process: multiprocessing.process.BaseProcess, wait_s: float = 1.
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+_IPC_PATH_MAX = getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 107   # bytes of a Unix socket's path (sun_path)
+
+
+def socket_dir(longest_name: str) -> str:
+    """A new private folder for ZeroMQ ipc sockets, the longest named `longest_name`: in the
+    temporary folder (TMPDIR), or in /tmp where a socket's path there would pass the kernel's limit.
+    A batch job's or CI runner's TMPDIR can be that deep, and no socket in it could bind."""
+    folder = tempfile.mkdtemp(prefix="nanoserve-")
+    if len(os.fsencode(os.path.join(folder, longest_name))) <= _IPC_PATH_MAX:
+        return folder
+    os.rmdir(folder)
+    return tempfile.mkdtemp(prefix="nanoserve-", dir="/tmp")
 
 
 @dataclass(frozen=True)
@@ -105,7 +119,7 @@ class AsyncEngine:
         self._last_heard = time.monotonic()  # when the core last sent anything
         # the sockets' folder; a front end that shares a core binds in the folder of the process
         # that started it, and makes none: one of its own outlived it when it was killed
-        self._dir = tempfile.mkdtemp(prefix="nanoserve-") if link is None else None
+        self._dir = socket_dir("output") if link is None else None
         self._context = zmq.asyncio.Context()
         self._inputs = self._context.socket(zmq.PUSH)
         self._outputs = self._context.socket(zmq.PULL)

@@ -20,14 +20,13 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 
 import zmq
 
 from nanoserve.config import EngineConfig
 from nanoserve.defaults import LOG_FORMAT
-from nanoserve.engine.async_engine import AsyncEngine, CoreLink, exit_reason
+from nanoserve.engine.async_engine import AsyncEngine, CoreLink, exit_reason, socket_dir
 from nanoserve.engine.core import run_engine_process
 from nanoserve.engine.messages import Shutdown, input_encoder
 from nanoserve.lifetime import die_with_parent
@@ -43,7 +42,7 @@ def run_api_servers(config: EngineConfig, settings: ServerSettings, options: HTT
                     count: int) -> int:
     """Start the core and `count` front ends on the bound `sock`; supervise them until all have
     exited. The exit code: 0 after a clean stop, 1 if any process failed or died unasked."""
-    workdir = tempfile.mkdtemp(prefix="nanoserve-")
+    workdir = socket_dir(f"output-{count - 1}")
     metrics_dir = os.path.join(workdir, "metrics")
     os.mkdir(metrics_dir)
     # prometheus_client reads it as each front end imports it (they are spawned: they inherit it)

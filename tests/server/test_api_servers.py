@@ -242,3 +242,21 @@ def test_api_server_count_out_of_bounds_is_refused_before_the_model_loads(monkey
 
     for count in ("0", "-1", "65"):
         assert "--api-server-count must be 1-64" in serve_refusal(monkeypatch, capsys, "--api-server-count", count)
+
+
+@pytest.mark.parametrize("count", ["1", "2"])
+def test_a_temporary_folder_too_deep_for_a_socket_path_still_serves_and_is_left_clean(server_model, tmp_path, count):
+    # a socket's path has at most 107 bytes: under a TMPDIR this deep (a CI or batch job's own) the
+    # engine's ZeroMQ sockets could not bind, and the server failed with a traceback, leaving its folder
+    temp = tmp_path / ("t" * 90)
+    temp.mkdir()
+    proc = ServerProcess(server_model, tmp_path, *SERVER_ARGS, "--api-server-count", count, env={"TMPDIR": str(temp)})
+    try:
+        if count == "2":
+            started(proc)
+        reply = httpx.post(f"{proc.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert proc.stop() == 0, proc.log_tail()
+        assert list(temp.iterdir()) == []
+    finally:
+        proc.stop()
