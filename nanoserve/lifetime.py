@@ -29,6 +29,8 @@ def ignore_stop_signals() -> None:
     it past its limit; a child that died on the signal would fail the requests being drained."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # a parent may start it with SIGINT blocked (server/api_servers.py): what waited is dropped, ignored
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def freeze_startup_heap() -> None:

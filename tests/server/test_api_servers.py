@@ -260,3 +260,25 @@ def test_a_temporary_folder_too_deep_for_a_socket_path_still_serves_and_is_left_
         assert list(temp.iterdir()) == []
     finally:
         proc.stop()
+
+
+def test_ctrl_c_while_the_processes_start_is_a_clean_stop(server_model, tmp_path):
+    # Ctrl-C reaches every process of the group: a child still importing died of it ("Fatal Python
+    # error: init_import_site", or killed by SIGINT), and the server exited 1 blaming the engine core
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "serve", server_model, "--host", "127.0.0.1",
+                                   "--port", str(free_port()), "--device", DEVICE, *SERVER_ARGS, "--api-server-count",
+                                   "2"], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 60
+            while len(spawned_children(server.pid)) < 3:   # the core and both front ends, still importing
+                assert time.monotonic() < deadline and server.poll() is None, log.read_text()
+                time.sleep(0.01)
+            children = spawned_children(server.pid)
+            os.killpg(server.pid, signal.SIGINT)
+            assert server.wait(60) == 0, log.read_text()
+            assert gone_within(children, 10)
+        finally:
+            server.kill()
