@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [served-asc] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [served-asc] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab] [v-store-ab]
 # served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -172,6 +172,22 @@ g.PRELOAD_FIRST_TILE, d.PREFETCH_FIRST_TILE = $1, $2" --batch-sizes 1,2,16,256 -
            done
          done
          workload_ab NANOSERVE_DECODE_ROPE "$out/rope-ab-workload.log" ;;
+    v-store-ab) # an fp8 decode-only step's new v stored by the decode kernel, a whole sector a dim (the default),
+         # against the q/k norm + rotary + store kernel's single bytes: GPU tests, fp8 decode steps at 1k, the fp8 workload
+         timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_rope_store_gpu.py \
+           tests/gpu/test_fp8_kv_cache_gpu.py::test_triton_decode_over_fp8_under_cuda_graph_replay \
+           tests/gpu/test_fp8_kv_cache_gpu.py::test_bundled_model_fp8_cache_picks_the_auto_caches_greedy_token_at_90_percent_of_steps \
+           2>&1 | tee "$out/tests-v-store.log" | tail -4
+         for value in 0 1; do
+           echo "NANOSERVE_DECODE_STORES_V=$value" | tee -a "$out/v-store-ab.log"
+           NANOSERVE_DECODE_STORES_V=$value python3 bench/decode_step.py --batch-sizes 1,16,256 --contexts 1024 \
+             --kv-cache-dtype fp8 2>&1 | tee -a "$out/v-store-ab.log" | grep -vE "it/s|Capturing"
+         done
+         for value in 0 1; do
+           echo "kv fp8 NANOSERVE_DECODE_STORES_V=$value" | tee -a "$out/v-store-ab.log"
+           NANOSERVE_DECODE_STORES_V=$value python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype fp8 2>&1 \
+             | tee -a "$out/v-store-ab.log" | grep -E "^throughput|Error"
+         done ;;
     pdl) # programmatic dependent launch off, then on (the default)
          python3 -m pytest -q -m gpu tests/gpu/test_pdl_gpu.py 2>&1 | tail -3
          for pdl in 0 1; do

@@ -81,13 +81,13 @@ def variants(target: GPUTarget):
         io = dict(q_ptr="*bf16", out_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, part_acc_ptr="*fp32",
                   part_lse_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32", seq_order_ptr="*i32",
                   query_start_ptr="*i32", query_start_loc_ptr="*i32", tiles_ptr="*i32", cos_ptr="*fp32",
-                  sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16")
+                  sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16", new_v_ptr="*bf16")
         for on in (False, True):
             flags = dict(SPLIT=on, ORDERED=on, PACKED_Q=on, USE_PDL=on and target.arch >= 90)
             # strides of 1 are specialized at launch: the lengths', and V's along tokens or dims
             unit = dict(stride_sl=1, **({"stride_vt": 1} if fp8 and on else {"stride_vd": 1}))
             shared = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None, KV_FP8=fp8, FP8_VIA_F16=fp8,
-                          V_TOKENS_CONTIGUOUS=fp8 and on, **flags, **unit)
+                          V_TOKENS_CONTIGUOUS=fp8 and on, NEW_V=False, SECTOR=32, **flags, **unit)
             tiles = decode_config(CUDA, fp8, v_tokens_contiguous=on)
             options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
             yield (f"decode {cache[1:]} flags {'on' if on else 'off'}", _decode_kernel, io,
@@ -97,6 +97,10 @@ def variants(target: GPUTarget):
                 yield (f"decode {cache[1:]} rope", _decode_kernel, io,
                        dict(shared, PACKED_Q=False, BLOCK_H=16, HEADS_FAST=on, PREFETCH_LINES=0 if fp8 else 2,
                             ROPE=True, NORM=True, Q_HEADS=16, **tiles), options)
+            if on and fp8:   # a larger decode-only step's: each row's new v stored by the kernel, sector by sector
+                yield (f"decode {cache[1:]} new v", _decode_kernel, io,
+                       dict(shared, PACKED_Q=False, BLOCK_H=16, HEADS_FAST=on, PREFETCH_LINES=0, NEW_V=True,
+                            **tiles), options)
             tiles = _prefill_config(128, torch.bfloat16, CUDA, fp8)
             options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
             yield (f"prefill {cache[1:]} flags {'on' if on else 'off'}", _prefill_kernel, io,

@@ -96,3 +96,45 @@ def test_decode_with_rope_stores_and_attends_as_the_two_launches_on_the_gpu(kv_c
         assert same[written].float().mean() > 0.999
     assert torch.isfinite(got.float()).all()
     torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("batch, splits", [(16, None), (256, None), (64, 3)])
+def test_decode_storing_new_v_gives_the_store_kernels_cache_and_output_on_the_gpu(batch, splits):
+    """paged_decode(new_v=...) after qkv_rope_store(store_v=False): the decode kernel stores each
+    row's v into the fp8 cache (V along tokens) a whole sector a dim. The cache must hold exactly the
+    bytes the store kernel's v leaves, every byte of every other slot untouched, and the output be
+    the same bits: both read the same cache with the same kernel."""
+    from nanoserve.runner.attention.decode_splits import longest_first
+    from nanoserve.runner.attention.kv_layout import v_cache_copy
+    from nanoserve.runner.attention.triton_decode import paged_decode
+
+    heads, kv_heads, head_dim, block, dev = 16, 8, 128, 256, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(batch + 7)
+    seq_lens = torch.randint(1, 2049, (batch,), device=dev, generator=gen, dtype=torch.int32)
+    seq_lens[batch // 2] = 0   # a padding row
+    blocks = batch * 8 + 1
+    tables = torch.randperm(blocks, device=dev, generator=gen)[:batch * 8].reshape(batch, 8).int()
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, device=dev, generator=gen).bfloat16()
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim))
+    emb = torch.arange(4096, device=dev).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((emb, emb), dim=-1)
+    weights = (1 + 0.3 * torch.randn(2, head_dim, device=dev, generator=gen)).bfloat16().unbind(0)
+    shape = (blocks, block, kv_heads, head_dim)
+    caches = [torch.randn(shape, device=dev, generator=gen).to(FP8_DTYPE) for _ in range(2)]
+    caches[1] = v_cache_copy(caches[1])
+    want_k, want_v = (torch.empty_strided(c.shape, c.stride(), dtype=c.dtype, device=dev).copy_(c) for c in caches)
+    positions = (seq_lens - 1).clamp_min(0).long()
+    slots = torch.where(seq_lens > 0, tables.long().gather(1, (positions // block)[:, None])[:, 0] * block
+                        + positions % block, -1)
+    kw = dict(num_splits=splits) if splits else dict(split_keys=512, seq_order=longest_first(seq_lens))
+    rope_args = (emb.cos(), emb.sin(), *weights, 1e-6)
+    q = qkv_rope_store(positions, qkv, heads, kv_heads, head_dim, *rope_args, want_k, want_v, slots, 0.5, 2.0)
+    want = paged_decode(q, want_k, want_v, seq_lens, tables, head_dim ** -0.5, 2048, k_scale=0.5, v_scale=2.0, **kw)
+    q = qkv_rope_store(positions, qkv, heads, kv_heads, head_dim, *rope_args, *caches, slots, 0.5, 2.0, store_v=False)
+    new_v = qkv[:, (heads + kv_heads) * head_dim:].unflatten(1, (kv_heads, head_dim))
+    got = paged_decode(q, *caches, seq_lens, tables, head_dim ** -0.5, 2048, k_scale=0.5, v_scale=2.0,
+                       new_v=new_v, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(caches[0].view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), want_v.view(torch.uint8))
+    assert torch.equal(got, want)

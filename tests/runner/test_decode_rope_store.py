@@ -78,6 +78,64 @@ def test_decode_with_rope_stores_and_attends_as_the_two_launches(dtype, qk_norm,
     assert (got[1] == 0).all(), "a padding row reads and writes nothing"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", ["one", "even", "fixed keys, longest first"])
+@pytest.mark.parametrize("block", [16, 64])
+def test_decode_storing_new_v_leaves_the_cache_and_output_of_the_store_kernel(dtype, splits, block) -> None:
+    """qkv_rope_store(store_v=False) then paged_decode(new_v=...): the decode kernel writes each row's
+    v into an fp8 cache whose V lies along tokens, a whole sector a dim; the cache and the output
+    come out bit for bit as the store kernel's v then decode leave them. At block 64 a sector holds 32
+    of a block's tokens; at 16 the sector is the block's row of one dim."""
+    gen = torch.Generator().manual_seed(len(splits) + block)
+    batch, width = len(SEQ_LENS), -(-max(SEQ_LENS) // block)
+    blocks = batch * width + 4
+    shape = (blocks, block, KV_HEADS, DIM)
+    k_cache = torch.randn(shape, generator=gen).to(FP8_DTYPE)
+    v_cache = v_cache_view(torch.empty(shape, dtype=FP8_DTYPE), fp8=True)
+    v_cache.copy_(torch.randn(shape, generator=gen).to(FP8_DTYPE))
+    qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * DIM, generator=gen).to(dtype)
+    cos, sin = rotary_tables(DIM)
+    weights = (1 + 0.3 * torch.randn(2, DIM, generator=gen)).to(dtype).unbind(0)
+    seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
+    tables = torch.randperm(blocks, generator=gen)[:batch * width].reshape(batch, width).to(torch.int32)
+    positions = (seq_lens - 1).clamp_min(0).long()
+    slots = torch.where(seq_lens > 0, tables.long().gather(1, (positions // block)[:, None])[:, 0] * block
+                        + positions % block, -1)
+    kw = dict(k_scale=0.5, v_scale=2.0, **{
+        "one": dict(num_splits=1),
+        "even": dict(num_splits=3),
+        "fixed keys, longest first": dict(split_keys=32, seq_order=longest_first(seq_lens)),
+    }[splits])
+
+    want_k, want_v = clone_cache(k_cache), clone_cache(v_cache)
+    q = qkv_rope_store(positions, qkv, HEADS, KV_HEADS, DIM, cos, sin, *weights, 1e-6, want_k, want_v, slots,
+                       0.5, 2.0)
+    want = paged_decode(q, want_k, want_v, seq_lens, tables, 0.25, max_seq_len=96, **kw)
+    before_v = clone_cache(v_cache)
+    q = qkv_rope_store(positions, qkv, HEADS, KV_HEADS, DIM, cos, sin, *weights, 1e-6, k_cache, v_cache, slots,
+                       0.5, 2.0, store_v=False)
+    assert torch.equal(v_cache.view(torch.uint8), before_v.view(torch.uint8)), "store_v=False writes no v"
+    new_v = qkv[:, (HEADS + KV_HEADS) * DIM:].unflatten(1, (KV_HEADS, DIM))
+    got = paged_decode(q, k_cache, v_cache, seq_lens, tables, 0.25, max_seq_len=96, new_v=new_v, **kw)
+
+    assert torch.equal(k_cache.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8))
+    assert torch.equal(got, want)
+    assert (got[1] == 0).all(), "a padding row reads and writes nothing"
+
+
+def test_new_v_is_refused_where_the_decode_kernel_cannot_store_it() -> None:
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = make_caches(True, False, torch.float32, gen)   # fp8, V row by row
+    seq_lens, tables = torch.tensor([3, 5], dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32)
+    q, new_v = torch.randn(2, HEADS, DIM), torch.randn(2, KV_HEADS, DIM)
+    with pytest.raises(ValueError, match="along tokens"):
+        paged_decode(q, k_cache, v_cache, seq_lens, tables, 0.25, max_seq_len=64, new_v=new_v)
+    k_cache, v_cache = make_caches(True, True, torch.float32, gen)
+    with pytest.raises(ValueError, match=r"new_v must be \[2, 2, 32\]"):
+        paged_decode(q, k_cache, v_cache, seq_lens, tables, 0.25, max_seq_len=64, new_v=new_v[:, :1])
+
+
 def test_rope_refuses_q_that_is_not_the_packed_projections() -> None:
     k_cache, v_cache = make_caches(False, False, torch.float32, torch.Generator().manual_seed(0))
     cos, sin = rotary_tables(DIM)

@@ -33,8 +33,8 @@ from nanoserve.runner.attention.decode_splits import decode_split_count, split_s
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.kv_layout import tokens_contiguous
 from nanoserve.runner.attention.triton_paged import (
-    check_shapes, dot_precision, load_kv_block_tile, load_kv_tile, online_softmax_step, prefetch_kv_tile,
-    softmax_scale_log2,
+    check_new_v, check_shapes, dot_precision, load_kv_block_tile, load_kv_tile, online_softmax_step, prefetch_kv_tile,
+    softmax_scale_log2, store_v_sectors,
 )
 from nanoserve.runner.attention.triton_rope_store import check_rope, rope_kernel_args, rope_new_token
 from nanoserve.runner.layers.rotary import NewTokenRope
@@ -84,12 +84,14 @@ def _decode_kernel(
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_bt, stride_sl, stride_ot, stride_oh,
     cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, norm_eps, inv_k_scale, inv_v_scale, stride_cos,
+    new_v_ptr, stride_nvt, stride_nvh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FP8_VIA_F16: tl.constexpr,
     ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, HEADS_FAST: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_AHEAD: tl.constexpr = False, V_TOKENS_CONTIGUOUS: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
     ROPE: tl.constexpr = False, NORM: tl.constexpr = False, Q_HEADS: tl.constexpr = 0,
+    NEW_V: tl.constexpr = False, SECTOR: tl.constexpr = 32,
 ):
     # lengths, order, query starts and block tables are staged by the host, never written by a
     # kernel of the step: they may be read before waiting on the kernel ahead (PDL); q and the cache may not
@@ -133,6 +135,13 @@ def _decode_kernel(
     else:
         q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None], other=0.0)
+    if NEW_V:   # the program whose keys hold the row's new position stores its v there first
+        pos = seq_len - 1
+        if (pos >= start) & (pos < end):
+            store_v_sectors(new_v_ptr + seq.to(tl.int64) * stride_nvt + kv_head * stride_nvh, v_cache_ptr,
+                            tl.load(table + pos // BLOCK_SIZE).to(tl.int64), pos, kv_head, offs_d, inv_v_scale,
+                            stride_vb, stride_vh, stride_vd, BLOCK_SIZE, SECTOR)
+            tl.debug_barrier()   # its sectors are seen by every thread of the program below
     if KV_FP8 and FP8_VIA_F16:
         # e4m3 widens to f16 in one instruction per pair (to bf16 it takes several); a bf16 q
         # loses no mantissa in f16, and attention queries stay far inside f16's range
@@ -276,7 +285,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  config: dict | None = None, k_scale: float = 1.0,
                  v_scale: float = 1.0, seq_order: torch.Tensor | None = None,
                  split_keys: int | None = None, query_start_loc: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, rope: NewTokenRope | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, rope: NewTokenRope | None = None,
+                 new_v: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per sequence, q [batch, q_heads, dim], over its paged keys.
 
     max_seq_len only sizes the split count (pass max_model_len when capturing a graph);
@@ -293,6 +303,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     2 kv_heads) * dim] seen as [batch, q_heads, dim]; the kernel norms and rotates q and k at each
     row's position (seq_len - 1) and stores the row's k and v in the cache before reading it: the
     store of _qkv_rope_store_kernel, without its launch.
+    new_v (a decode-only step over an fp8 cache whose V lies along tokens): each row's new v,
+    [batch, kv_heads, head_dim], not yet in the cache (qkv_rope_store(store_v=False) stored its k);
+    the kernel stores it, a whole sector a dim (triton_paged.store_v_sectors), before reading.
     """
     _, q_heads, head_dim = q.shape
     batch = q.shape[0] if query_start_loc is None else seq_lens.shape[0]
@@ -312,6 +325,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
     v_tokens = tokens_contiguous(v_cache)
+    if new_v is not None:
+        check_new_v(new_v, v_cache, batch, plain_decode=query_start_loc is None and rope is None)
     cfg = {**decode_config(q.device, fp8, q.dtype, head_dim, v_tokens), **(config or {})}
     # e4m3 widens to f16 in one instruction per pair, to bf16 in several: a bf16 q goes to f16
     cfg.setdefault("FP8_VIA_F16", fp8 and q.dtype == torch.bfloat16)
@@ -344,7 +359,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1),
         *rope_kernel_args(rope, q, k_scale, v_scale),
-        ROPE=rope is not None, NORM=rope is not None and rope.q_weight is not None, Q_HEADS=q_heads,
+        new_v if new_v is not None else q, *(new_v.stride()[:2] if new_v is not None else (0, 0)),
+        NEW_V=new_v is not None, SECTOR=min(32, block_size), ROPE=rope is not None, NORM=rope is not None and rope.q_weight is not None, Q_HEADS=q_heads,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
         ORDERED=seq_order is not None, PACKED_Q=packed, HEADS_FAST=heads_fast, V_TOKENS_CONTIGUOUS=v_tokens,

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.runner.attention.fp8 import is_fp8
+from nanoserve.runner.attention.kv_layout import tokens_contiguous
 from nanoserve.runner.attention.decode_splits import decode_split_count, engine_split_keys, split_span
 from nanoserve.runner.attention.triton_decode import decode_config, paged_decode
 from nanoserve.runner.attention.triton_fp8 import to_fp8
@@ -30,6 +31,10 @@ MIXED_MIN_DECODE_ROWS = 32
 # always). On an H200 at 1k contexts (BENCHMARKS.md) it took batch 1 from 0.999 to 0.977 ms (bf16) and
 # 0.925 to 0.854 (fp8), and lost at 16 (bf16 1.743 -> 1.782 ms) and 256 (8.61 -> 9.66; fp8 6.19 -> 6.34)
 DECODE_ROPE_MAX_ROWS = 1 if os.environ.get("NANOSERVE_DECODE_ROPE", "1") == "1" else 0
+# a larger decode-only step over an fp8 cache whose V lies along tokens stores each row's new v from
+# the decode kernel, a whole sector a dim (triton_paged.store_v_sectors), where the store kernel
+# would write single bytes (NANOSERVE_DECODE_STORES_V=0: the store kernel stores it)
+DECODE_STORES_V = os.environ.get("NANOSERVE_DECODE_STORES_V", "1") == "1"
 
 
 @triton.jit
@@ -52,7 +57,7 @@ def _store_kernel(
         v = tl.load(v_ptr + src, mask=mask)
         store_kv_rows(k, v, slot, offs_h, offs_h < KV_HEADS, offs_d, k_cache_ptr, v_cache_ptr, inv_k_scale,
                       inv_v_scale, stride_kcb, stride_ks, stride_kch, stride_vcb, stride_vs, stride_vch, stride_vcd,
-                      BLOCK_SIZE, KV_FP8)
+                      BLOCK_SIZE, KV_FP8, True)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -134,9 +139,13 @@ class TritonBackend:
             # a decode row's position is its last key's (seq_len - 1) and its slot that key's
             q = qkv[:, :num_heads * head_dim].unflatten(1, (num_heads, head_dim))
             return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, rope)
+        decode_stores_v = meta.decode_only and DECODE_STORES_V and is_fp8(v_cache) and tokens_contiguous(v_cache)
         q = qkv_rope_store(positions, qkv, num_heads, num_kv_heads, head_dim, rope.cos, rope.sin,
                            rope.q_weight, rope.k_weight, rope.eps, k_cache, v_cache, meta.slot_mapping,
-                           k_scale, v_scale)
+                           k_scale, v_scale, store_v=not decode_stores_v)
+        if decode_stores_v:
+            new_v = qkv[:, (num_heads + num_kv_heads) * head_dim:].unflatten(1, (num_kv_heads, head_dim))
+            return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, new_v=new_v)
         return self.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -161,8 +170,9 @@ class TritonBackend:
 
     @staticmethod
     def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, k_scale: float, v_scale: float, rope: NewTokenRope | None = None) -> torch.Tensor:
+                scale: float, k_scale: float, v_scale: float, rope: NewTokenRope | None = None,
+                new_v: torch.Tensor | None = None) -> torch.Tensor:
         return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
-                            k_scale=k_scale, v_scale=v_scale, seq_order=meta.decode_order, rope=rope,
+                            k_scale=k_scale, v_scale=v_scale, seq_order=meta.decode_order, rope=rope, new_v=new_v,
                             split_keys=engine_split_keys(q.shape[0], k_cache.shape[2], meta.max_seq_len, q.device,
                                                          is_fp8(k_cache)))

@@ -67,16 +67,40 @@ def slot_offset(slot, BLOCK_SIZE: tl.constexpr, stride_b, stride_t):
 @triton.jit
 def store_kv_rows(k, v, slot, heads, mask_h, offs_d, k_cache_ptr, v_cache_ptr, inv_k_scale, inv_v_scale,
                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
-                  BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr, STORE_V: tl.constexpr):
     """One token's k and v ([heads, HEAD_DIM], rows mask_h) into cache slot `slot`, as the cache
-    holds them: rounded once to its dtype, or for an fp8 cache k / k_scale and v / v_scale in e4m3."""
+    holds them: rounded once to its dtype, or for an fp8 cache k / k_scale and v / v_scale in e4m3.
+    STORE_V False: k only (the decode kernel stores v: store_v_sectors)."""
     if KV_FP8:
         k = to_fp8(k, inv_k_scale, k_cache_ptr.dtype.element_ty)
-        v = to_fp8(v, inv_v_scale, v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_kb, stride_ks) + heads[:, None] * stride_kh
              + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask_h[:, None])
-    tl.store(v_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_vb, stride_vs) + heads[:, None] * stride_vh
-             + offs_d[None, :] * stride_vd, v.to(v_cache_ptr.dtype.element_ty), mask=mask_h[:, None])
+    if STORE_V:
+        if KV_FP8:
+            v = to_fp8(v, inv_v_scale, v_cache_ptr.dtype.element_ty)
+        tl.store(v_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_vb, stride_vs) + heads[:, None] * stride_vh
+                 + offs_d[None, :] * stride_vd, v.to(v_cache_ptr.dtype.element_ty), mask=mask_h[:, None])
+
+
+@triton.jit
+def store_v_sectors(v_row, v_cache_ptr, block, pos, kv_head, offs_d, inv_v_scale, stride_vb, stride_vh, stride_vd,
+                    BLOCK_SIZE: tl.constexpr, SECTOR: tl.constexpr):
+    """One token's v (a kv head's HEAD_DIM values at v_row) into an fp8 cache whose V lies along
+    tokens (kv_layout.py), at position `pos` of physical block `block`, written as whole sectors.
+
+    Stored alone, each of the token's HEAD_DIM bytes lands in a 32-byte sector of its own, and
+    memory merges a partial sector by reading it first: on an H200 the store kernel took 14.6 us
+    a layer for 256 tokens against 3.5 with V row by row (BENCHMARKS.md). Here each dim's sector
+    around `pos` is read, the byte set in registers, and the sector written whole."""
+    first = tl.multiple_of((pos % BLOCK_SIZE) // SECTOR * SECTOR, SECTOR)
+    offs_s = tl.arange(0, SECTOR)
+    offs = block * stride_vb + kv_head * stride_vh + offs_d[:, None] * stride_vd + first + offs_s[None, :]
+    ptrs = v_cache_ptr + tl.max_contiguous(tl.multiple_of(offs, [1, SECTOR]), [1, SECTOR])
+    # L2 only: the L1 keeps no copy of the old bytes for the attention loop to read back
+    old = tl.load(ptrs, cache_modifier=".cg").to(tl.uint8, bitcast=True)
+    v = to_fp8(tl.load(v_row + offs_d), inv_v_scale, v_cache_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
+    merged = tl.where(offs_s[None, :] == pos % SECTOR, v[:, None], old)
+    tl.store(ptrs, merged.to(v_cache_ptr.dtype.element_ty, bitcast=True))
 
 
 @triton.jit
@@ -159,3 +183,15 @@ def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             raise ValueError(f"{name} must be contiguous in its last dim")
     if v_cache.stride(-1) != 1 and not (is_fp8(v_cache) and tokens_contiguous(v_cache)):
         raise ValueError("v_cache must be contiguous in its last dim, or (fp8) in its tokens: kv_layout.py")
+
+
+def check_new_v(new_v: torch.Tensor, v_cache: torch.Tensor, batch: int, plain_decode: bool) -> None:
+    """The layouts paged_decode's new_v store reads and writes without checking. plain_decode: the
+    step is decode rows alone (no packed query rows) and without rope."""
+    if not (is_fp8(v_cache) and tokens_contiguous(v_cache)):
+        raise ValueError("new_v is stored by decode over an fp8 cache whose V lies along tokens only (kv_layout.py)")
+    if not plain_decode:
+        raise ValueError("new_v takes a decode-only step without rope (rope stores the new v itself)")
+    if new_v.shape != (batch, v_cache.shape[2], v_cache.shape[3]) or new_v.stride(2) != 1:
+        raise ValueError(f"new_v must be [{batch}, {v_cache.shape[2]}, {v_cache.shape[3]}], contiguous in its "
+                         f"last dim, got {tuple(new_v.shape)} with strides {new_v.stride()}")

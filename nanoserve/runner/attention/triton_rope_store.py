@@ -41,7 +41,7 @@ def _qkv_rope_store_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr,
     KV_HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr, STORE_V: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     token = tl.program_id(0)
@@ -70,7 +70,8 @@ def _qkv_rope_store_kernel(
         v = tl.load(row + (HEADS + KV_HEADS) * HEAD_DIM + offs_kh[:, None] * HEAD_DIM
                     + offs_d[None, :], mask=mask_kh[:, None])
         store_kv_rows(k, v, slot, offs_kh, mask_kh, offs_d, k_cache_ptr, v_cache_ptr, inv_k_scale, inv_v_scale,
-                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, BLOCK_SIZE, KV_FP8)
+                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, BLOCK_SIZE, KV_FP8,
+                      STORE_V)
 
 
 @triton.jit
@@ -100,7 +101,8 @@ def rope_new_token(row, seq_len, start, end, kv_head, heads, mask_h, table, cos_
         v = tl.load(row + (HEADS + KV_HEADS + kv_head + one[:, None]) * HEAD_DIM + offs_d[None, :])
         slot = tl.load(table + pos // BLOCK_SIZE).to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         store_kv_rows(k, v, slot, kv_head + one, one < 1, offs_d, k_cache_ptr, v_cache_ptr, inv_k_scale, inv_v_scale,
-                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, BLOCK_SIZE, KV_FP8)
+                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, BLOCK_SIZE, KV_FP8,
+                      True)
         tl.debug_barrier()   # the stores above are seen by every thread of the program below
     return q
 
@@ -109,9 +111,10 @@ def qkv_rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, n
                    head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
                    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                   k_scale: float = 1.0, v_scale: float = 1.0, store_v: bool = True) -> torch.Tensor:
     """q [tokens, num_heads, head_dim] from the packed projection [tokens, (H + 2 KV) * D], its k
-    and v stored in their cache slots: ops.qkv_rope and store_kvcache in one launch."""
+    and v stored in their cache slots: ops.qkv_rope and store_kvcache in one launch. store_v
+    False: k only, the decode kernel storing v (paged_decode's new_v)."""
     num_tokens = qkv.shape[0]
     if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
         raise ValueError(f"qkv must be [tokens, {(num_heads + 2 * num_kv_heads) * head_dim}] and "
@@ -132,7 +135,7 @@ def qkv_rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, n
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         v_cache.stride(3), HEADS=num_heads, KV_HEADS=num_kv_heads, HEADS_POW2=triton.next_power_of_2(num_heads),
         KV_HEADS_POW2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, NORM=norm,
-        BLOCK_SIZE=v_cache.shape[1], KV_FP8=is_fp8(k_cache), num_warps=4 if num_heads * head_dim >= 1024 else 1, **pdl_launch(qkv.device),
+        BLOCK_SIZE=v_cache.shape[1], KV_FP8=is_fp8(k_cache), STORE_V=store_v, num_warps=4 if num_heads * head_dim >= 1024 else 1, **pdl_launch(qkv.device),
     )
     return q
 
@@ -152,8 +155,8 @@ def check_rope(rope: NewTokenRope, q: torch.Tensor, kv_heads: int, query_start_l
 
 def rope_kernel_args(rope: NewTokenRope | None, q: torch.Tensor, k_scale: float, v_scale: float) -> tuple:
     """The decode kernel's rope arguments in its order; placeholders, never read, without rope."""
-    if rope is None:
-        return (q, q, q, q, 0.0, 1.0, 1.0, 0)
+    if rope is None:   # the inverse scales still serve new_v's store
+        return (q, q, q, q, 0.0, 1.0 / k_scale, 1.0 / v_scale, 0)
     norm = rope.q_weight is not None
     return (rope.cos, rope.sin, rope.q_weight if norm else q, rope.k_weight if norm else q, rope.eps,
             1.0 / k_scale, 1.0 / v_scale, rope.cos.stride(0))
