@@ -10,6 +10,7 @@ from nanoserve.runner.attention.fp8 import FP8_DTYPE
 from nanoserve.runner.attention.torch_backend import store_kv
 from nanoserve.runner.attention.triton_rope_store import qkv_rope_store
 from nanoserve.runner.layers.ops import qkv_rope
+from nanoserve.runner.layers.rotary import NewTokenRope
 
 pytestmark = pytest.mark.gpu
 
@@ -46,6 +47,29 @@ def test_fused_kernel_matches_qkv_rope_then_store_on_the_gpu(kv_cache_dtype, qk_
         assert torch.equal((got != 0).any(-1).any(-1).flatten(), written)
 
 
+HEADS, KV_HEADS, DIM, BLOCK = 16, 8, 128, 256   # the 0.6B attention shape, the engine's block
+
+
+def decode_step_inputs(batch: int, gen: torch.Generator):
+    """A decode-only step at the 0.6B shape: (seq_lens of 1-2,048 keys with a padding row in the middle,
+    or at batch 1 a lone key; the cache's block count; block tables; the packed bf16 projection;
+    rotary tables with q/k norm weights; each row's slot for its new key, -1 for padding)."""
+    dev = gen.device
+    seq_lens = torch.randint(1, 2049, (batch,), device=dev, generator=gen, dtype=torch.int32)
+    seq_lens[batch // 2] = 0 if batch > 1 else 1
+    blocks = batch * 8 + 1
+    tables = torch.randperm(blocks, device=dev, generator=gen)[:batch * 8].reshape(batch, 8).int()
+    qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * DIM, device=dev, generator=gen).bfloat16()
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, DIM, 2, device=dev).float() / DIM))
+    emb = torch.arange(4096, device=dev).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((emb, emb), dim=-1)
+    weights = (1 + 0.3 * torch.randn(2, DIM, device=dev, generator=gen)).bfloat16().unbind(0)
+    positions = (seq_lens - 1).clamp_min(0).long()
+    slots = torch.where(seq_lens > 0, tables.long().gather(1, (positions // BLOCK)[:, None])[:, 0] * BLOCK
+                        + positions % BLOCK, -1)
+    return seq_lens, blocks, tables, qkv, NewTokenRope(emb.cos(), emb.sin(), *weights, 1e-6), slots
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("batch, splits", [(1, None), (16, None), (256, None), (64, 3)])
 def test_decode_with_rope_stores_and_attends_as_the_two_launches_on_the_gpu(kv_cache_dtype, batch, splits):
@@ -54,21 +78,12 @@ def test_decode_with_rope_stores_and_attends_as_the_two_launches_on_the_gpu(kv_c
     from nanoserve.runner.attention.decode_splits import longest_first
     from nanoserve.runner.attention.kv_layout import v_cache_copy
     from nanoserve.runner.attention.triton_decode import paged_decode
-    from nanoserve.runner.layers.rotary import NewTokenRope
 
-    heads, kv_heads, head_dim, block, dev = 16, 8, 128, 256, "cuda"
+    heads, kv_heads, head_dim, block, dev = HEADS, KV_HEADS, DIM, BLOCK, "cuda"
     fp8 = kv_cache_dtype == "fp8"
     gen = torch.Generator(device=dev).manual_seed(batch)
-    seq_lens = torch.randint(1, 2049, (batch,), device=dev, generator=gen, dtype=torch.int32)
-    seq_lens[batch // 2] = 0 if batch > 1 else 1   # a padding row, or a lone key
-    blocks = batch * 8 + 1
-    tables = torch.randperm(blocks, device=dev, generator=gen)[:batch * 8].reshape(batch, 8).int()
-    qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, device=dev, generator=gen).bfloat16()
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim))
-    emb = torch.arange(4096, device=dev).float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((emb, emb), dim=-1)
-    weights = (1 + 0.3 * torch.randn(2, head_dim, device=dev, generator=gen)).bfloat16().unbind(0)
-    rope = NewTokenRope(emb.cos(), emb.sin(), *weights, 1e-6)
+    seq_lens, blocks, tables, qkv, rope, slots = decode_step_inputs(batch, gen)
+    weights = (rope.q_weight, rope.k_weight)
     shape = (blocks, block, kv_heads, head_dim)
     caches = [torch.randn(shape, device=dev, generator=gen).to(FP8_DTYPE if fp8 else torch.bfloat16)
               for _ in range(2)]
@@ -76,8 +91,6 @@ def test_decode_with_rope_stores_and_attends_as_the_two_launches_on_the_gpu(kv_c
         caches[1] = v_cache_copy(caches[1])
     want_k, want_v = (torch.empty_strided(c.shape, c.stride(), dtype=c.dtype, device=dev).copy_(c) for c in caches)
     positions = (seq_lens - 1).clamp_min(0).long()
-    slots = torch.where(seq_lens > 0, tables.long().gather(1, (positions // block)[:, None])[:, 0] * block
-                        + positions % block, -1)
     scales = dict(k_scale=0.5, v_scale=2.0) if fp8 else {}
     kw = dict(num_splits=splits) if splits else dict(split_keys=512, seq_order=longest_first(seq_lens))
     q = qkv_rope_store(positions, qkv, heads, kv_heads, head_dim, rope.cos, rope.sin, *weights, 1e-6,
@@ -108,26 +121,16 @@ def test_decode_storing_new_v_gives_the_store_kernels_cache_and_output_on_the_gp
     from nanoserve.runner.attention.kv_layout import v_cache_copy
     from nanoserve.runner.attention.triton_decode import paged_decode
 
-    heads, kv_heads, head_dim, block, dev = 16, 8, 128, 256, "cuda"
+    heads, kv_heads, head_dim, dev = HEADS, KV_HEADS, DIM, "cuda"
     gen = torch.Generator(device=dev).manual_seed(batch + 7)
-    seq_lens = torch.randint(1, 2049, (batch,), device=dev, generator=gen, dtype=torch.int32)
-    seq_lens[batch // 2] = 0   # a padding row
-    blocks = batch * 8 + 1
-    tables = torch.randperm(blocks, device=dev, generator=gen)[:batch * 8].reshape(batch, 8).int()
-    qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, device=dev, generator=gen).bfloat16()
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim))
-    emb = torch.arange(4096, device=dev).float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((emb, emb), dim=-1)
-    weights = (1 + 0.3 * torch.randn(2, head_dim, device=dev, generator=gen)).bfloat16().unbind(0)
-    shape = (blocks, block, kv_heads, head_dim)
-    caches = [torch.randn(shape, device=dev, generator=gen).to(FP8_DTYPE) for _ in range(2)]
+    seq_lens, blocks, tables, qkv, rope, slots = decode_step_inputs(batch, gen)
+    caches = [torch.randn((blocks, BLOCK, kv_heads, head_dim), device=dev, generator=gen).to(FP8_DTYPE)
+              for _ in range(2)]
     caches[1] = v_cache_copy(caches[1])
     want_k, want_v = (torch.empty_strided(c.shape, c.stride(), dtype=c.dtype, device=dev).copy_(c) for c in caches)
     positions = (seq_lens - 1).clamp_min(0).long()
-    slots = torch.where(seq_lens > 0, tables.long().gather(1, (positions // block)[:, None])[:, 0] * block
-                        + positions % block, -1)
     kw = dict(num_splits=splits) if splits else dict(split_keys=512, seq_order=longest_first(seq_lens))
-    rope_args = (emb.cos(), emb.sin(), *weights, 1e-6)
+    rope_args = (rope.cos, rope.sin, rope.q_weight, rope.k_weight, rope.eps)
     q = qkv_rope_store(positions, qkv, heads, kv_heads, head_dim, *rope_args, want_k, want_v, slots, 0.5, 2.0)
     want = paged_decode(q, want_k, want_v, seq_lens, tables, head_dim ** -0.5, 2048, k_scale=0.5, v_scale=2.0, **kw)
     q = qkv_rope_store(positions, qkv, heads, kv_heads, head_dim, *rope_args, *caches, slots, 0.5, 2.0, store_v=False)

@@ -40,6 +40,19 @@ def clone_cache(cache: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def new_key_slots(seq_lens: torch.Tensor, tables: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's new position (seq_len - 1) and its cache slot, -1 for a padding row."""
+    positions = (seq_lens - 1).clamp_min(0).long()
+    slots = torch.where(seq_lens > 0, tables.long().gather(1, (positions // block)[:, None])[:, 0] * block
+                        + positions % block, -1)
+    return positions, slots
+
+
+def split_args(splits: str, seq_lens: torch.Tensor) -> dict:
+    return {"one": dict(num_splits=1), "even": dict(num_splits=3),
+            "fixed keys, longest first": dict(split_keys=32, seq_order=longest_first(seq_lens))}[splits]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8 V along tokens"])
@@ -55,15 +68,9 @@ def test_decode_with_rope_stores_and_attends_as_the_two_launches(dtype, qk_norm,
     rope = NewTokenRope(cos, sin, *weights, 1e-6)
     seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
     tables = torch.randperm(BLOCKS, generator=gen)[:batch * 6].reshape(batch, 6).to(torch.int32)
-    positions = (seq_lens - 1).clamp_min(0).long()
-    slots = torch.where(seq_lens > 0, tables.long().gather(1, (positions // BLOCK)[:, None])[:, 0] * BLOCK
-                        + positions % BLOCK, -1)
+    positions, slots = new_key_slots(seq_lens, tables, BLOCK)
     k_scale, v_scale = (0.5, 2.0) if fp8 else (1.0, 1.0)
-    kw = dict(k_scale=k_scale, v_scale=v_scale, **{
-        "one": dict(num_splits=1),
-        "even": dict(num_splits=3),
-        "fixed keys, longest first": dict(split_keys=32, seq_order=longest_first(seq_lens)),
-    }[splits])
+    kw = dict(k_scale=k_scale, v_scale=v_scale, **split_args(splits, seq_lens))
 
     want_k, want_v = clone_cache(k_cache), clone_cache(v_cache)
     q = qkv_rope_store(positions, qkv, HEADS, KV_HEADS, DIM, cos, sin, *weights, 1e-6, want_k, want_v, slots,
@@ -98,14 +105,8 @@ def test_decode_storing_new_v_leaves_the_cache_and_output_of_the_store_kernel(dt
     weights = (1 + 0.3 * torch.randn(2, DIM, generator=gen)).to(dtype).unbind(0)
     seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
     tables = torch.randperm(blocks, generator=gen)[:batch * width].reshape(batch, width).to(torch.int32)
-    positions = (seq_lens - 1).clamp_min(0).long()
-    slots = torch.where(seq_lens > 0, tables.long().gather(1, (positions // block)[:, None])[:, 0] * block
-                        + positions % block, -1)
-    kw = dict(k_scale=0.5, v_scale=2.0, **{
-        "one": dict(num_splits=1),
-        "even": dict(num_splits=3),
-        "fixed keys, longest first": dict(split_keys=32, seq_order=longest_first(seq_lens)),
-    }[splits])
+    positions, slots = new_key_slots(seq_lens, tables, block)
+    kw = dict(k_scale=0.5, v_scale=2.0, **split_args(splits, seq_lens))
 
     want_k, want_v = clone_cache(k_cache), clone_cache(v_cache)
     q = qkv_rope_store(positions, qkv, HEADS, KV_HEADS, DIM, cos, sin, *weights, 1e-6, want_k, want_v, slots,

@@ -177,22 +177,28 @@ def test_sigterm_to_the_whole_process_group_drains_as_sigterm_to_the_server(serv
         proc.stop()
 
 
-def test_sigterm_while_the_front_ends_start_is_a_clean_stop(server_model, tmp_path):
+@pytest.mark.parametrize("stop", ["SIGTERM to the main process", "Ctrl-C to the process group"])
+def test_a_stop_while_the_processes_start_is_a_clean_stop(server_model, tmp_path, stop):
+    # Ctrl-C reaches every process of the group: a child still importing died of it ("Fatal Python
+    # error: init_import_site", or killed by SIGINT), and the server exited 1 blaming the engine core
     log = tmp_path / "server.log"
     with open(log, "wb") as out:
         server = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "serve", server_model, "--host", "127.0.0.1",
                                    "--port", str(free_port()), "--device", DEVICE, *SERVER_ARGS, "--api-server-count",
                                    "2"], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                  env={**os.environ, "PYTHONPATH": str(REPO)})
+                                  env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
         try:
             deadline = time.monotonic() + 60
             while len(spawned_children(server.pid)) < 3:   # the core and both front ends, still importing
                 assert time.monotonic() < deadline and server.poll() is None, log.read_text()
                 time.sleep(0.01)
-            front_ends = spawned_children(server.pid)
-            server.send_signal(signal.SIGTERM)
+            children = spawned_children(server.pid)
+            if stop.startswith("SIGTERM"):
+                server.send_signal(signal.SIGTERM)
+            else:
+                os.killpg(server.pid, signal.SIGINT)
             assert server.wait(60) == 0, log.read_text()
-            assert gone_within(front_ends, 10)
+            assert gone_within(children, 10)
         finally:
             server.kill()
 
@@ -260,25 +266,3 @@ def test_a_temporary_folder_too_deep_for_a_socket_path_still_serves_and_is_left_
         assert list(temp.iterdir()) == []
     finally:
         proc.stop()
-
-
-def test_ctrl_c_while_the_processes_start_is_a_clean_stop(server_model, tmp_path):
-    # Ctrl-C reaches every process of the group: a child still importing died of it ("Fatal Python
-    # error: init_import_site", or killed by SIGINT), and the server exited 1 blaming the engine core
-    log = tmp_path / "server.log"
-    with open(log, "wb") as out:
-        server = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "serve", server_model, "--host", "127.0.0.1",
-                                   "--port", str(free_port()), "--device", DEVICE, *SERVER_ARGS, "--api-server-count",
-                                   "2"], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                  env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 60
-            while len(spawned_children(server.pid)) < 3:   # the core and both front ends, still importing
-                assert time.monotonic() < deadline and server.poll() is None, log.read_text()
-                time.sleep(0.01)
-            children = spawned_children(server.pid)
-            os.killpg(server.pid, signal.SIGINT)
-            assert server.wait(60) == 0, log.read_text()
-            assert gone_within(children, 10)
-        finally:
-            server.kill()
