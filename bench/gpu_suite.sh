@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
 # usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [served-asc] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab] [v-store-ab]
-# served needs the server wheels on PYTHONPATH (scripts/device_wheels.sh) and .peers (see bench/served_vs_offline.sh)
+# carry .whl (scripts/device_wheels.sh) for the parts that import the engine or the server; served also needs .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/nanoserve-gpu}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# the device image lacks the engine's message packages (msgspec, pyzmq) and the server's: take them from
+# .whl (scripts/device_wheels.sh) where it travelled, so no part fails at its imports
+if [ -d .whl ] && ! python3 -c "import msgspec, fastapi" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 parts=${*:-tests throughput decode}
 # the warm-up tests first: they are the slowest, and a call cut by its limit should not always miss them
 kernel_tests="tests/gpu/test_warm_up_gpu.py tests/gpu/test_attention_kernels.py tests/gpu/test_fp8_kv_cache_gpu.py"
@@ -172,7 +178,7 @@ g.PRELOAD_FIRST_TILE, d.PREFETCH_FIRST_TILE = $1, $2" --batch-sizes 1,2,16,256 -
            done
          done
          workload_ab NANOSERVE_DECODE_ROPE "$out/rope-ab-workload.log" ;;
-    v-store-ab) # an fp8 decode-only step's new v stored by the decode kernel, a whole sector a dim (the default),
+    v-store-ab) # an fp8 decode-only step's new v stored by the decode kernel, a whole sector a dim (opt-in),
          # against the q/k norm + rotary + store kernel's single bytes: GPU tests, fp8 decode steps at 1k, the fp8 workload
          timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_rope_store_gpu.py \
            tests/gpu/test_fp8_kv_cache_gpu.py::test_triton_decode_over_fp8_under_cuda_graph_replay \

@@ -31,10 +31,11 @@ MIXED_MIN_DECODE_ROWS = 32
 # always). On an H200 at 1k contexts (BENCHMARKS.md) it took batch 1 from 0.999 to 0.977 ms (bf16) and
 # 0.925 to 0.854 (fp8), and lost at 16 (bf16 1.743 -> 1.782 ms) and 256 (8.61 -> 9.66; fp8 6.19 -> 6.34)
 DECODE_ROPE_MAX_ROWS = 1 if os.environ.get("NANOSERVE_DECODE_ROPE", "1") == "1" else 0
-# a larger decode-only step over an fp8 cache whose V lies along tokens stores each row's new v from
-# the decode kernel, a whole sector a dim (triton_paged.store_v_sectors), where the store kernel
-# would write single bytes (NANOSERVE_DECODE_STORES_V=0: the store kernel stores it)
-DECODE_STORES_V = os.environ.get("NANOSERVE_DECODE_STORES_V", "1") == "1"
+# NANOSERVE_DECODE_STORES_V=1: a larger decode-only step over an fp8 cache whose V lies along tokens
+# stores each row's new v from the decode kernel, a whole sector a dim (triton_paged.store_v_sectors),
+# not as the store kernel's single bytes. Off: it took the fp8 step at batch 256 from 6.196 to 6.065 ms
+# on an H200 but lost 0.7-1.7% of the fp8 workload on an H100 (BENCHMARKS.md)
+DECODE_STORES_V = os.environ.get("NANOSERVE_DECODE_STORES_V", "0") == "1"
 
 
 @triton.jit
