@@ -28,6 +28,10 @@ class CompileTimeout(Exception):
     """The spec did not compile within the deadline; its worker was killed."""
 
 
+class CompilersBusy(Exception):
+    """No worker came free within the deadline: all of them were compiling other specs."""
+
+
 def _serve(conn: Connection, tokenizer_info_json: str, parent_pid: int) -> None:
     """The worker: compile each spec it is sent, answer None (it compiles) or the reason it does not."""
     from nanoserve.lifetime import die_with_parent
@@ -52,31 +56,44 @@ def _serve(conn: Connection, tokenizer_info_json: str, parent_pid: int) -> None:
 
 
 class _Worker:
-    """One worker process, started when first needed and again after it is killed."""
+    """One worker process, started when first needed and again, at once, after it is killed."""
 
     def __init__(self, tokenizer_info_json: str) -> None:
         self.info = tokenizer_info_json
         self.process: multiprocessing.process.BaseProcess | None = None
         self.conn: Connection | None = None
+        self._restart: asyncio.Task | None = None
+
+    def restart_soon(self) -> None:
+        """Start the process again in the background, so that the next check finds it (nearly) up."""
+        if self._restart is None or self._restart.done():
+            self._restart = asyncio.get_running_loop().create_task(self._start_quietly())
+
+    async def _start_quietly(self) -> None:
+        with contextlib.suppress(Exception):  # one that failed is tried again by the next check
+            await self.start()
 
     async def check(self, spec: StructuredOutputsParams, timeout: float) -> str | None:
+        if self._restart is not None:
+            await asyncio.shield(self._restart)  # a check cancelled here leaves the start to the next
+            self._restart = None
         if self.process is None or not self.process.is_alive():
             await self.start()
         self.conn.send(spec)
         try:
             return await self._reply(timeout)
         except asyncio.TimeoutError:
-            self.stop()  # still compiling: nothing else can end it
+            self._kill()  # still compiling: nothing else can end it
             raise CompileTimeout() from None
         except (EOFError, OSError):
-            self.stop()
+            self._kill()
             return "the compiler crashed on it"
         except BaseException:
-            self.stop()  # abandoned mid-compile (cancelled): its late answer would be read as the next one's
+            self._kill()  # abandoned mid-compile (cancelled): its late answer would be read as the next one's
             raise
 
     async def start(self) -> None:
-        self.stop()
+        self._kill()
         parent, child = multiprocessing.Pipe()
         # started on the event loop's thread: the kernel's parent-death signal follows the thread
         # that started a child, and a pool thread may exit while the worker lives on
@@ -88,7 +105,7 @@ class _Worker:
         try:
             await self._reply(_START_TIMEOUT_S)
         except BaseException:
-            self.stop()
+            self._kill()
             raise
 
     async def _reply(self, timeout: float) -> str | None:
@@ -103,6 +120,12 @@ class _Worker:
         return self.conn.recv()  # a short message, all there once the pipe is readable
 
     def stop(self) -> None:
+        """Kill the process and any start under way."""
+        if self._restart is not None and not self._restart.done():
+            self._restart.cancel()
+        self._kill()
+
+    def _kill(self) -> None:
         if self.process is not None:
             self.process.kill()
             self.process.join()
@@ -115,11 +138,14 @@ class _Worker:
 class CompileWorkers:
     """A few workers; a check waits for an idle one on the event loop, not on a thread.
 
-    A spec checked before is answered from its remembered verdict without a worker: the workers
-    are first come, first served, so while slow specs hold them (each up to the deadline) a
-    spec that an application sends with every request would otherwise wait behind all of them.
-    Only verdicts are kept, never grammars (~34 MB for a 128 KiB spec), under a digest of the
-    spec rather than its text; a timeout is not a verdict (it depends on the load)."""
+    The workers are first come, first served, and a slow spec holds one up to the deadline. A
+    check waits for a worker at most the deadline too: without that bound, n slow specs held
+    every new one back for n / workers deadlines (six of 10 s kept a trivial regex waiting 34 s),
+    and the queue kept compiling specs long after a flood of them stopped. A spec checked before
+    is answered from its remembered verdict without a worker, so one that an application sends
+    with every request never waits. Only verdicts are kept, never grammars (~34 MB for a 128 KiB
+    spec), under a digest of the spec rather than its text; a timeout is not a verdict (it
+    depends on the load)."""
 
     def __init__(self, tokenizer_info_json: str, num_workers: int = 2) -> None:
         self.workers = [_Worker(tokenizer_info_json) for _ in range(num_workers)]
@@ -128,7 +154,7 @@ class CompileWorkers:
 
     async def check(self, spec: StructuredOutputsParams, timeout: float) -> str | None:
         """None when the spec compiles within `timeout` seconds, else why it does not; raises
-        CompileTimeout past the deadline."""
+        CompilersBusy when no worker is free within `timeout`, CompileTimeout past the deadline."""
         key = hashlib.blake2b(repr(spec.key).encode(), digest_size=16).digest()
         if key in self._verdicts:
             self._verdicts.move_to_end(key)
@@ -144,19 +170,20 @@ class CompileWorkers:
             self._idle = asyncio.Queue()
             for worker in self.workers:
                 self._idle.put_nowait(worker)
-        worker = await self._idle.get()
+        try:
+            # a get that completes as the wait ends still returns its worker (wait_for and
+            # asyncio.Queue are both cancellation-safe), so none is lost from the pool
+            worker = await asyncio.wait_for(self._idle.get(), timeout)
+        except asyncio.TimeoutError:
+            raise CompilersBusy() from None
         try:
             return await worker.check(spec, timeout)
         finally:
-            if worker.process is None:   # killed: the next check should not wait for its start
-                asyncio.get_running_loop().create_task(self._restart(worker))
-            else:
-                self._idle.put_nowait(worker)
-
-    async def _restart(self, worker: _Worker) -> None:
-        with contextlib.suppress(Exception):  # a worker that cannot start is tried again when next used
-            await worker.start()
-        self._idle.put_nowait(worker)
+            if worker.process is None:
+                # killed: its start begins now, and the worker is free at once, so that a spec
+                # waits its deadline only for workers that compile, never for one that starts
+                worker.restart_soon()
+            self._idle.put_nowait(worker)
 
     def close(self) -> None:
         for worker in self.workers:

@@ -15,7 +15,7 @@ from nanoserve.server.protocol import ChatMessage, Tool
 # apply_chat_template's own arguments (whatever this transformers has): a request may not set
 # them through chat_template_kwargs, where they would change what is returned, not the template
 RESERVED_TEMPLATE_KWARGS = (set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
-                            - {"self", "kwargs"}) | {"messages"}
+                            - {"kwargs"}) | {"messages"}
 
 
 def template_compile_error(template: str) -> str | None:

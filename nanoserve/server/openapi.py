@@ -7,6 +7,8 @@ here, with the OpenAI error object under every status a route can return, and 42
 
 from __future__ import annotations
 
+import warnings
+
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
@@ -42,7 +44,7 @@ STATUS_MEANING = {
     404: "Unknown model",
     413: "Request body over --max-request-body-bytes",
     500: "Internal error; the message carries an error id to find in the server log",
-    503: "Overloaded (queue or --max-connections full; see Retry-After) or the engine is not running",
+    503: "Overloaded (queue, --max-connections or the grammar compilers full; see Retry-After) or the engine is not running",
 }
 
 
@@ -63,15 +65,18 @@ def error_statuses(path: str, has_api_key: bool) -> list[int]:
 def openapi_schema(app: FastAPI, has_api_key: bool) -> dict:
     if app.openapi_schema is not None:
         return app.openapi_schema
-    schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
-                         description="OpenAI-compatible API; request bodies are validated strictly (unknown fields "
-                                     "and wrong types are 400s).")
+    with warnings.catch_warnings():   # _unique_operation_ids gives each operation its own id below
+        warnings.filterwarnings("ignore", message="Duplicate Operation ID")
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                             description="OpenAI-compatible API; request bodies are validated strictly (unknown "
+                                         "fields and wrong types are 400s).")
     _, defs = models_json_schema([(model, "validation") for model in BODIES.values()], ref_template=REF)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components.update(defs.get("$defs", {}))
     components["ErrorResponse"] = ERROR_SCHEMA
     for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422 shapes: never sent
         components.pop(name, None)
+    _unique_operation_ids(schema)
     for path, operations in schema["paths"].items():
         for operation in operations.values():
             if path in BODIES:
@@ -84,6 +89,27 @@ def openapi_schema(app: FastAPI, has_api_key: bool) -> dict:
                     "application/json": {"schema": {"$ref": REF.format(model="ErrorResponse")}}}}
     app.openapi_schema = schema
     return schema
+
+
+def _unique_operation_ids(schema: dict) -> None:
+    """FastAPI names each method of a route after one of them (GET and HEAD both `..._head`), which
+    client generators refuse: each operation ends in its own method, and any repeat left gets a number."""
+    seen: set[str] = set()
+    for operations in schema["paths"].values():
+        for method, operation in operations.items():
+            name = operation.get("operationId")
+            if name is None:
+                continue
+            stem, _, last = name.rpartition("_")
+            name = f"{stem}_{method}" if stem and last in HTTP_METHODS else name
+            unique, n = name, 2
+            while unique in seen:
+                unique, n = f"{name}_{n}", n + 1
+            seen.add(unique)
+            operation["operationId"] = unique
+
+
+HTTP_METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
 
 
 def install_openapi(app: FastAPI, has_api_key: bool) -> None:

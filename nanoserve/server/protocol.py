@@ -81,6 +81,9 @@ def _keys_of(model: type[BaseModel]) -> frozenset[str]:
 class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk, not only the last
+    # OpenAI's: random padding in each chunk against reading lengths off the encrypted stream;
+    # accepted, none is added (a TLS terminator in front of this server is where it would belong)
+    include_obfuscation: bool | None = None
 
 
 class JSONSchemaFormat(Strict):
@@ -166,6 +169,7 @@ class SamplingFields(Strict):
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None   # prefixes stay while blocks allow
     safety_identifier: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,

@@ -184,6 +184,7 @@ class ResponsesRequest(Strict):
     user: str | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
     safety_identifier: str | None = None
     stream_options: dict[str, Any] | None = None   # OpenAI's include_obfuscation: nothing to obfuscate here
     # vLLM's sampling extras, with chat's bounds
@@ -318,7 +319,7 @@ def as_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seed", "stop", "ignore_eos", "request_id", "cache_salt", "priority",
-                 "user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"):
+                 "user", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier"):
         body[name] = getattr(req, name)
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})

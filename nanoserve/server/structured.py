@@ -9,6 +9,7 @@ failed or stalled request later.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -16,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanoserve.engine.grammar import tokenizer_info
 from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
-from nanoserve.server.compile_workers import CompileTimeout, CompileWorkers
+from nanoserve.server.compile_workers import CompilersBusy, CompileTimeout, CompileWorkers
 from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import SamplingFields
 from nanoserve.server.wire import unless_disconnected
@@ -65,7 +66,7 @@ class SpecChecker:
 
     async def check(self, spec: StructuredOutputsParams) -> None:
         """Raise ValueError naming the problem when xgrammar cannot compile the spec, CompileTimeout
-        when it does not compile in time."""
+        when it does not compile in time, CompilersBusy when no compiler came free in that time."""
         if self._workers is None:
             # built on first use: a large vocabulary takes a while, and most servers never need it
             info = await run_in_threadpool(_tokenizer_info_json, self.tokenizer, self.vocab_size)
@@ -100,4 +101,10 @@ async def constrain(checker: SpecChecker, params: SamplingParams,
                        "(--timeout-grammar-compile): compile time grows steeply with the number of repeated or "
                        "optional parts (a*, b?, ...); simplify it", param=param,
                        code="grammar_too_complex") from None
+    except CompilersBusy:
+        # the spec may be fine: overload, which the openai client retries after Retry-After
+        wait_s = math.ceil(checker.timeout_s)
+        raise APIError(f"Every structured-output compiler stayed busy with other specs for {checker.timeout_s:g} s "
+                       f"(--timeout-grammar-compile); try again in {wait_s} s", 503,
+                       code="grammar_compilers_busy", headers={"Retry-After": str(wait_s)}) from None
     return dataclasses.replace(params, structured_outputs=spec)

@@ -1,5 +1,6 @@
 """A structured-output spec that would take minutes to compile gets a 400 at the deadline, and
-holds up neither other structured requests nor the engine."""
+holds up neither other structured requests nor the engine; a spec waits for a compile worker at
+most the deadline too, then gets a 503 the client may retry."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 
 from tests.server.conftest import SERVER_ARGS, ServerProcess, engine_process, spawned_children
@@ -41,29 +43,56 @@ def test_a_spec_that_compiles_too_slowly_gets_a_400_at_the_deadline(server):
     server.wait_idle()
 
 
-def test_slow_specs_do_not_starve_other_structured_requests_or_streams(server):
-    statuses: list[int] = []
+def _slow_specs(server, tag: str, count: int) -> tuple[list[threading.Thread], list[httpx.Response]]:
+    """`count` chat requests, each with a spec of its own that compiles for minutes, started at once."""
+    answers: list[httpx.Response] = []
 
     def slow(i: int) -> None:
-        body = {**CHAT, "guided_regex": "ab"[i % 2] + SLOW_REGEX}   # each its own spec: no cache helps
-        statuses.append(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).status_code)
+        body = {**CHAT, "guided_regex": f"{tag}{i}" + SLOW_REGEX}   # each its own spec: no cache helps
+        answers.append(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=180))
 
-    hogs = [threading.Thread(target=slow, args=(i,)) for i in range(4)]
+    hogs = [threading.Thread(target=slow, args=(i,)) for i in range(count)]
     for t in hogs:
         t.start()
+    return hogs, answers
+
+
+def _refused_as_too_slow_or_busy(answers: list[httpx.Response]) -> None:
+    """The specs that got a worker are 400 at the deadline; the rest waited the deadline for one
+    and are 503 with Retry-After (the openai client retries those); at least one of each."""
+    codes = sorted(r.json()["error"]["code"] for r in answers)
+    assert set(codes) == {"grammar_too_complex", "grammar_compilers_busy"}, codes
+    for r in answers:
+        if r.json()["error"]["code"] == "grammar_compilers_busy":
+            assert r.status_code == 503 and r.headers["retry-after"] == "2", (r.status_code, r.headers)
+            assert "--timeout-grammar-compile" in r.json()["error"]["message"]
+        else:
+            assert r.status_code == 400
+
+
+def test_slow_specs_do_not_starve_other_structured_requests_or_streams(server):
+    assert httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "guided_regex": "[ef]+"},
+                      timeout=60).status_code == 200   # the workers are started
+    # twelve specs of one deadline (2 s) each: first come, first served with no bound on the wait,
+    # they held a new spec back for six deadlines and six worker restarts (over 20 s here)
+    hogs, answers = _slow_specs(server, "s", 12)
     time.sleep(0.5)
-    # a plain stream flows meanwhile, and a structured request is answered once two deadlines pass
+    # a plain stream flows meanwhile
     stream = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "A list", "max_tokens": 20,
                                                               "stream": True}, timeout=30)
     assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]")
+    # a structured request through the openai client, which retries a 503 after its Retry-After,
+    # is answered once the workers that held the first two slow specs are back
     start = time.monotonic()
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "guided_choice": ["yes", "no"]}, timeout=120)
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["message"]["content"] in ("yes", "no")
-    assert time.monotonic() - start < 60
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=4, timeout=120)
+    reply = client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=4,
+                                           extra_body={"guided_choice": ["yes", "no"]})
+    took = time.monotonic() - start
+    assert reply.choices[0].message.content in ("yes", "no")
+    assert took < 18, f"a new spec was answered after {took:.1f} s behind twelve slow ones"
     for t in hogs:
         t.join()
-    assert statuses == [400] * 4
+    _refused_as_too_slow_or_busy(answers)
     assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
     server.wait_idle()
 
@@ -71,16 +100,8 @@ def test_slow_specs_do_not_starve_other_structured_requests_or_streams(server):
 def test_a_spec_known_to_compile_does_not_wait_behind_slow_ones(server):
     known = {**CHAT, "response_format": {"type": "json_object"}}
     assert httpx.post(f"{server.url}/v1/chat/completions", json=known, timeout=60).status_code == 200
-    statuses: list[int] = []
-
-    def slow(i: int) -> None:
-        body = {**CHAT, "guided_regex": f"c{i}" + SLOW_REGEX}
-        statuses.append(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).status_code)
-
-    # eight specs of two deadlines (2 s) each hold the two workers for ~8 s, first come, first served
-    hogs = [threading.Thread(target=slow, args=(i,)) for i in range(8)]
-    for t in hogs:
-        t.start()
+    # eight slow specs hold both workers for a deadline (2 s) and keep the queue full meanwhile
+    hogs, answers = _slow_specs(server, "c", 8)
     time.sleep(0.5)
     start = time.monotonic()
     r = httpx.post(f"{server.url}/v1/chat/completions", json=known, timeout=120)
@@ -89,7 +110,7 @@ def test_a_spec_known_to_compile_does_not_wait_behind_slow_ones(server):
     assert took < 3, f"a spec that compiled before waited {took:.1f} s for a worker"
     for t in hogs:
         t.join()
-    assert statuses == [400] * 8
+    _refused_as_too_slow_or_busy(answers)
     server.wait_idle()
 
 

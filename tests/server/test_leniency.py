@@ -17,7 +17,7 @@ from tests.server.conftest import openai_client
 PROMPT = "A list is"
 MESSAGES = [{"role": "user", "content": "What is a dict?"}]
 BOOKKEEPING = {"metadata": {"team": "a"}, "store": False, "service_tier": "auto", "prompt_cache_key": "k1",
-               "safety_identifier": "user-7", "user": "u"}
+               "prompt_cache_retention": "24h", "safety_identifier": "user-7", "user": "u"}
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,21 @@ def test_bookkeeping_fields_are_accepted_and_change_nothing(client, offline):
     assert text_only.choices[0].message.content == chat.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="modalities"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, modalities=["text", "audio"])
+    with pytest.raises(openai.BadRequestError, match="prompt_cache_retention"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, prompt_cache_retention="1y")
+
+
+@pytest.mark.parametrize("obfuscation", [True, False])
+def test_stream_options_include_obfuscation_is_accepted_and_changes_nothing(client, offline, obfuscation):
+    ref = offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0]
+    options = {"include_usage": True, "include_obfuscation": obfuscation}
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+                                            stream_options=options))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert chunks[-1].usage.completion_tokens == 6
+    chat = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
+                                               stream=True, stream_options=options))
+    assert chat[-1].usage.completion_tokens == 6 and chat[-2].choices[0].finish_reason == "length"
 
 
 def test_completion_without_max_tokens_generates_16_tokens(client):

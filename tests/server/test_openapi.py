@@ -42,6 +42,13 @@ def test_the_model_schemas_carry_the_bounds(schema):
     assert resolve(schema, chat["properties"]["messages"]["items"]["$ref"])["title"] == "ChatMessage"
 
 
+def test_every_operation_has_its_own_id(schema):
+    ids = [(path, method, op["operationId"]) for path, ops in schema["paths"].items() for method, op in ops.items()]
+    assert len({op_id for _, _, op_id in ids}) == len(ids), sorted(op_id for _, _, op_id in ids)
+    for path, method, op_id in ids:
+        assert op_id.rpartition("_")[2] == method or op_id.rsplit("_", 2)[1] == method, (path, method, op_id)
+
+
 def test_no_422_anywhere_and_every_error_is_the_openai_object(schema):
     assert "422" not in str(schema) and "HTTPValidationError" not in schema["components"]["schemas"]
     error = schema["components"]["schemas"]["ErrorResponse"]

@@ -274,6 +274,30 @@ def test_a_hermes_call_left_open_before_its_end_tag_streams_what_the_whole_messa
             [c["function"]["arguments"] for c in message["tool_calls"]], text[:cut]
 
 
+DUPLICATE_KEYS = {"hermes": '<tool_call>\n{"name": "f", "name": "g", "arguments": {"a": 1}, "arguments": {"b": 2}}\n'
+                             '</tool_call>',
+                  "mistral": '[TOOL_CALLS] [{"name": "f", "name": "g", "arguments": {"a": 1}, "arguments": {"b": 2}}]',
+                  "llama3_json": '{"name": "f", "name": "g", "parameters": {"a": 1}, "parameters": {"b": 2}}'}
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_a_call_that_repeats_its_keys_is_read_by_the_first_streamed_or_whole(parser):
+    """A stream names the call from the first "name" it sees; the whole message read the object
+    with json's last-wins and named it "g". Cut at every point."""
+    text = DUPLICATE_KEYS[parser]
+    plan = lambda: ToolPlan("auto", TOOL_PARSERS[parser]())  # noqa: E731
+    message, _ = ChoiceReader(plan(), None).message(text, "stop")
+    whole = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+    assert whole == [("f", {"a": 1})]
+    for cut in range(1, len(text)):
+        reader = ChoiceReader(plan(), None)
+        deltas = [reader.delta(text[:cut], None)[0], reader.delta(text[cut:], "stop")[0]]
+        name, args = "", ""
+        for entry in (e for d in deltas for e in d.get("tool_calls", [])):
+            name, args = name + entry["function"].get("name", ""), args + entry["function"]["arguments"]
+        assert (name, json.loads(args)) == whole[0], text[:cut]
+
+
 OPENING = str.maketrans("]}", "[{")
 
 

@@ -105,6 +105,7 @@ BIG_TOOLS = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
     ({"chat_template_kwargs": {"return_assistant_tokens_mask": True}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"sanitize_control_tokens": 1}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"truncation": True, "max_length": 3}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"self": 1}}, "chat_template_kwargs"),   # was blamed on 'messages'
     # the grammar that enforces the call is built from the tools' schemas: past the spec limit it was a 500
     ({"tools": BIG_TOOLS, "tool_choice": "required"}, "characters long"),
     ({"tools": BIG_TOOLS, "tool_choice": {"type": "function", "function": {"name": "f0"}}}, "characters long"),

@@ -16,9 +16,21 @@ import re
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 _decoder = json.JSONDecoder()
+
+
+def _first_of_each_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        obj.setdefault(key, value)
+    return obj
+
+
+# a call object's repeated key means its first: a stream names the call from the first "name" it
+# sees, and json's last-wins made the whole response name `{"name": "f", "name": "g"}` "g"
+_call_decoder = json.JSONDecoder(object_pairs_hook=_first_of_each_key)
 
 # calls read from one choice, in any format; what follows the last of them is not read. No client
 # asks for so many; without a bound, crafted output (hermes blocks nested in open calls' strings)
@@ -121,7 +133,7 @@ def scan_call(text: str, pos: int = 0) -> tuple[PartialCall, int | None]:
     call = PartialCall()
     start = _WHITESPACE.match(text, pos).end()
     try:
-        obj, end = _decoder.raw_decode(text, start)
+        obj, end = _call_decoder.raw_decode(text, start)
     except _UNREADABLE:
         obj, end = None, None
     if isinstance(obj, dict):
