@@ -85,13 +85,17 @@ class CanonicalPathMiddleware:
     """Serves a path with a trailing slash or doubled slashes ("/v1/completions/", "//health",
     "/v1//models") as its route's own path. Starlette answered a trailing slash with a 307 to the
     canonical path, which some clients follow by re-sending a POST's body, others by dropping it;
-    doubled slashes come from a base URL that ends in "/" joined to a path that starts with one."""
+    doubled slashes come from a base URL that ends in "/" joined to a path that starts with one.
+    It also sets --root-path as the request's root_path (FastAPI's own parameter is deprecated):
+    the router matches, and the API docs name, the path that follows it."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+    def __init__(self, app: ASGIApp, root_path: str = "") -> None:
+        self.app, self.root_path = app, root_path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            if self.root_path:
+                scope = {**scope, "root_path": self.root_path}
             # behind a proxy that keeps the --root-path prefix, the route's path is what follows it
             path = canonical_path(route_path(scope))
             if path != scope["path"]:
@@ -134,7 +138,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings,
             await engine.shutdown()
 
     docs = {} if settings.api_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
-    app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan, root_path=settings.root_path, **docs)
+    app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan, **docs)
     app.state.server = ServerState(engine, settings)
     install_handlers(app)
     install_openapi(app, has_api_key=bool(settings.api_key))
@@ -152,7 +156,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings,
     if settings.request_id_headers:   # outside the key check: a refusal carries its id too
         app.add_middleware(RequestIdHeaderMiddleware)
     # outermost: the key check, the limits and the routes all see the path that is served
-    app.add_middleware(CanonicalPathMiddleware)
+    app.add_middleware(CanonicalPathMiddleware, root_path=settings.root_path)
     app.router.redirect_slashes = False   # no route answers with a redirect, whatever the path
     return app
 
