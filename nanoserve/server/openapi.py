@@ -91,6 +91,9 @@ def openapi_schema(app: FastAPI, has_api_key: bool) -> dict:
     return schema
 
 
+HTTP_METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
+
+
 def _unique_operation_ids(schema: dict) -> None:
     """FastAPI names each method of a route after one of them (GET and HEAD both `..._head`), which
     client generators refuse: each operation ends in its own method, and any repeat left gets a number."""
@@ -107,9 +110,6 @@ def _unique_operation_ids(schema: dict) -> None:
                 unique, n = f"{name}_{n}", n + 1
             seen.add(unique)
             operation["operationId"] = unique
-
-
-HTTP_METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
 
 
 def install_openapi(app: FastAPI, has_api_key: bool) -> None:
