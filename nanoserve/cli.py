@@ -16,6 +16,7 @@ import sys
 from nanoserve import __version__
 from nanoserve.defaults import DEFAULT_MODEL, ENGINE_HEARTBEAT_S, LOG_FORMAT, MAX_API_SERVERS
 from nanoserve.engine_flags import add_engine_flags, engine_kwargs
+from nanoserve.vllm_flags import add_vllm_serve_flags, check_vllm_serve_flags, log_requests
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
@@ -170,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="least severe of uvicorn's own lines, its access lines among them (default: --log-level)")
     add_engine_flags(serve)
+    add_vllm_serve_flags(serve)
 
     gen = sub.add_parser("generate", help="complete one prompt offline and print the text",
                          formatter_class=HelpWithDefaults)
@@ -220,6 +222,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             print(f"nanoserve: warning: {name} is set but empty: serving without an API key", file=sys.stderr)
     _check_seconds(args, parser)
     _check_cors(args, parser)
+    check_vllm_serve_flags(args, parser)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_PARSERS)})")
     if args.model_flag is not None:
@@ -244,7 +247,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                               stream_interval=args.stream_interval, metrics_prefix=args.metrics_prefix,
                               request_id_headers=args.enable_request_id_headers, root_path=args.root_path,
                               chat_template=_chat_template(args.chat_template),
-                              log_requests=not args.disable_log_requests, log_stats=not args.disable_log_stats,
+                              log_requests=log_requests(args), log_stats=not args.disable_log_stats,
                               api_docs=not args.disable_fastapi_docs,
                               return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                               engine_death_grace_s=args.engine_death_grace_period,
@@ -252,7 +255,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                               generation_config=args.generation_config, generation_overrides=overrides,
                               tool_call_parser=args.tool_call_parser,
                               enable_auto_tool_choice=args.enable_auto_tool_choice,
-                              reasoning_parser=args.reasoning_parser)
+                              reasoning_parser=args.reasoning_parser, response_role=args.response_role)
     from nanoserve.config import EngineConfig
     from nanoserve.cpu_threads import cpu_compute_threads
 

@@ -11,7 +11,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanoserve.attention_support import attention_refusal
 from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, FP8_FLASH_ATTN_REFUSAL,  # noqa: F401 - re-exported
-                                KV_CACHE_DTYPES, MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES, SCHEDULING_POLICIES)
+                                DEFAULT_MAX_LOGPROBS, KV_CACHE_DTYPES, MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES,
+                                MAX_LOGPROBS_CEILING, SCHEDULING_POLICIES)
 from nanoserve.model_source import resolve_model
 from nanoserve.sampling_params import SEED_RANGE
 
@@ -81,8 +82,11 @@ class EngineConfig:
     # bookkeeping then overlaps the device's work, off on the CPU, where nothing runs beside it
     async_scheduling: bool | None = None
     attention_backend: str = "auto"
-    # fp8: K and V stored as e4m3 with a per-layer scale (1.0, or the checkpoint's k_scale/v_scale)
+    # fp8: K and V stored as e4m3 with a per-layer scale (1.0, or the checkpoint's k_scale/v_scale);
+    # vLLM's other spelling, fp8_e4m3, is taken as fp8
     kv_cache_dtype: str = "auto"
+    # vLLM's: the most alternatives a request's logprobs or prompt_logprobs may ask for (up to MAX_LOGPROBS_CEILING)
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
     tensor_parallel_size: int = 1
     # torch's threads per rank on the CPU; None: torch's default, shared among the ranks
     # (nanoserve/cpu_threads.py; `serve` keeps a core for its front end)
@@ -145,6 +149,12 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8_e4m3":
+            set_("kv_cache_dtype", "fp8")
+        if type(self.max_logprobs) is not int or not 0 <= self.max_logprobs <= MAX_LOGPROBS_CEILING:
+            raise ValueError(f"max_logprobs must be an integer in 0-{MAX_LOGPROBS_CEILING}, got {self.max_logprobs!r} "
+                             "(vLLM's -1, the whole vocabulary, is not offered: every alternative is carried for "
+                             "every token)")
         refusal = self._prefill_graphs_refusal(device)
         if self.prefill_cuda_graphs and refusal:
             raise ValueError(f"prefill_cuda_graphs (--prefill-cuda-graphs) cannot be used here: {refusal}")

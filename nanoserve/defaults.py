@@ -9,7 +9,12 @@ import os
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "assets", "tiny-qwen3")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
-KV_CACHE_DTYPES = ("auto", "fp8")  # vLLM's names: auto = the model's dtype, fp8 = e4m3
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names: auto = the model's dtype, fp8 = fp8_e4m3 = e4m3
+# vLLM's --max-logprobs default (the OpenAI API's top_logprobs limit): alternatives a request may ask for
+DEFAULT_MAX_LOGPROBS = 20
+# the most --max-logprobs may allow: every alternative is carried for every token (a prefill step's
+# prompt logprobs are max_num_batched_tokens rows of them), so the whole vocabulary (vLLM's -1) is not offered
+MAX_LOGPROBS_CEILING = 1024
 SCHEDULING_POLICIES = ("fcfs", "priority")   # vLLM's names
 FP8_FLASH_ATTN_REFUSAL = ("kv_cache_dtype='fp8' needs the triton attention backend (torch on the CPU): the "
                           "flash_attn backend cannot read an fp8 KV cache; use --attention-backend triton (or "

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, KV_CACHE_DTYPES, MAX_GRAMMAR_BYTES,
-                                MAX_GRAMMAR_STATE_BYTES, SCHEDULING_POLICIES)
+from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MAX_LOGPROBS, DEFAULT_MODEL, KV_CACHE_DTYPES,
+                                MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES, MAX_LOGPROBS_CEILING, SCHEDULING_POLICIES)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -35,7 +35,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="auto: flash_attn when it imports (fp16/bf16 models, KV cache not fp8), else triton on CUDA, "
                         "torch on the CPU")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="fp8: K/V stored as e4m3 (twice the tokens fit; scales from the checkpoint or 1.0)")
+                   help="fp8 (or vLLM's other name for it, fp8_e4m3): K/V stored as e4m3 (twice the tokens fit; "
+                        "scales from the checkpoint or 1.0)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="also replay prefill steps of up to 4 sequences from CUDA graphs, so a short prompt's "
@@ -45,6 +46,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="launch the next step before reading this one's sampled ids, overlapping host and "
                         "GPU (default: on for CUDA, off on the CPU)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    p.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
+                   help="most alternatives a request's logprobs, top_logprobs or prompt_logprobs may ask for "
+                        f"(vLLM's flag and default), at most {MAX_LOGPROBS_CEILING}: vLLM's -1, the whole vocabulary, "
+                        "is not offered")
     p.add_argument("--revision", default=None,
                    help="the Hub repository's branch, tag or commit when the model is a repository id (default: main)")
     p.add_argument("--download-dir", default=None,
@@ -88,4 +93,5 @@ def engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         prefill_cuda_graphs=args.prefill_cuda_graphs, async_scheduling=args.async_scheduling,
         load_format=args.load_format, seed=args.seed, max_grammar_bytes=args.max_grammar_bytes,
         max_grammar_state_bytes=args.max_grammar_state_bytes,
-        tensor_parallel_size=args.tensor_parallel_size, tokenizer=args.tokenizer)
+        tensor_parallel_size=args.tensor_parallel_size, tokenizer=args.tokenizer,
+        max_logprobs=args.max_logprobs)

@@ -235,10 +235,11 @@ class SamplingParams:
         self.min_tokens = _as_int("min_tokens", self.min_tokens, 0, MAX_INT)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidSamplingParam("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        # how many the engine returns is bounded by its max_logprobs (validation.check_logprobs)
         if self.logprobs is not None:
-            self.logprobs = _as_int("logprobs", self.logprobs, 0, 20)
+            self.logprobs = _as_int("logprobs", self.logprobs, 0, MAX_INT)
         if self.prompt_logprobs is not None:
-            self.prompt_logprobs = _as_int("prompt_logprobs", self.prompt_logprobs, 0, 20)
+            self.prompt_logprobs = _as_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_INT)
         if len(self.bad_words) > MAX_BAD_WORDS:
             raise InvalidSamplingParam("bad_words", f"bad_words takes at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
         for word in self.bad_words:

@@ -34,8 +34,8 @@ from nanoserve.engine.messages import (AbortRequests, AddRequest, EngineDied, En
 from nanoserve.engine.outputs import RequestState
 from nanoserve.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream, RequestUpdate
 from nanoserve.engine.tokenizer import load_tokenizer
-from nanoserve.engine.validation import (RequestRefused, check_params_token_ids, check_priority, check_prompt,
-                                         check_token_ids)
+from nanoserve.engine.validation import (RequestRefused, check_logprobs, check_params_token_ids, check_priority,
+                                         check_prompt, check_token_ids, logprobs_cap)
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class AsyncEngine:
         self.tokenizer = (engine.tokenizer if engine is not None
                           else load_tokenizer(self.config.tokenizer, self.config.trust_remote_code))
         self.vocab_size = self.config.hf_config.vocab_size
+        self.logprobs_cap = logprobs_cap(self.config.max_logprobs, self.vocab_size)
         self.admission = Admission(self.config.max_num_seqs, max_queue_len)
         self.log_level = log_level
         self.ready: EngineReady | None = None
@@ -260,6 +261,7 @@ class AsyncEngine:
         if not prompts:
             raise RequestRefused("The request has no prompt", "prompt")
         check_params_token_ids(params, self.vocab_size)
+        check_logprobs(params, self.logprobs_cap)
         check_priority(priority, self.config.scheduling_policy)
         for prompt in prompts:
             check_prompt(prompt, params.max_tokens, self.config.max_model_len, self.vocab_size,

@@ -11,7 +11,8 @@ from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.validation import check_params_token_ids, check_priority, check_prompt
+from nanoserve.engine.validation import (check_logprobs, check_params_token_ids, check_priority, check_prompt,
+                                         logprobs_cap)
 from nanoserve.engine.outputs import CompletionOutput, PromptTokenLogprob, RequestState
 from nanoserve.sampling_params import SamplingParams
 
@@ -92,6 +93,7 @@ class LLM:
         for ids, params, rank in zip(token_ids, params_list, priorities):
             check_prompt(ids, None, self.engine.config.max_model_len, self.engine.vocab_size)
             check_params_token_ids(params, self.engine.vocab_size)
+            check_logprobs(params, logprobs_cap(self.engine.config.max_logprobs, self.engine.vocab_size))
             check_priority(rank, self.engine.config.scheduling_policy)
         results: list[RequestOutput] = []
         states: dict[str, tuple[RequestOutput, RequestState]] = {}

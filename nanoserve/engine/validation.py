@@ -66,6 +66,21 @@ def check_priority(priority: int, policy: str) -> None:
         raise RequestRefused(f"'priority' must be between {PRIORITY_RANGE[0]} and {PRIORITY_RANGE[1]}", "priority")
 
 
+def logprobs_cap(max_logprobs: int, vocab_size: int) -> int:
+    """The most alternatives a request may ask for: max_logprobs, at most the vocabulary."""
+    return min(max_logprobs, vocab_size)
+
+
+def check_logprobs(params: SamplingParams, cap: int) -> None:
+    """Raise RequestRefused when logprobs or prompt_logprobs ask for more alternatives than `cap`
+    (logprobs_cap), as vLLM refuses what passes its --max-logprobs."""
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name)
+        if asked is not None and asked > cap:
+            raise RequestRefused(f"{name} asks for {asked} alternatives; this server returns at most {cap} "
+                                 "(--max-logprobs)", name)
+
+
 def check_params_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """Raise RequestRefused for a logit_bias, stop_token_ids or allowed_token_ids id outside the
     vocabulary (the sampler indexes the logits by them), or for more allowed ids than it has."""

@@ -116,9 +116,10 @@ class ChatCompletion(OpenAIResponse):
             template_tail(state.tokenizer, self.prompt, (parser.START, parser.END)))
         self.readers = [ChoiceReader(tools, parser(opened) if parser else None, req.include_reasoning)
                         for _ in range(req.n)]
-        # as vLLM answers: as the assistant, or without a generation prompt as the last message's author
+        # as vLLM answers: as --response-role (the assistant), or without a generation prompt as the last
+        # message's author
         last = req.messages[-1]
-        self.role = "assistant" if req.add_generation_prompt else last.role
+        self.role = state.settings.response_role if req.add_generation_prompt else last.role
         # vLLM's echo: a reply that continues a message of its own author repeats that message first
         self.echoed = last.text() if req.echo and last.role == self.role else ""
 
@@ -196,7 +197,7 @@ async def start_chat(request: Request, state: ServerState, req: ChatCompletionRe
     if state.settings.force_include_usage:
         req.force_usage()
     req.check_priority(state.engine.config.scheduling_policy)
-    req.check_prompt_logprobs()
+    state.check_logprobs(req)
     try:
         params = req.sampling_params(max_tokens(req), (req.top_logprobs or 0) if req.logprobs else None,
                                      state.sampling_defaults)

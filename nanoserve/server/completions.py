@@ -194,7 +194,6 @@ def refuse_unsupported(req: CompletionRequest, policy: str) -> None:
                        "(with its logprobs when logprobs is set)", param="max_tokens")
     req.check_stream_options()
     req.check_priority(policy)
-    req.check_prompt_logprobs()
 
 
 # what the OpenAI API and vLLM generate when a completion request gives no max_tokens
@@ -219,6 +218,7 @@ async def create_completion(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
     model = state.model_name(req.model)
     refuse_unsupported(req, state.engine.config.scheduling_policy)
+    state.check_logprobs(req)
     if state.settings.force_include_usage:
         req.force_usage()
     state.settings.limits.check_request(len(prompt_list(req.prompt)), req.n, req.stop, req.stop_token_ids)

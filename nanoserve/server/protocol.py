@@ -34,7 +34,6 @@ MAX_TOOLS = 1 << 14
 # prompts of one /v1/completions request, read before --max-seqs-per-request (256 by default) is
 # checked: that flag may not usefully go past this
 MAX_PROMPTS = 1 << 14
-MAX_LOGPROBS = 20
 # more entries than most vocabularies have tokens; each is parsed on the event loop (~0.5 us)
 MAX_LOGIT_BIAS = 1 << 17
 # as many ids as the largest vocabularies have tokens (Gemma's 262,144); the engine then refuses
@@ -140,8 +139,8 @@ class SamplingFields(Strict):
     # vLLM's: each choice carries its new tokens' ids ("token_ids"), and the prompt's ids come too
     return_token_ids: bool = False
     # vLLM's: each prompt token's logprob and this many alternatives, in whole responses only
-    # (-1, vLLM's "the whole vocabulary", is refused by name in check_prompt_logprobs)
-    prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_LOGPROBS)
+    # (-1, vLLM's "the whole vocabulary", is refused by name; check_logprobs bounds them by --max-logprobs)
+    prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_INT)
     stream: bool = False
     stream_options: StreamOptions | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # vLLM's: keep only the last k prompt tokens
@@ -223,10 +222,17 @@ class SamplingFields(Strict):
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
 
-    def check_prompt_logprobs(self) -> None:
+    def check_logprobs(self, cap: int) -> None:
+        """Alternatives past `cap` (--max-logprobs) are refused, as vLLM refuses them, and so is
+        prompt_logprobs -1 (vLLM's "the whole vocabulary")."""
         if self.prompt_logprobs == -1:
             raise APIError(f"prompt_logprobs -1 asks for the whole vocabulary at every prompt token; this server "
-                           f"returns at most {MAX_LOGPROBS} alternatives", param="prompt_logprobs")
+                           f"returns at most {cap} alternatives (--max-logprobs)", param="prompt_logprobs")
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            asked = getattr(self, name, None)
+            if type(asked) is int and asked > cap:   # not chat's logprobs, a bool
+                raise APIError(f"{name} asks for {asked} alternatives; this server returns at most {cap} "
+                               "(--max-logprobs)", param=name)
         if self.prompt_logprobs and self.stream:   # as vLLM answers: its streams never carry them
             raise APIError("prompt_logprobs are not available when stream is true; ask without streaming",
                            param="prompt_logprobs")
@@ -261,7 +267,7 @@ class CompletionRequest(SamplingFields):
              | Annotated[Items[Items[int]], Field(max_length=MAX_PROMPTS)])
     # None: 16, as in the OpenAI API (the endpoint fills it in); 0, with echo: the prompt alone, as vLLM's
     max_tokens: int | None = Field(None, ge=0, le=MAX_INT)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_INT)   # bounded by check_logprobs
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
@@ -368,7 +374,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # the OpenAI API's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_INT)   # bounded by check_logprobs
     modalities: Items[Literal["text"]] | None = None  # text is what this server writes; "audio" is refused by name
     verbosity: Literal["low", "medium", "high"] | None = None  # a hint to OpenAI's models: ignored, as in responses
 

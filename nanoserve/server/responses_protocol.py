@@ -16,7 +16,7 @@ from pydantic import Discriminator, Field, Tag, ValidationError
 
 from nanoserve.sampling_params import MAX_INT
 from nanoserve.server.errors import APIError, from_validation_error
-from nanoserve.server.protocol import (MAX_CONTENT_PARTS, MAX_LOGPROBS, MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest,
+from nanoserve.server.protocol import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest,
                                        Items, SamplingFields, Strict, StructuredOutputsRequest)
 
 
@@ -161,7 +161,7 @@ class ResponsesRequest(Strict):
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     temperature: float | None = _chat_field("temperature")
     top_p: float | None = _chat_field("top_p")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_INT)   # bounded by chat's check_logprobs
     include: Items[str] | None = None
     stream: bool = False
     # read by _chat_tools: a hosted tool is refused by its type

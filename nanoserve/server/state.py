@@ -23,6 +23,7 @@ from nanoserve.server.errors import APIError
 from nanoserve.server.limits import MiB, PromptSize, ServerLimits
 from nanoserve.server.logprobs import TokenTexts
 from nanoserve.server.metrics import RequestTimer, ServerMetrics
+from nanoserve.server.protocol import SamplingFields
 from nanoserve.server.structured import SpecChecker
 
 T = TypeVar("T")
@@ -55,6 +56,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # reads tool calls out of the text (server/tool_parsers)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" needs it, as in vLLM
     reasoning_parser: str | None = None  # splits reasoning_content from content (server/reasoning.py)
+    response_role: str = "assistant"     # vLLM's --response-role: who a chat reply speaks as
     limits: ServerLimits = field(default_factory=ServerLimits)
     root_path: str = ""   # the path prefix of a proxy in front ("/llm"): served with it and without it
     metrics_dir: str | None = None   # several front ends: where their request metrics meet (server/metrics.py)
@@ -85,6 +87,10 @@ class ServerState:
         self.budget = OutputBudget(int(settings.limits.max_undelivered_mb * MiB))
         self.metrics.registry.register(BudgetCollector(self.budget))
         self.created = int(time.time())
+
+    def check_logprobs(self, req: SamplingFields) -> None:
+        """The request's logprobs fields against --max-logprobs."""
+        req.check_logprobs(self.engine.logprobs_cap)
 
     def model_name(self, requested: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""

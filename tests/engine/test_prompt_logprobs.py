@@ -74,4 +74,26 @@ def test_n_choices_score_their_prompt_once_and_share_its_blocks(qwen3_model):
 
 def test_prompt_logprobs_range_is_checked():
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=21)
+        SamplingParams(prompt_logprobs=-1)
+
+
+def test_max_logprobs_bounds_both_kinds_and_past_20_they_match_hf(qwen3_model):
+    """vLLM's max_logprobs: 20 by default, refused past it before anything is queued; raised, the
+    alternatives past 20 are transformers' too. The whole vocabulary (vLLM's -1) is not offered."""
+    prompt = random_prompts(1, 384, 12, 12, seed=14)[0]
+    llm = LLM(qwen3_model, dtype="float32", device="cpu", block_size=16)
+    for asked in (dict(logprobs=21), dict(prompt_logprobs=21)):
+        with pytest.raises(ValueError, match=f"{next(iter(asked))} asks for 21 alternatives.*at most 20"):
+            llm.generate([prompt], SamplingParams(max_tokens=2, **asked), use_tqdm=False)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    wide = LLM(qwen3_model, dtype="float32", device="cpu", block_size=16, max_logprobs=40)
+    out = wide.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, logprobs=33, prompt_logprobs=37),
+                        use_tqdm=False)[0]
+    expected = hf_prompt_logprobs(qwen3_model, prompt + out.token_ids)
+    for position, (_, top, _) in enumerate(out.prompt_logprobs[1:]):
+        assert [v for _, v in top] == pytest.approx(expected[position].topk(37).values.tolist(), abs=1e-4)
+    for step, (_, top) in enumerate(out.outputs[0].logprobs):
+        assert [v for _, v in top] == pytest.approx(expected[len(prompt) - 1 + step].topk(33).values.tolist(),
+                                                    abs=1e-4)
+    with pytest.raises(ValueError, match="max_logprobs must be an integer in 0-1024"):
+        LLM(qwen3_model, dtype="float32", device="cpu", max_logprobs=-1)

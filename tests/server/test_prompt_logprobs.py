@@ -96,7 +96,7 @@ def test_a_stream_may_ask_for_0_and_gets_none_as_in_vllm(server, path, body):
 @pytest.mark.parametrize("path, body", [("completions", {"prompt": PROMPTS[0]}), ("chat/completions", {"messages": CHAT})])
 @pytest.mark.parametrize("extra, words", [({"prompt_logprobs": 1, "stream": True}, "not available when stream"),
                                           ({"prompt_logprobs": -1}, "whole vocabulary"),
-                                          ({"prompt_logprobs": 21}, "less than or equal to 20"),
+                                          ({"prompt_logprobs": 21}, "at most 20"),
                                           ({"prompt_logprobs": -2}, "greater than or equal to -1"),
                                           ({"prompt_logprobs": "2"}, "Invalid type")])
 def test_a_bad_prompt_logprobs_is_a_400_naming_it(server, path, body, extra, words):

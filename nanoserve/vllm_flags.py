@@ -1,0 +1,75 @@
+"""vLLM `serve` flags that deployments carry over, taken with the meaning they have here.
+
+A command line or manifest written for vLLM often sets flags whose job this server does another
+way, or does not need. Each is accepted only where its value changes nothing a client sees,
+and refused by name where it asks for something this server cannot do:
+
+- `--response-role`: the role of a chat reply (`assistant`), honoured;
+- `--enable-log-requests` / `--no-enable-log-requests`: vLLM's newer switch for the per-request log
+  line (`--disable-log-requests` is the older one; both work);
+- `--enable-prompt-tokens-details`: usage carries `prompt_tokens_details` (cached tokens) always here;
+- `--swap-space`: a preempted request is recomputed, as in vLLM's V1 engine: nothing is swapped;
+- `--disable-custom-all-reduce`: tensor parallelism reduces through NCCL (gloo on the CPU) only;
+- `--pipeline-parallel-size`, `--data-parallel-size`: 1 (one model replica over
+  `--tensor-parallel-size` GPUs); more is refused;
+- `--guided-decoding-backend`: auto or xgrammar, the structured-output backend here;
+- `--tokenizer-mode`: auto or hf, transformers' tokenizer of the model (vLLM's slow, mistral and
+  custom modes are refused).
+
+Nothing here imports torch: `--help` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+GUIDED_DECODING_BACKENDS = ("auto", "xgrammar")
+TOKENIZER_MODES = ("auto", "hf")
+MAX_ROLE_CHARS = 64
+
+
+def add_vllm_serve_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--response-role", default="assistant",
+                   help="the role a chat reply speaks as (when add_generation_prompt is true)")
+    p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=None,
+                   help="a log line per finished request (vLLM's newer name; on unless this is --no-... "
+                        "or --disable-log-requests is given)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage's prompt_tokens_details (cached tokens): always included here")
+    p.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                   help="taken for vLLM's command lines; a preempted request is recomputed, as in vLLM's V1 "
+                        "engine, so no CPU memory is set aside")
+    p.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="taken for vLLM's command lines: tensor parallelism reduces through NCCL only")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="1 only: the model runs whole on each of --tensor-parallel-size GPUs' shards")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="1 only: one model replica a server (run servers side by side for more)")
+    p.add_argument("--guided-decoding-backend", default="auto", choices=GUIDED_DECODING_BACKENDS,
+                   help="structured outputs: xgrammar is the backend here, whichever is named")
+    p.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
+                   help="the model's tokenizer as transformers loads it, whichever is named")
+
+
+def check_vllm_serve_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """parser.error for what these flags ask and this server cannot do."""
+    if args.pipeline_parallel_size != 1:
+        parser.error(f"--pipeline-parallel-size {args.pipeline_parallel_size} is not offered: the model is split "
+                     "over GPUs by --tensor-parallel-size only; leave the flag at 1")
+    if args.data_parallel_size != 1:
+        parser.error(f"--data-parallel-size {args.data_parallel_size} is not offered: a server runs one model "
+                     "replica; run one server per replica behind a load balancer, and leave the flag at 1")
+    if args.swap_space is not None and not 0 <= args.swap_space < math.inf:
+        parser.error(f"--swap-space must be a number of GiB >= 0, got {args.swap_space}")
+    role = args.response_role
+    if not role or len(role) > MAX_ROLE_CHARS or not role.isprintable() or role != role.strip():
+        parser.error(f"--response-role must be a role name of 1-{MAX_ROLE_CHARS} printable characters without "
+                     f"leading or trailing spaces, got {role[:80]!r}")
+    if args.enable_log_requests and args.disable_log_requests:
+        parser.error("--enable-log-requests and --disable-log-requests contradict each other: give one")
+
+
+def log_requests(args: argparse.Namespace) -> bool:
+    """Whether a line is logged per finished request: unless either flag turns it off."""
+    return not args.disable_log_requests and args.enable_log_requests is not False
