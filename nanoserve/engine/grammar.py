@@ -19,6 +19,7 @@ import xgrammar as xgr  # imported by the engine only once a request asks for st
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.engine.grammar_cache import CompileCache
+from nanoserve.engine.grammar_time import MatcherClock
 from nanoserve.runner.batch import TokenMask
 from nanoserve.sampling_params import StructuredOutputsParams
 
@@ -132,6 +133,8 @@ class GrammarManager:
         # fills many rows' masks on xgrammar's own threads (C++, outside the GIL): at a few tens of
         # microseconds per row for a large vocabulary, 256 rows one by one would outlast a GPU step
         self.batch = xgr.BatchGrammarMatcher()
+        # every request of a step waits for its grammar work: a matcher too slow for that is named here
+        self.clock = MatcherClock()
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """A future of the CompiledGrammar; raises ValueError from result() when it cannot compile."""
@@ -164,10 +167,8 @@ class GrammarManager:
         # 0.5 ms of the step on an H200's host)
         bitmask = torch.empty((len(rows), xgr.get_bitmask_shape(1, self.vocab_size)[1]), dtype=torch.int32,
                               pin_memory=self.pin_memory)
-        if len(rows) == 1:
-            matchers[rows[0]].fill_next_token_bitmask(bitmask, 0)
-        else:
-            self.batch.batch_fill_next_token_bitmask([matchers[r] for r in rows], bitmask)
+        self.clock.run([matchers[r] for r in rows], lambda m, i: m.fill_next_token_bitmask(bitmask, i),
+                       lambda ms, rows_: self._fill(ms, bitmask, rows_), closes_step=True)
         index = {row: i for i, row in enumerate(rows)} if bans or allowed else {}
         kept: dict[int, np.ndarray] = {}   # id of an allow list -> its bits
         for row, tokens in (allowed or {}).items():   # rare: no pass over every row without one
@@ -182,14 +183,26 @@ class GrammarManager:
                     _leave_out(bitmask[index[row]].numpy().view(np.uint32), ban)
         return TokenMask(bitmask, rows)
 
+    def _fill(self, matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+        else:
+            self.batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+
     def advance(self, steps: list[tuple[xgr.GrammarMatcher, int]]) -> None:
         """Each matcher accepts its sampled token. The token was drawn under that matcher's mask,
         so it is always accepted."""
-        if len(steps) == 1:
-            steps[0][0].accept_token(steps[0][1])
-        elif steps:
-            matchers, tokens = zip(*steps)
-            self.batch.batch_accept_token(list(matchers), list(tokens))
+        if not steps:
+            return
+        matchers, tokens = zip(*steps)
+        self.clock.run(list(matchers), lambda m, i: m.accept_token(tokens[i]),
+                       lambda ms, rows: self._accept(ms, [tokens[i] for i in rows]), closes_step=False)
+
+    def _accept(self, matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> None:
+        if len(matchers) == 1:
+            matchers[0].accept_token(tokens[0])
+        else:
+            self.batch.batch_accept_token(matchers, tokens)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

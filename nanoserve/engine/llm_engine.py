@@ -239,6 +239,8 @@ class LLMEngine:
         so the host's bookkeeping overlaps the device's work and outputs arrive one step later."""
         budget = self.grammar_queue.budget
         self.grammar_state.enforce(len(budget) > 0, budget.bytes, self.sequences.values(), self._end)
+        if self._grammars is not None:
+            self._grammars.clock.end_slow(self.sequences.values(), self._end)
         self._admit_compiled()
         if self.config.async_scheduling:
             launched = self._launch()

@@ -1,0 +1,85 @@
+"""The time grammar matchers take a step, bounded whatever the grammar.
+
+Every request of a step waits for the step's grammar work: each constrained row's matcher accepts
+the token just sampled, then fills its row of the next step's mask. Ordinary JSON schemas and
+regexes take well under a millisecond a row. A grammar that parses one text many ways (EBNF such
+as `x ::= [a-z ] | x x | x " " x`) grows slower token by token under xgrammar's Earley parser:
+on the bundled model 92 ms a step after 10 tokens, 1.8 s after 110, so one such request held every
+other stream of the server to a token every few seconds, and it compiled quickly and stayed within
+every memory bound (grammar_state.py).
+
+So each phase of the work is timed. Matchers work in one batch (on xgrammar's threads) as long as
+the batch takes no longer than MAX_MATCHER_STEP_S plus ROW_ALLOWANCE_S a row; a slower batch makes
+its matchers suspects, which from then on work one by one, each timed on its own. A suspect whose
+accept and fill of one step take longer than MAX_MATCHER_STEP_S together is slow: the engine ends
+its request (`end_slow`). A lone row's batch time is its own, so it is judged at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from nanoserve.engine.sequence import Sequence
+
+MAX_MATCHER_STEP_S = 0.1
+ROW_ALLOWANCE_S = 0.001
+MAX_SUSPECTS = 4096   # ids of matchers long gone are forgotten past this (a new matcher may reuse one)
+
+
+class MatcherClock:
+    """Runs a step's grammar work over its matchers, timing it, and names the matchers that are too slow.
+
+    Used from the engine's thread only; `clock` is replaceable for tests."""
+
+    def __init__(self, limit_s: float = MAX_MATCHER_STEP_S, row_allowance_s: float = ROW_ALLOWANCE_S,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.limit_s = limit_s
+        self.row_allowance_s = row_allowance_s
+        self.clock = clock
+        self.suspects: dict[int, float] = {}   # id(matcher) -> seconds it has spent in this step so far
+        self.slow: dict[int, tuple[Any, float]] = {}   # id -> (matcher, seconds); held until end_slow
+
+    def run(self, matchers: list, alone: Callable[[Any, int], None], together: Callable[[list, list[int]], None],
+            closes_step: bool) -> None:
+        """One phase of the step's work: `alone(matcher, i)` for each suspect, `together(matchers,
+        indices)` for the rest, i being a matcher's place in `matchers`. The accept phase opens a
+        step's count (closes_step False), the fill closes it."""
+        batch = [i for i, m in enumerate(matchers) if id(m) not in self.suspects]
+        for i, matcher in enumerate(matchers):
+            if id(matcher) in self.suspects:
+                start = self.clock()
+                alone(matcher, i)
+                spent = self.clock() - start + (self.suspects[id(matcher)] if closes_step else 0.0)
+                self.suspects[id(matcher)] = 0.0 if closes_step else spent
+                self._judge(matcher, spent)
+        if not batch:
+            return
+        start = self.clock()
+        together([matchers[i] for i in batch], batch)
+        took = self.clock() - start
+        if len(batch) == 1:
+            self._judge(matchers[batch[0]], took)
+        elif took > self.limit_s + self.row_allowance_s * len(batch):
+            if len(self.suspects) + len(batch) > MAX_SUSPECTS:
+                self.suspects.clear()
+            self.suspects.update((id(matchers[i]), 0.0) for i in batch)
+
+    def _judge(self, matcher: Any, spent: float) -> None:
+        if spent > self.limit_s:
+            self.slow[id(matcher)] = (matcher, spent)
+
+    def end_slow(self, sequences: Iterable[Sequence], end: Callable[[Sequence, str], None]) -> None:
+        """`end` the requests whose matcher was found too slow; once per step, before it runs."""
+        if not self.slow:
+            return
+        for seq in list(sequences):
+            if seq.grammar is not None and id(seq.grammar) in self.slow:
+                spent = self.slow[id(seq.grammar)][1]
+                self.suspects.pop(id(seq.grammar), None)
+                end(seq, f"Ended after {seq.num_output_tokens} tokens: its structured-output grammar took "
+                         f"{spent * 1e3:.0f} ms to follow one token (at most {self.limit_s * 1e3:.0f} ms), and every "
+                         "request in the step waits for that. A grammar that parses each text one way (not "
+                         "ambiguously, as x ::= x x does) stays fast")
+        self.slow.clear()
