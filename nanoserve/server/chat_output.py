@@ -4,6 +4,7 @@ whole or as stream deltas. Reasoning is split first; tool calls are read from wh
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 
 from nanoserve.server.reasoning import Qwen3ReasoningParser
@@ -70,10 +71,12 @@ class ChoiceReader:
             return message, finish_reason
         message["tool_calls"] = [{"id": tool_call_id(self.plan.parser), "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
-        return message, self.finish_reason(finish_reason, called=True)
+        return message, self.finish_reason(finish_reason, called=all(whole_arguments(c.arguments) for c in calls))
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
-        # OpenAI answers "stop" when the caller named the function, "tool_calls" when the model chose to call
+        """OpenAI answers "stop" when the caller named the function, "tool_calls" when the model
+        chose to call. `called`: every call the reply carries is whole; one cut short by a stop
+        string or the end of the text is no call a client can run, and the reason stays "stop"."""
         return "tool_calls" if reason == "stop" and called and self.plan.mode != "named" else reason
 
     def delta(self, new_text: str, finish_reason: str | None) -> tuple[dict, str | None]:
@@ -106,7 +109,10 @@ class ChoiceReader:
         tool_deltas = self._call_deltas(text, calls, settled, changed)
         if tool_deltas:
             delta["tool_calls"] = tool_deltas
-        return delta, self.finish_reason(finish_reason, called=bool(self.ids))
+        # (a helper's loop, not a generator here: one that read `text` would make it a closure cell,
+        # and `text += new_text` above would then copy the whole text at every update)
+        whole = final and runnable(text, announced(calls)[:len(self.ids)])
+        return delta, self.finish_reason(finish_reason, called=bool(self.ids) and whole)
 
     def _stream_calls(self, text: str, start: int | None, final: bool) -> tuple[int, list[PartialCall], int, int]:
         """CallStream.update for the content: text[start:], or "" while start is None."""
@@ -152,6 +158,20 @@ class ChoiceReader:
                 out.append(entry)
         self.done = max(self.done, min(settled, len(self.ids)))
         return out
+
+
+def whole_arguments(arguments: str) -> bool:
+    """Whether a call's arguments are a whole JSON object, as a client that runs the call reads them
+    (json.loads, which takes a lone surrogate's escape where orjson does not)."""
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
+
+
+def runnable(text: str, calls: list[PartialCall]) -> bool:
+    """Whether every call's arguments (text spans of a stream, or strings) are a whole JSON object."""
+    return all(whole_arguments(_text(text, call.arguments)) for call in calls)
 
 
 def announced(calls: list[PartialCall]) -> list[PartialCall]:

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from nanoserve.server.chat import ChatCompletion, start_chat
+from nanoserve.server.chat_output import whole_arguments
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.responses_protocol import CHAT_TO_RESPONSES_FIELD, ResponsesRequest, as_chat_request
@@ -147,9 +148,12 @@ class ResponseWriter:
         return events
 
     def close_item(self, status: str) -> list[bytes]:
-        """The done events of the item opened last, which is whole now."""
+        """The done events of the item opened last, which is whole now. A call is "completed" when
+        its arguments are whole, whatever cut the response short (a later call, by max_output_tokens),
+        and "incomplete" when they are not (a stop string or the end of the text inside them)."""
         item, index = self.items[-1], len(self.items) - 1
-        item["status"] = status
+        item["status"] = (status if item["type"] != "function_call" else
+                          "completed" if whole_arguments(item["arguments"]) else "incomplete")
         where = {"item_id": item["id"], "output_index": index}
         if item["type"] == "function_call":
             events = [self.event("response.function_call_arguments.done", **where, name=item["name"],
@@ -300,3 +304,4 @@ async def stored_response(response_id: str) -> Response:
     """Retrieve, delete, cancel, input_items: OpenAI's calls on a stored response, of which there are none."""
     raise APIError(f"No response found with id {response_id[:80]!r}: this server keeps no responses, so it "
                    "cannot retrieve, delete or cancel one", 404, param="response_id", code="not_found")
+

@@ -88,7 +88,9 @@ class WholeReader:
                 entries.append(entry)
         if entries:
             delta["tool_calls"] = entries
-        return delta, r.finish_reason(finish_reason, called=bool(self.announced))
+        # "tool_calls" only when every call sent is whole (a stop string inside one leaves "stop")
+        whole = all(chat_output.whole_arguments(c.arguments) for c in chat_output.announced(parsed.calls)[:self.announced])
+        return delta, r.finish_reason(finish_reason, called=bool(self.announced) and whole)
 
 
 def pieces(text: str, sizes: list[int]) -> list[str]:

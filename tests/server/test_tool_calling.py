@@ -213,9 +213,20 @@ def test_a_call_that_writes_its_arguments_before_its_name_names_its_function(cli
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_call_left_open_before_its_end_tag_has_the_same_arguments_whole_and_streamed(client, stream):
     # a model that forgets the object's closing braces: the block still ends at its tag, but the
-    # stream sent the tag's characters as arguments while they might yet have been the object's
+    # stream sent the tag's characters as arguments while they might yet have been the object's.
+    # Its arguments are no JSON a client can run the call with: the finish stays "stop"
     regex = r'<tool_call>\n\{"name": "GetWeather", "arguments": \{"city": "Paris" </tool_call>'
-    assert call_of(client, regex, stream) == (None, [("GetWeather", '{"city": "Paris"')], "tool_calls")
+    assert call_of(client, regex, stream) == (None, [("GetWeather", '{"city": "Paris"')], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_call_cut_by_a_stop_string_or_the_end_of_the_text_is_not_finished_as_tool_calls(client, stream):
+    # "tool_calls" told the client to run a call whose arguments json.loads could not read
+    whole = r'<tool_call>\n\{"name": "GetWeather", "arguments": \{"city": "Paris"\}\}\n</tool_call>'
+    assert call_of(client, whole, stream) == (None, [("GetWeather", '{"city": "Paris"}')], "tool_calls")
+    assert call_of(client, whole, stream, stop=["Paris"]) == (None, [("GetWeather", '{"city": "')], "stop")
+    ended = r'<tool_call>\n\{"name": "GetWeather", "arguments": \{"city": "Pa'   # the model's end inside them
+    assert call_of(client, ended, stream) == (None, [("GetWeather", '{"city": "Pa')], "stop")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
