@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -10,6 +11,8 @@ from typing import Literal
 
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 
@@ -72,6 +75,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if not self._can_run(seq):
+                logger.error("Sequence %s holds a token still being sampled behind %d uncomputed tokens; it "
+                             "waits a step", seq.request_id, seq.num_tokens - seq.num_computed_tokens)
+                i += 1
+                continue
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if self._reserve(seq, n, step):
                 step.seqs.append(seq)
@@ -82,6 +90,8 @@ class Scheduler:
         starved = step.num_preempted > 0
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if not self._can_run(seq):
+                break   # preempted while its last token was being sampled: it is computed again once that is read
             outranks = self.by_priority and self.running and seq.priority < self.running[-1].priority
             if (len(self.running) >= self.max_num_seqs or starved) and not outranks:
                 if seq.block_table:   # its prefix, held while it preempted lower ones that did not free enough
@@ -116,6 +126,14 @@ class Scheduler:
             step.num_new_tokens.append(n)
             budget -= n
         return step
+
+    @staticmethod
+    def _can_run(seq: Sequence) -> bool:
+        """With pipelined steps a sequence's last token may still be being sampled (`pending_row`): the
+        runner reads it on the device only as the first new token of a step, so such a sequence runs
+        only as that token's decode. A preempted one, all to compute again, waits until it is read
+        back (the engine died of a placeholder -1 that went into the model in its place)."""
+        return seq.pending_row < 0 or seq.num_computed_tokens == seq.num_tokens - 1
 
     def _pop_waiting(self) -> Sequence:
         return self.waiting.pop(0) if self.by_priority else self.waiting.popleft()

@@ -81,7 +81,7 @@ def test_a_kv_scale_per_head_is_refused_by_name(model_with_kv_scales) -> None:
 
 def test_config_names_the_kv_cache_dtypes_and_refuses_fp8_with_flash_attn() -> None:
     assert EngineConfig(device="cpu").kv_cache_dtype == "auto"
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8'\), got 'fp8_e5m2'"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3'\), got 'fp8_e5m2'"):
         EngineConfig(device="cpu", kv_cache_dtype="fp8_e5m2")
     with pytest.raises(ValueError, match="needs the triton attention backend"):
         EngineConfig(device="cpu", kv_cache_dtype="fp8", attention_backend="flash_attn")

@@ -85,3 +85,26 @@ def test_when_blocks_run_out_the_last_in_priority_is_preempted_not_the_newest():
     eng.run()
     assert eng.finish_order == ["new_high", "mid", "old_low"]
     assert eng.bm.num_free_blocks == eng.bm.num_blocks
+
+
+def test_a_preempted_request_whose_last_token_is_still_being_sampled_waits_for_it():
+    # pipelined steps: a sequence preempted while its step is in flight holds a placeholder at its
+    # end until that step is read back, and may not be computed before
+    eng = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, policy="priority")
+    waiting = eng.add("waiting", [1] * 6, max_tokens=4)
+    waiting.pending_row = 0   # as the engine marks a row whose sampled id is not read back yet
+    assert eng.sched.schedule().seqs == []
+    waiting.pending_row = -1   # read back
+    assert eng.sched.schedule().seqs == [waiting]
+
+
+def test_a_running_request_with_a_token_being_sampled_runs_only_as_its_decode(caplog):
+    eng = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    seq = eng.add("seq", [1] * 6, max_tokens=8)
+    eng.step()
+    seq.pending_row = 0   # its last token is the one being sampled: a decode of it may run
+    assert eng.sched.schedule().seqs == [seq] and seq.num_computed_tokens == seq.num_tokens - 1
+    seq.num_computed_tokens = 2   # with more to compute before it, the runner would read it in the wrong row
+    with caplog.at_level("ERROR"):
+        assert eng.sched.schedule().seqs == []
+    assert "holds a token still being sampled behind 5 uncomputed tokens" in caplog.text
