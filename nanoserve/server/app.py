@@ -188,20 +188,46 @@ async def _log_stats(engine: AsyncEngine) -> None:
         last = now
 
 
+# after a second Ctrl-C, what the open requests have to send their error before the stop is forced
+FORCED_STOP_GRACE_S = 1.0
+
+
 class Server(uvicorn.Server):
-    """uvicorn's server, and two things it lacks: an exit code that says how serving ended, and a
-    shutdown deadline that ends the requests still open with an OpenAI error instead of cutting them."""
+    """uvicorn's server, and what it lacks: an exit code that says how serving ended, a shutdown
+    deadline that ends the requests still open with an OpenAI error instead of cutting them, and the
+    same error for them when a second Ctrl-C forces the stop."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
         super().__init__(config)
         self.engine = engine
         self.exit_code = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.forcing = False
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        """A second SIGINT forces the stop, as in uvicorn; but uvicorn's cancelled the request handlers
+        at once, and the clients of whole responses got its plain-text 500. Here the open requests end
+        with an OpenAI error first (an SSE error event and [DONE] for streams), and the stop is forced
+        FORCED_STOP_GRACE_S later. A third SIGINT forces it at once."""
+        if self.should_exit and sig == signal.SIGINT and not self.forcing and self.loop is not None:
+            self.forcing = True
+            self._captured_signals.append(sig)   # re-raised once serving ends, as uvicorn does
+            self.loop.call_soon_threadsafe(self._force_soon)
+            return
+        super().handle_exit(sig, frame)
+
+    def _force_soon(self) -> None:
+        logger.warning("Forced stop: ending %d unfinished sequences with an error", self.engine.num_unfinished)
+        self.engine.fail_all(EngineDeadError("The server was stopped before this request finished"))
+        self.exit_code = self.exit_code or 1
+        asyncio.get_running_loop().call_later(FORCED_STOP_GRACE_S, setattr, self, "force_exit", True)
 
     def fatal(self, code: int) -> None:
         self.exit_code = code
         self.should_exit = True
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
         await super().startup(sockets)   # the lifespan: the engine core is ready once it returns
         if self.started:
             freeze_startup_heap()

@@ -119,3 +119,25 @@ def test_requests_cut_by_the_shutdown_deadline_get_an_error_and_the_exit_code_sa
         assert proc.proc.wait(30) != 0  # the drain did not complete
     finally:
         proc.stop()
+
+
+def test_a_second_sigint_ends_the_open_requests_with_an_openai_error_before_forcing_the_stop(server_model, tmp_path):
+    # uvicorn's forced stop cancelled the handlers at once: whole responses got its plain-text 500
+    proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "256", "--block-size", "16")
+    try:
+        body = {"prompt": "A list", "max_tokens": 1900, "temperature": 0, "ignore_eos": True}
+
+        def twice() -> None:
+            proc.proc.send_signal(signal.SIGINT)   # a drain: the requests would take their time
+            time.sleep(0.5)
+            proc.proc.send_signal(signal.SIGINT)
+
+        _, rest, response = interrupt_a_stream(proc.url, body, twice)
+        assert rest[-1] == "[DONE]"
+        error = json.loads(rest[-2])["error"]
+        assert error["code"] == "engine_dead" and "stopped before this request finished" in error["message"]
+        assert response.status_code == 503 and response.headers["content-type"].startswith("application/json")
+        assert response.json()["error"]["code"] == "engine_dead"
+        assert proc.proc.wait(30) != 0   # the drain did not complete
+    finally:
+        proc.stop()
