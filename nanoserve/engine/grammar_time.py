@@ -9,10 +9,12 @@ other stream of the server to a token every few seconds, and it compiled quickly
 every memory bound (grammar_state.py).
 
 So each phase of the work is timed. Matchers work in one batch (on xgrammar's threads) as long as
-the batch takes no longer than MAX_MATCHER_STEP_S plus ROW_ALLOWANCE_S a row; a slower batch makes
-its matchers suspects, which from then on work one by one, each timed on its own. A suspect whose
-accept and fill of one step take longer than MAX_MATCHER_STEP_S together is slow: the engine ends
-its request (`end_slow`). A lone row's batch time is its own, so it is judged at once.
+the batch takes no longer than MAX_MATCHER_STEP_S plus ROW_ALLOWANCE_S a row of wall time; a slower
+batch makes its matchers suspects, which from then on work one by one on the engine's thread, each
+timed on its own. A suspect whose accept and fill of one step take longer than MAX_MATCHER_STEP_S
+together is slow: the engine ends its request (`end_slow`). A lone row works on the engine's thread
+too, so it is judged at once. Judged work is timed in the thread's CPU time: a busy machine that
+keeps the engine waiting for a core ends no request.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ class MatcherClock:
     Used from the engine's thread only; `clock` is replaceable for tests."""
 
     def __init__(self, limit_s: float = MAX_MATCHER_STEP_S, row_allowance_s: float = ROW_ALLOWANCE_S,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.thread_time, wall: Callable[[], float] = time.perf_counter) -> None:
         self.limit_s = limit_s
         self.row_allowance_s = row_allowance_s
-        self.clock = clock
+        self.clock = clock   # this thread's CPU time: what a matcher working here costs
+        self.wall = wall     # a batch works on xgrammar's threads: its wall time
         self.suspects: dict[int, float] = {}   # id(matcher) -> seconds it has spent in this step so far
         self.slow: dict[int, tuple[Any, float]] = {}   # id -> (matcher, seconds); held until end_slow
 
@@ -56,12 +59,11 @@ class MatcherClock:
                 self._judge(matcher, spent)
         if not batch:
             return
-        start = self.clock()
+        start, wall = self.clock(), self.wall()
         together([matchers[i] for i in batch], batch)
-        took = self.clock() - start
-        if len(batch) == 1:
-            self._judge(matchers[batch[0]], took)
-        elif took > self.limit_s + self.row_allowance_s * len(batch):
+        if len(batch) == 1:   # worked on this thread
+            self._judge(matchers[batch[0]], self.clock() - start)
+        elif self.wall() - wall > self.limit_s + self.row_allowance_s * len(batch):
             if len(self.suspects) + len(batch) > MAX_SUSPECTS:
                 self.suspects.clear()
             self.suspects.update((id(matchers[i]), 0.0) for i in batch)

@@ -27,7 +27,7 @@ class Work:
 
 def test_a_slow_batch_times_its_matchers_alone_and_names_the_slow_one():
     now = [0.0]
-    clock = MatcherClock(limit_s=0.1, row_allowance_s=0.001, clock=lambda: now[0])
+    clock = MatcherClock(limit_s=0.1, row_allowance_s=0.001, clock=lambda: now[0], wall=lambda: now[0])
     fast, slow = Work(now, 0.01), Work(now, 0.2)
     alone_calls: list[int] = []
 
@@ -56,7 +56,7 @@ def test_a_slow_batch_times_its_matchers_alone_and_names_the_slow_one():
 
 def test_accept_and_fill_of_one_step_add_up_and_a_lone_row_is_judged_at_once():
     now = [0.0]
-    clock = MatcherClock(limit_s=0.1, row_allowance_s=0.0, clock=lambda: now[0])
+    clock = MatcherClock(limit_s=0.1, row_allowance_s=0.0, clock=lambda: now[0], wall=lambda: now[0])
     half = Work(now, 0.06)
     clock.suspects[id(half)] = 0.0
     call = lambda m, i: m()   # noqa: E731
