@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, FailFast, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, FailFast, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from nanoserve.engine.validation import RequestRefused, check_priority
 from nanoserve.sampling_params import (MAX_CACHE_SALT_CHARS, MAX_INT, MAX_SPEC_DEPTH, MIN_REPETITION_PENALTY,
@@ -272,6 +273,25 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS and the like around a text prompt
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_kind_of_prompt(cls, value: Any, handler: Any) -> Any:
+        """A list that mixes texts, token ids and token-id lists is refused as such: the union's first
+        member ("prompt.0: Input should be a valid integer") blamed a valid text. Looked at only
+        once the value has failed."""
+        try:
+            return handler(value)
+        except ValidationError:
+            if isinstance(value, list) and len({_prompt_item_kind(item) for item in value}) > 1:
+                raise PydanticCustomError(
+                    "prompt_type", "a prompt is a string, an array of strings, an array of token ids or an array "
+                    "of token-id arrays, and this array mixes them") from None
+            raise
+
+
+def _prompt_item_kind(item: Any) -> str:
+    return "text" if isinstance(item, str) else "ids" if isinstance(item, list) else type(item).__name__
 
 
 class TextPart(Strict):
