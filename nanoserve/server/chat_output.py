@@ -162,9 +162,10 @@ class ChoiceReader:
 
 def whole_arguments(arguments: str) -> bool:
     """Whether a call's arguments are a whole JSON object, as a client that runs the call reads them
-    (json.loads, which takes a lone surrogate's escape where orjson does not)."""
+    (json.loads, which takes a lone surrogate's escape where orjson does not; not its NaN and
+    Infinity, which JSON does not have and strict parsers refuse)."""
     try:
-        return isinstance(json.loads(arguments), dict)
+        return isinstance(json.loads(arguments, parse_constant=_no_constant), dict)
     except ValueError:
         return False
 
@@ -172,6 +173,10 @@ def whole_arguments(arguments: str) -> bool:
 def runnable(text: str, calls: list[PartialCall]) -> bool:
     """Whether every call's arguments (text spans of a stream, or strings) are a whole JSON object."""
     return all(whole_arguments(_text(text, call.arguments)) for call in calls)
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
 
 
 def announced(calls: list[PartialCall]) -> list[PartialCall]:

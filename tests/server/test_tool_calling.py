@@ -227,6 +227,9 @@ def test_a_call_cut_by_a_stop_string_or_the_end_of_the_text_is_not_finished_as_t
     assert call_of(client, whole, stream, stop=["Paris"]) == (None, [("GetWeather", '{"city": "')], "stop")
     ended = r'<tool_call>\n\{"name": "GetWeather", "arguments": \{"city": "Pa'   # the model's end inside them
     assert call_of(client, ended, stream) == (None, [("GetWeather", '{"city": "Pa')], "stop")
+    # NaN is Python's json.loads's, not JSON's: strict parsers refuse such arguments
+    nan = r'<tool_call>\n\{"name": "GetWeather", "arguments": \{"days": NaN\}\}\n</tool_call>'
+    assert call_of(client, nan, stream) == (None, [("GetWeather", '{"days": NaN}')], "stop")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
