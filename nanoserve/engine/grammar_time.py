@@ -51,28 +51,31 @@ class MatcherClock:
         """One phase of the step's work: `alone(matcher, i)` for each suspect, `together(matchers,
         indices)` for the rest, i being a matcher's place in `matchers`. The accept phase opens a
         step's count (closes_step False), the fill closes it."""
-        batch = [i for i, m in enumerate(matchers) if id(m) not in self.suspects]
-        timed: list[tuple[float, Any]] = []   # (seconds this step, matcher) of each suspect
-        for i, matcher in enumerate(matchers):
-            if id(matcher) in self.suspects:
-                start = self.clock()
-                alone(matcher, i)
-                spent = self.clock() - start + (self.suspects[id(matcher)] if closes_step else 0.0)
-                self.suspects[id(matcher)] = 0.0 if closes_step else spent
-                self._judge(matcher, spent)
-                timed.append((spent, matcher))
-        if closes_step:
-            self._judge_together(timed)
+        batch = range(len(matchers))   # the common case, no suspect: one batch, no pass over the rows
+        if self.suspects:
+            batch = [i for i, m in enumerate(matchers) if id(m) not in self.suspects]
+            timed = [self._alone(m, i, alone, closes_step) for i, m in enumerate(matchers) if id(m) in self.suspects]
+            if closes_step:
+                self._judge_together(timed)
         if not batch:
             return
         start, wall = self.clock(), self.wall()
-        together([matchers[i] for i in batch], batch)
+        together(matchers if len(batch) == len(matchers) else [matchers[i] for i in batch], list(batch))
         if len(batch) == 1:   # worked on this thread
             self._judge(matchers[batch[0]], self.clock() - start)
         elif self.wall() - wall > self.limit_s + self.row_allowance_s * len(batch):
             if len(self.suspects) + len(batch) > MAX_SUSPECTS:
                 self.suspects.clear()
             self.suspects.update((id(matchers[i]), 0.0) for i in batch)
+
+    def _alone(self, matcher: Any, i: int, alone: Callable[[Any, int], None], closes_step: bool) -> tuple[float, Any]:
+        """A suspect's work on this thread, timed and judged; (its seconds this step, matcher)."""
+        start = self.clock()
+        alone(matcher, i)
+        spent = self.clock() - start + (self.suspects[id(matcher)] if closes_step else 0.0)
+        self.suspects[id(matcher)] = 0.0 if closes_step else spent
+        self._judge(matcher, spent)
+        return spent, matcher
 
     def _judge(self, matcher: Any, spent: float) -> None:
         if spent > self.limit_s:
