@@ -31,7 +31,7 @@ from nanoserve.engine.async_engine import AsyncEngine, CoreLink, exit_reason, so
 from nanoserve.engine.core import run_engine_process
 from nanoserve.engine.messages import Shutdown, input_encoder
 from nanoserve.lifetime import die_with_parent
-from nanoserve.server.app import HTTPOptions, run_front_end
+from nanoserve.server.app import FORCE_NOW_SIGNAL, FORCE_SOON_SIGNAL, HTTPOptions, run_front_end
 from nanoserve.server.state import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,12 @@ def run_api_servers(config: EngineConfig, settings: ServerSettings, options: HTT
             _start_ignoring_sigint(front_end)
             supervisor.front_ends.append(front_end)
         sock.close()   # the front ends hold their own copies
-        return supervisor.run()
+        code = supervisor.run()
+        # every process has stopped: a stop asked for from here on finds nothing to stop, and Python's
+        # default handlers, back while it exits, would let it replace the server's verdict by "killed"
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return code
     finally:
         for process in [core, *supervisor.front_ends]:
             if process.is_alive():
@@ -115,14 +120,29 @@ class _Supervisor:
         self.control.bind(control_address)
         self.front_ends: list[multiprocessing.process.BaseProcess] = []
         self.stopping = False
+        self.interrupts = 0
         signal.signal(signal.SIGTERM, self.stop)
-        signal.signal(signal.SIGINT, self.stop)
+        signal.signal(signal.SIGINT, self.interrupt)
 
     def stop(self, *_) -> None:
         self.stopping = True
+        self._forward(signal.SIGTERM)   # uvicorn drains on SIGTERM; a second SIGINT would cut
+
+    def interrupt(self, *_) -> None:
+        """A SIGINT sent to this process alone steps the stop on as it would with one front end: the
+        second ends the open requests with an error and forces the stop soon, the third at once. The
+        front ends get the stage it reaches, which leaves them where they are when the same Ctrl-C
+        reached them too."""
+        self.interrupts += 1
+        if self.interrupts == 1 or not self.stopping:
+            self.stop()
+        else:
+            self._forward(FORCE_SOON_SIGNAL if self.interrupts == 2 else FORCE_NOW_SIGNAL)
+
+    def _forward(self, sig: int) -> None:
         for process in self.front_ends:
             if process.is_alive():
-                os.kill(process.pid, signal.SIGTERM)   # uvicorn drains on SIGTERM; a second SIGINT would cut
+                os.kill(process.pid, sig)
 
     def run(self) -> int:
         """The exit code: 0 after a clean stop, 1 if any process failed or died unasked."""

@@ -190,6 +190,11 @@ async def _log_stats(engine: AsyncEngine) -> None:
 
 # after a second Ctrl-C, what the open requests have to send their error before the stop is forced
 FORCED_STOP_GRACE_S = 1.0
+# what a supervisor of several front ends (server/api_servers.py) sends them for its second and
+# third SIGINT: a stop stage, not one more SIGINT, since a Ctrl-C reaches each front end itself too
+FORCE_SOON_SIGNAL = signal.SIGUSR1
+FORCE_NOW_SIGNAL = signal.SIGUSR2
+_DRAIN, _FORCE_SOON, _FORCE_NOW = 1, 2, 3
 
 
 class Server(uvicorn.Server):
@@ -202,25 +207,38 @@ class Server(uvicorn.Server):
         self.engine = engine
         self.exit_code = 0
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.forcing = False
+        self.stage = 0
 
     def handle_exit(self, sig: int, frame: object) -> None:
-        """A second SIGINT forces the stop, as in uvicorn; but uvicorn's cancelled the request handlers
-        at once, and the clients of whole responses got its plain-text 500. Here the open requests end
-        with an OpenAI error first (an SSE error event and [DONE] for streams), and the stop is forced
-        FORCED_STOP_GRACE_S later. A third SIGINT forces it at once."""
-        if self.should_exit and sig == signal.SIGINT and not self.forcing and self.loop is not None:
-            self.forcing = True
+        """SIGTERM or a first SIGINT drains, as in uvicorn. Each SIGINT after that is one stage more: the
+        second ends the open requests with an OpenAI error (an SSE error event and [DONE] for streams)
+        and forces the stop FORCED_STOP_GRACE_S later; the third forces it at once. uvicorn's second
+        SIGINT cancelled the request handlers at once, and whole responses got its plain-text 500."""
+        if sig == signal.SIGINT and self.should_exit and self.loop is not None:
             self._captured_signals.append(sig)   # re-raised once serving ends, as uvicorn does
-            self.loop.call_soon_threadsafe(self._force_soon)
+            self.reach(max(self.stage, _DRAIN) + 1)
             return
         super().handle_exit(sig, frame)
+        self.stage = max(self.stage, _DRAIN)
 
-    def _force_soon(self) -> None:
-        logger.warning("Forced stop: ending %d unfinished sequences with an error", self.engine.num_unfinished)
-        self.engine.fail_all(EngineDeadError("The server was stopped before this request finished"))
+    def reach(self, stage: int) -> None:
+        """Go on to `stage` of the stop unless it is already there: a stage forwarded by a supervisor
+        may come beside the same Ctrl-C that this process got itself."""
+        if stage <= self.stage or self.loop is None:
+            return
+        self.stage = stage
+        self.should_exit = True
         self.exit_code = self.exit_code or 1
-        asyncio.get_running_loop().call_later(FORCED_STOP_GRACE_S, setattr, self, "force_exit", True)
+        self.loop.call_soon_threadsafe(self._force, stage)
+
+    def _force(self, stage: int) -> None:
+        if self.engine.num_unfinished:
+            logger.warning("Forced stop: ending %d unfinished sequences with an error", self.engine.num_unfinished)
+            self.engine.fail_all(EngineDeadError("The server was stopped before this request finished"))
+        if stage >= _FORCE_NOW:
+            self.force_exit = True
+        else:
+            asyncio.get_running_loop().call_later(FORCED_STOP_GRACE_S, setattr, self, "force_exit", True)
 
     def fatal(self, code: int) -> None:
         self.exit_code = code
@@ -363,5 +381,12 @@ def run_front_end(engine: AsyncEngine, settings: ServerSettings, options: HTTPOp
     if threading.current_thread() is threading.main_thread():
         # uvicorn drains, then re-raises SIGTERM to the handler it found: exit with the drain's verdict
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(server.exit_code))
+        signal.signal(FORCE_SOON_SIGNAL, lambda *_: server.reach(_FORCE_SOON))
+        signal.signal(FORCE_NOW_SIGNAL, lambda *_: server.reach(_FORCE_NOW))
     server.run(sockets=[sock])
+    if threading.current_thread() is threading.main_thread():
+        # a stage forwarded once serving has ended finds nothing to stop; left to the default it
+        # would end this process by the signal and turn a finished drain into a failure
+        for sig in (FORCE_SOON_SIGNAL, FORCE_NOW_SIGNAL):
+            signal.signal(sig, signal.SIG_IGN)
     return server.exit_code or (0 if server.started else 1)

@@ -203,6 +203,32 @@ def test_a_stop_while_the_processes_start_is_a_clean_stop(server_model, tmp_path
             server.kill()
 
 
+@pytest.mark.parametrize("target, count", [("main", 2), ("group", 2), ("group", 3)])
+def test_repeated_sigints_force_the_stop_with_an_openai_error_whoever_gets_them(server_model, tmp_path, target, count):
+    # a SIGINT sent to the main process alone reached the front ends as SIGTERM, which only drains:
+    # the second never forced the stop. A Ctrl-C to the group reaches the front ends twice (their
+    # own and the main process's forward) and must not count twice either: two force with the grace
+    proc = started(ServerProcess(server_model, tmp_path, *SERVER_ARGS, "--api-server-count", "2",
+                                 new_session=True))
+    try:
+        streams, ends = streaming(proc, "Stop", 4, 1500)   # a drain would take them far longer than the test
+        for _ in range(count):
+            if target == "main":
+                proc.proc.send_signal(signal.SIGINT)
+            else:
+                os.killpg(proc.proc.pid, signal.SIGINT)
+            time.sleep(0.3)
+        assert proc.proc.wait(30) == 1, proc.log_tail()   # the verdict stands, even for a late Ctrl-C
+        for t in streams:
+            t.join(30)
+        assert len(ends) == 4
+        for code, events in ends.values():
+            assert code == 200 and events[-1] == "data: [DONE]", events[-2:]
+            assert json.loads(events[-2][len("data: "):])["error"]["code"] == "engine_dead"
+    finally:
+        proc.stop()
+
+
 def test_a_front_end_that_dies_stops_the_whole_server_non_zero(server_model, tmp_path):
     temp = tmp_path / "tmp"
     temp.mkdir()
