@@ -329,7 +329,7 @@ class AsyncEngine:
         self._stats = message.stats
         done: list[str] = []     # finished on this side while the core still runs them (stop strings)
         for failure in message.failed:
-            self._fail(failure.request_ids, RequestFailedError(failure.message))
+            self._fail(failure.request_ids, RequestFailedError(failure.message, own_fault=True))
         for step in message.outputs:
             stream = self._streams.get(step.request_id)
             if stream is None:

@@ -100,7 +100,8 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
 
 
 class RequestFailed(msgspec.Struct, array_like=True):
-    """A request the engine refused or could not serve; the engine itself is fine."""
+    """A request the engine refused or could not serve for what it holds itself (a grammar that does not
+    compile or outgrew a bound, a prompt refused late); the engine itself is fine."""
 
     request_ids: list[str]
     message: str

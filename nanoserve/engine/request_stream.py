@@ -35,7 +35,12 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """This request alone could not be served; the engine goes on serving the others."""
+    """This request alone could not be served; the engine goes on serving the others. `own_fault`: what
+    failed is the request's own content (a grammar past a bound), so the same request fails again."""
+
+    def __init__(self, message: str, own_fault: bool = False) -> None:
+        super().__init__(message)
+        self.own_fault = own_fault
 
 
 @dataclass(slots=True)

@@ -143,10 +143,11 @@ def refusal(exc: RequestRefused) -> APIError:
 
 def engine_error(exc: EngineDeadError | RequestFailedError) -> APIError:
     """The OpenAI error for a request the engine could not finish: 503 when the engine is gone (the
-    client may retry once it is restarted), 500 when this request alone failed."""
+    client may retry once it is restarted); 400 when the request's own content failed (its grammar
+    past a bound), which clients do not retry, since it would fail the same; else 500."""
     if isinstance(exc, EngineDeadError):
         return APIError(str(exc), 503, code="engine_dead")
-    return APIError(str(exc), 500, code="request_failed")
+    return APIError(str(exc), 400 if exc.own_fault else 500, code="request_failed")
 
 
 def sampling_error(exc: ValueError) -> APIError:

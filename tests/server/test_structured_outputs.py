@@ -226,3 +226,30 @@ def test_ignore_eos_stops_where_the_grammar_is_complete(client, stream):
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert re.fullmatch("[ab]{1,3}", text) and finish == ["stop"], (text, finish)
+
+
+# an ambiguous grammar: xgrammar's parser takes longer with every token it follows, past the
+# engine's bound on the time one matcher may take for one token (engine/grammar_time.py)
+SLOWING_GRAMMAR = 'root ::= x "END"\nx ::= [a-z ] | x x | x " " x'
+
+
+def test_a_grammar_ended_by_a_bound_is_a_400_that_the_client_does_not_retry(server):
+    # its own grammar failed it, and would again: a 500 made the openai client send it twice more
+    body = {"model": "tiny", "prompt": "The letters are", "max_tokens": 400, "temperature": 1.0, "seed": 3,
+            "structured_outputs": {"grammar": SLOWING_GRAMMAR}}
+    sent = []
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=2,
+                       http_client=httpx.Client(event_hooks={"request": [sent.append]})) as client:
+        with pytest.raises(openai.BadRequestError) as failed:
+            client.completions.create(**{k: v for k, v in body.items() if k != "structured_outputs"},
+                                      extra_body={"structured_outputs": body["structured_outputs"]})
+    assert len(sent) == 1
+    error = failed.value.body
+    assert error["code"] == "request_failed" and error["type"] == "invalid_request_error"
+    assert "structured-output grammar took" in error["message"]
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    streamed = json.loads(events[-2])["error"]
+    assert streamed["type"] == "invalid_request_error" and "structured-output grammar took" in streamed["message"]
+    assert server.wait_idle()["nanoserve:kv_cache_blocks_in_use"] == 0
