@@ -144,7 +144,8 @@ class RequestTimer:
         self.first: float | None = None     # time of the request's first token
         self.last = 0.0                     # time of its latest token
         self.num_prompt_tokens = 0
-        self.num_generated = 0
+        self.num_generated = 0   # tokens the engine produced for the request
+        self.num_delivered = 0   # of those, the ones its response took in (the rest: its client went away)
         self.finish_reasons: list[str] = []
         self.timing: tuple[float, float] | None = None   # (queued, first run to first token), from the engine
         self.logged = False
@@ -158,10 +159,18 @@ class RequestTimer:
         self.last = time.perf_counter()
         if self.first is None:
             self.first = self.last
-        self.num_generated += num_tokens
+        self.num_delivered += num_tokens
+        self.num_generated = max(self.num_generated, self.num_delivered)
 
     def finished(self, reason: str) -> None:
         self.finish_reasons.append(reason)
+
+    def produced(self, num_tokens: int, finish_reasons: list[str]) -> None:
+        """The engine's own count of the request's tokens and finished choices, once it has ended:
+        its response may have taken in fewer."""
+        self.num_generated = max(self.num_generated, num_tokens)
+        if len(finish_reasons) > len(self.finish_reasons):
+            self.finish_reasons = finish_reasons
 
     def done(self) -> None:
         """Record the request's metrics and its log line; idempotent."""
@@ -175,8 +184,8 @@ class RequestTimer:
             m.request_success.labels(reason).inc()
         if self.first is not None:
             m.ttft.observe(self.first - self.arrival)
-            if self.num_generated > 1:
-                m.tpot.observe((self.last - self.first) / (self.num_generated - 1))
+            if self.num_delivered > 1:
+                m.tpot.observe((self.last - self.first) / (self.num_delivered - 1))
         m.e2e.observe(now - self.arrival)
         m.prompt_sizes.observe(self.num_prompt_tokens)
         m.generation_sizes.observe(self.num_generated)
@@ -188,6 +197,8 @@ class RequestTimer:
             m.inference.observe(prefill + self.last - self.first)
         if m.log_requests:
             ttft = f"{1e3 * (self.first - self.arrival):.1f} ms" if self.first is not None else "-"
-            logger.info("request %s: %d prompt + %d generated tokens, TTFT %s, latency %.1f ms, finish %s",
-                        self.request_id, self.num_prompt_tokens, self.num_generated, ttft,
+            unread = self.num_generated - self.num_delivered
+            logger.info("request %s: %d prompt + %d generated tokens%s, TTFT %s, latency %.1f ms, finish %s",
+                        self.request_id, self.num_prompt_tokens, self.num_generated,
+                        f" ({unread} never sent: the client went away)" if unread else "", ttft,
                         1e3 * (now - self.arrival), ",".join(self.finish_reasons) or "none (cut short)")

@@ -93,6 +93,41 @@ def test_a_slow_request_whose_headers_arrived_is_not_cut_off(impatient):
     assert lines[-1] == "data: [DONE]" and len(lines) > 100
 
 
+def _finished_length(server: ServerProcess) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('nanoserve:request_success_total{finished_reason="length"'))
+
+
+def test_a_reader_cut_off_at_the_body_deadline_still_counts_what_the_engine_generated(server_model, tmp_path):
+    # the metrics counted the tokens and finishes that the response had sent when the connection was
+    # closed: 2,233 of 4,000 tokens and one of four finishes for one such stream
+    proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "512", "--block-size", "16",
+                         "--timeout-body", "30")
+    # some 6 MB of events: more than the kernel's socket buffers take in
+    body = json.dumps({"messages": [{"role": "user", "content": "A list"}], "max_tokens": 1000, "n": 4,
+                       "logprobs": True, "top_logprobs": 20, "ignore_eos": True, "stream": True}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # the answer's megabytes stay unread
+    try:
+        sock.connect(("127.0.0.1", proc.port))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while proc.metrics()["nanoserve:num_requests_running"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.wait_idle(60)   # the engine finishes all four choices while nothing is read
+        while (m := proc.metrics())["nanoserve:generation_tokens_total"] == 0:
+            assert time.monotonic() < deadline + 60, "the body deadline never closed the connection"
+            time.sleep(0.2)   # counted once the response ends: when the body deadline closes it
+        assert m["nanoserve:generation_tokens_total"] == 4000
+        assert _finished_length(proc) == 4
+    finally:
+        sock.close()
+        proc.stop()
+
+
 def test_past_the_connection_cap_requests_get_503_but_health_answers(server_model, tmp_path):
     proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "128", "--block-size", "16",
                          "--max-connections", "4", "--timeout-headers", "60")
