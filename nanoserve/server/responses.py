@@ -138,13 +138,17 @@ class ResponseWriter:
     def open_item(self, item: dict) -> list[bytes]:
         self.items.append(item)
         index = len(self.items) - 1
-        events = [self.event("response.output_item.added", output_index=index, item={**item, "status": "in_progress"})]
-        if item["type"] != "function_call":
-            part = {**item["content"][0], "text": ""}
-            if "logprobs" in part:
-                part["logprobs"] = []
-            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
-                                     content_index=0, part=part))
+        if item["type"] == "function_call":
+            return [self.event("response.output_item.added", output_index=index, item={**item, "status": "in_progress"})]
+        # the item comes empty and its part in an event of its own, as OpenAI sends them: the SDK's
+        # stream helper adds each part it is sent, and a part given twice made two of it
+        events = [self.event("response.output_item.added", output_index=index,
+                             item={**item, "status": "in_progress", "content": []})]
+        part = {**item["content"][0], "text": ""}
+        if "logprobs" in part:
+            part["logprobs"] = []
+        events.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                 content_index=0, part=part))
         return events
 
     def close_item(self, status: str) -> list[bytes]:

@@ -21,6 +21,8 @@ from nanoserve.server.tool_parsers import TOOL_PARSERS, ToolParser
 from nanoserve.server.tool_parsers.base import new_call_id
 
 ANY_ARGUMENTS = {"type": "object"}
+# OpenAI: "Omitting parameters defines a function with an empty parameter list"
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 # an error lists this many of the request's function names, each cut to 80 characters: the
 # message must not grow with the request
 MAX_NAMES_SHOWN = 20
@@ -85,7 +87,7 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None, auto_enabled
         raise APIError(f"tool_choice names the function {choice.function.name[:80]!r}, which is not among the "
                        f"tools {listed}{more}", param="tool_choice")
     return ToolPlan("named", function=named.function.name,
-                    spec=call_spec(named.function.parameters or ANY_ARGUMENTS))
+                    spec=call_spec(arguments_schema(named.function.parameters)))
 
 
 def call_spec(schema: dict) -> StructuredOutputsParams:
@@ -109,9 +111,15 @@ def calls_schema(tools: list[Tool], parallel: bool | None) -> dict:
     return schema
 
 
+def arguments_schema(parameters: dict | None) -> dict:
+    """What a call's arguments must match: none for a function given no parameters, any object for
+    an empty schema."""
+    return NO_ARGUMENTS if parameters is None else parameters or ANY_ARGUMENTS
+
+
 def one_call(name: str, parameters: dict | None) -> dict:
     return {"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
-                                             "parameters": parameters or ANY_ARGUMENTS},
+                                             "parameters": arguments_schema(parameters)},
             "required": ["name", "parameters"]}
 
 

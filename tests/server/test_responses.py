@@ -46,6 +46,11 @@ def streamed(client: openai.OpenAI, **kwargs) -> list:
     added = {e.output_index: e.item.id for e in events if e.type == "response.output_item.added"}
     done = {e.output_index: e.item.id for e in events if e.type == "response.output_item.done"}
     assert added == done == dict(enumerate(item.id for item in final.output))
+    # an item comes without its parts, each of which has an event of its own (the SDK's stream
+    # helper appends every part it is sent: one given in both made its snapshot hold two)
+    assert all(not getattr(e.item, "content", None) for e in events if e.type == "response.output_item.added")
+    parts = [e.output_index for e in events if e.type == "response.content_part.added"]
+    assert parts == [i for i, item in enumerate(final.output) if item.type != "function_call"]
     return events
 
 

@@ -87,6 +87,17 @@ def test_enforced_tool_choice_gives_a_valid_call_whole_and_streamed(client, choi
     assert finish == whole.choices[0].finish_reason and not content
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "ping"}}],
+                         ids=["required", "named"])
+def test_a_function_given_no_parameters_is_called_with_none(client, choice):
+    # OpenAI: omitting parameters defines a function with an empty parameter list. Its calls were
+    # held to any object, and this model filled it with keys of its own ('{">" : "      | "}')
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=[{"type": "function", "function": {"name": "ping"}}],
+                  tool_choice=choice, max_tokens=MAX_TOKENS, temperature=0, parallel_tool_calls=False)
+    (call,) = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("ping", {})
+
+
 def test_required_with_three_sampled_choices_each_call_validly(client):
     # one call each (parallel_tool_calls false): sampled freely, this model would keep adding calls
     out = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
