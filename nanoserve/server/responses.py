@@ -5,6 +5,7 @@ the API's typed events."""
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -78,7 +79,9 @@ class ResponseWriter:
             "tool_choice": (req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump")
                             else req.tool_choice or "auto"),
             "tools": req.tools or [], "truncation": "disabled", "usage": usage, "user": req.user,
-            "metadata": req.metadata or {},
+            "metadata": req.metadata or {}, "max_tool_calls": req.max_tool_calls, "top_logprobs": req.top_logprobs,
+            "prompt_cache_key": req.prompt_cache_key, "safety_identifier": req.safety_identifier,
+            "completed_at": int(time.time()) if status == "completed" else None,
         }
 
     async def usage(self, stream: RequestStream) -> dict:

@@ -168,7 +168,8 @@ class ResponsesRequest(Strict):
     tools: Items[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = None
-    # bounds the hosted tools' turns; a function call ends the response, so one reply is all there is
+    # bounds the hosted tools' turns (OpenAI: built-in tools only); a function call ends the response, so one
+    # reply is all there is: echoed, and bounds nothing here
     max_tool_calls: int | None = Field(None, ge=1, le=MAX_INT)
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None

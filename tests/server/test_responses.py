@@ -83,6 +83,25 @@ def test_a_response_says_what_the_same_chat_completion_says(client):
     assert items.output_text == text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_echoes_the_settings_it_was_asked_with_and_when_it_completed(client, stream):
+    settings = dict(max_tool_calls=3, top_logprobs=2, prompt_cache_key="k1", safety_identifier="user-7")
+    ends = {"completed": dict(max_output_tokens=50, extra_body={"structured_outputs": {"regex": "blue"}}),
+            "incomplete": dict(max_output_tokens=1, extra_body={"ignore_eos": True})}
+    for status, kwargs in ends.items():
+        start = time.time()
+        if stream:
+            response = streamed(client, input="Name a colour.", **settings, **kwargs)[-1].response
+        else:
+            response = client.responses.create(model="tiny", input="Name a colour.", **settings, **kwargs)
+        assert response.status == status
+        assert {name: getattr(response, name) for name in settings} == settings
+        if status == "completed":
+            assert start - 1 <= response.completed_at <= time.time() + 1
+        else:
+            assert response.completed_at is None
+
+
 def test_a_function_call_is_an_item_whole_and_streamed_and_its_output_goes_back_in(client, tool_server):
     kwargs = dict(input="What is the weather in Paris?", tools=[WEATHER], temperature=0, max_output_tokens=MAX_TOKENS,
                   tool_choice={"type": "function", "name": "get_weather"})
