@@ -152,11 +152,19 @@ class OpenAIResponse:
         tokens and logprobs wait for the next chunk of their choice."""
         pending: dict[int, tuple[list, list]] = {}
         try:
-            if opening:  # with continuous usage every chunk has it, the opening one too (0 completion tokens)
-                yield sse_event({**self.chunk(opening, self.usage(stream) if self.req.continuous_usage else None),
-                                 **self.prompt_fields()})
+            if opening and not self.req.continuous_usage:
+                yield sse_event({**self.chunk(opening), **self.prompt_fields()})
+                opening = []
             async for u in timed(stream, timer):
                 self.cached[u.index] = u.num_cached_tokens
+                if opening:
+                    # with continuous usage every chunk has it, the opening one too (0 completion
+                    # tokens): sent with the first update, once the prompt's cached tokens are known,
+                    # so that no chunk says 0 and the next 16
+                    shown = self.usage(stream)   # the role only: no completion tokens yet
+                    shown.update(completion_tokens=0, total_tokens=shown["prompt_tokens"])
+                    yield sse_event({**self.chunk(opening, shown), **self.prompt_fields()})
+                    opening = []
                 ids, lps = pending.setdefault(u.index, ([], []))
                 ids.extend(u.token_ids)
                 lps.extend(u.logprobs or [])

@@ -293,6 +293,14 @@ def test_continuous_usage_stats_count_up_in_every_chunk(client):
         stream_options={"include_usage": True, "continuous_usage_stats": True}))
     assert all(c.usage is not None for c in chat)   # the opening role chunk too, as vLLM sends it
     assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    # the prompt's cached tokens are the same in every chunk: the opening one waited to know them
+    long = [{"role": "user", "content": "Tell me about the weather in the towns along the river, one by one, please"}]
+    for _ in range(2):   # the second finds the first's full blocks in the prefix cache
+        again = list(client.chat.completions.create(
+            model="tiny", messages=long, max_tokens=4, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    cached = {c.usage.prompt_tokens_details.cached_tokens for c in again}
+    assert len(cached) == 1 and cached.pop() > 0
 
 
 def test_models_list_and_errors_reach_the_client(client):
