@@ -116,6 +116,10 @@ TINY = 1.2e-38
 MIN_REPETITION_PENALTY = 0.01  # dividing logits by less overflows float32 (1e-300 rounds to 0)
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 100.0
+# what a bias of -MAX_LOGIT_BIAS adds: OpenAI calls -100 a ban, and added as -100 it was none
+# beside a repetition penalty below 1 (0.01 made a seen token's logit of 2 into 200). Finite, so a
+# row whose every token is banned still samples one of them rather than NaN
+BANNING_BIAS = -1e9
 # each bad word is tokenized (twice) when its request is queued, and the engine checks, every step,
 # the words that could end there
 MAX_BAD_WORDS = 128
@@ -289,12 +293,13 @@ class SamplingParams:
 
     @functools.cached_property
     def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """logit_bias as (token ids, int64; biases, float32)."""
+        """logit_bias as (token ids, int64; biases, float32), -MAX_LOGIT_BIAS as BANNING_BIAS."""
         import numpy as np   # here: the front end's --help stays light
 
         bias = self.logit_bias or {}
+        values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
         return (np.fromiter(bias.keys(), dtype=np.int64, count=len(bias)),
-                np.fromiter(bias.values(), dtype=np.float32, count=len(bias)))
+                np.where(values <= -MAX_LOGIT_BIAS, np.float32(BANNING_BIAS), values))
 
     @functools.cached_property
     def allowed_token_ids_array(self) -> np.ndarray:

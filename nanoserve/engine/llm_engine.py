@@ -225,12 +225,15 @@ class LLMEngine:
         bad word. `end`: how many of the sequence's tokens come before the one sampled (all)."""
         end = len(seq.token_ids) if end is None else end
         min_tokens = seq.params.min_tokens
-        ban = tuple(seq.stop_token_ids) if min_tokens and end - seq.num_prompt_tokens < min_tokens else ()
-        if seq.bad_words is not None:
-            ban += seq.bad_words.banned(seq.token_ids, seq.num_prompt_tokens, end)
+        stops = tuple(seq.stop_token_ids) if min_tokens and end - seq.num_prompt_tokens < min_tokens else ()
+        words = seq.bad_words.banned(seq.token_ids, seq.num_prompt_tokens, end) if seq.bad_words is not None else ()
         allowed = seq.params.allowed_token_ids
-        # an allow list wholly banned stands, as a grammar does: all -inf, the sampler drew token 0 outside it
-        return () if ban and allowed is not None and len(allowed) <= len(ban) and set(allowed) <= set(ban) else ban
+        # an allow list wholly banned stands, as a grammar does (all -inf, the sampler drew token 0
+        # outside it): min_tokens gives way first, then the bad words
+        for ban in (stops + words, words):
+            if not ban or allowed is None or len(allowed) > len(ban) or not set(allowed) <= set(ban):
+                return ban
+        return ()
 
     def step(self) -> list[StepOutput]:
         """Run one scheduled batch; report the tokens each request gained and who finished.

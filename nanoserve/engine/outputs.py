@@ -62,9 +62,15 @@ class RequestState:
 
     def _ended_by_stop_token(self, step: StepOutput) -> bool:
         # the engine's "stop" is always a token's: EOS, a stop_token_id, or the stop token that
-        # completes a grammar; stop strings end the output here, on this side
+        # completes a grammar; stop strings end the output here, on this side. Before min_tokens a
+        # stop token is the text's (the engine does not stop on it): a grammar whose last token is
+        # one of the stop ids, complete before min_tokens, ended it
         return (step.finished and step.finish_reason == "stop" and bool(step.new_token_ids)
-                and not self.params.include_stop_str_in_output)
+                and not self.params.include_stop_str_in_output and self._past_min_tokens)
+
+    @property
+    def _past_min_tokens(self) -> bool:
+        return self.output.num_tokens >= self.params.min_tokens
 
     def update(self, step: StepOutput) -> CompletionOutput:
         out = self.output
@@ -97,6 +103,6 @@ class RequestState:
         elif step.finished:
             out.finish_reason = step.finish_reason
             last = tokens[-1] if tokens else None
-            if step.finish_reason == "stop" and last in self.params.stop_token_ids:
+            if step.finish_reason == "stop" and last in self.params.stop_token_ids and self._past_min_tokens:
                 out.stop_reason = last
         return out

@@ -125,3 +125,13 @@ def test_the_engine_client_tokenizes_bad_words_once_for_every_prompt_and_choice(
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_an_allow_list_wholly_banned_keeps_its_bad_words_and_lets_min_tokens_give_way(llm):
+    # allowed: an EOS and a bad word's token. Every ban was dropped together, and the bad word came out
+    tok = llm.tokenizer
+    (word,) = tok.encode("H", add_special_tokens=False)
+    eos = tok.eos_token_id
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=5, min_tokens=3, bad_words=["H"],
+                                                allowed_token_ids=[eos, word]), use_tqdm=False)[0].outputs[0]
+    assert word not in out.token_ids and out.token_ids[0] == eos

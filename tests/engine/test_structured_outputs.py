@@ -214,3 +214,16 @@ def test_min_tokens_gives_way_where_the_grammar_must_end_and_holds_where_it_may_
     for out in run(StructuredOutputsParams(regex="(ab)+"), 7):
         for c in out.outputs:
             assert re.fullmatch("(ab)+", c.text) and len(c.token_ids) >= 7, (c.text, c.token_ids)
+
+
+def test_a_grammar_that_ends_on_a_stop_id_before_min_tokens_keeps_it_as_its_text(llm):
+    # the choice "x" is also a stop id: the grammar ended the output on it before min_tokens, and
+    # the text lost the "x" and said stop_reason 90, as if the stop id had ended it
+    (x,) = llm.tokenizer.encode("x", add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=5, min_tokens=2, stop_token_ids=[x],
+                            structured_outputs=StructuredOutputsParams(choice=["x"]))
+    out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.token_ids, out.stop_reason) == ("x", [x], None), out
+    # past min_tokens the same stop id ends it as a stop id: left out of the text, and named
+    out = llm.generate(PROMPTS[:1], params.derived(min_tokens=0), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[-1] == x and out.stop_reason == x and not out.text.endswith("x"), out

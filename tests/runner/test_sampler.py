@@ -203,6 +203,18 @@ def test_logit_bias_adds_to_the_logits():
     assert greedy_pick(logits, SamplingParams(temperature=0, logit_bias={10_000: 100.0})) == 0
 
 
+def test_a_bias_of_minus_100_bans_its_token_whatever_the_repetition_penalty():
+    # a repetition penalty of 0.01 makes a seen token's logit of 2 into 200, past an added -100
+    params = SamplingParams(temperature=0, repetition_penalty=0.01, logit_bias={0: -100.0})
+    assert greedy_pick([2.0, 1.5, 0.0, -1.0], params, output=[0]) == 1
+    assert greedy_pick([2.0, 1.5, 0.0, -1.0], SamplingParams(temperature=0, repetition_penalty=0.01,
+                                                             logit_bias={0: -99.0}), output=[0]) == 0
+    # a row whose every token is banned still samples one (no NaN from a row of -inf)
+    everything = {t: -100.0 for t in range(VOCAB)}
+    picked = sample(padded([2.0, 1.5]), [row(SamplingParams(temperature=1.0, seed=1, logit_bias=everything))])
+    assert 0 <= picked.token_ids[0] < VOCAB
+
+
 def test_choices_that_share_a_bias_and_an_allow_list_upload_them_once(monkeypatch):
     # the n choices of a request share its params' bias and allow list; each was flattened and
     # uploaded once per row, every step: n=128 with a 131k-entry bias over a 152k vocabulary took
