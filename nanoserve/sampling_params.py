@@ -150,7 +150,7 @@ _ARRAYS_OF = {"logit_bias": "logit_bias_arrays", "allowed_token_ids": "allowed_t
 class SamplingParams:
     """How one request picks tokens and when it stops.
 
-    temperature 0 (or below GREEDY_TEMPERATURE) means greedy (argmax). top_k -1 and top_p 1.0
+    temperature 0 (or below GREEDY_TEMPERATURE) means greedy (argmax). top_k -1 (or 0) and top_p 1.0
     and min_p 0.0 disable those filters; a top_k past the vocabulary keeps all of it. max_tokens
     None means "whatever is left of the context". Every number is checked against what the
     sampler's tensors can hold, so no request can fail inside a batch it shares with others.
@@ -221,8 +221,10 @@ class SamplingParams:
             self.temperature = 0.0
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidSamplingParam("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1 or self.top_k > MAX_INT:
-            raise InvalidSamplingParam("top_k", f"top_k must be -1 (disabled) or in [1, {MAX_INT}], got {self.top_k}")
+        if self.top_k < -1 or self.top_k > MAX_INT:
+            raise InvalidSamplingParam("top_k", f"top_k must be -1 or 0 (disabled) or in [1, {MAX_INT}], got {self.top_k}")
+        if self.top_k == 0:   # vLLM's other "off", as the server takes it
+            self.top_k = -1
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidSamplingParam("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not -2.0 <= self.presence_penalty <= 2.0:

@@ -321,6 +321,7 @@ def test_a_cache_salt_that_is_empty_too_long_or_not_text_is_refused(salt):
     (dict(top_k=20.0, n=2.0, max_tokens=8.0, seed=3.0), dict(top_k=20, n=2, max_tokens=8, seed=3)),
     (dict(temperature=1, top_p=1, repetition_penalty=2), dict(temperature=1.0, top_p=1.0, repetition_penalty=2.0)),
     (dict(stop_token_ids=[1.0, 2], logprobs=3.0), dict(stop_token_ids=[1, 2], logprobs=3)),
+    (dict(top_k=0), dict(top_k=-1)),   # vLLM's other "off", as the server takes it (was refused offline)
 ])
 def test_sampling_params_hold_the_number_kinds_the_engine_core_decodes(given, taken):
     import msgspec
