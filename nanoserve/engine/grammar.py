@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanoserve.engine.grammar_cache import CompileCache
 from nanoserve.engine.grammar_time import MatcherClock
+from nanoserve.engine.schema_support import unenforced_keyword
 from nanoserve.runner.batch import TokenMask
 from nanoserve.sampling_params import StructuredOutputsParams
 
@@ -70,6 +71,9 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -
 
 def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
     if spec.json is not None:
+        why = unenforced_keyword(json.loads(spec.json))
+        if why is not None:
+            raise ValueError(f"{why}; structured outputs could not hold the output to it, so leave it out")
         return compiler.compile_json_schema(spec.json, any_whitespace=spec.any_whitespace,
                                             max_whitespace_cnt=JSON_MAX_WHITESPACE)
     if spec.json_object:

@@ -253,3 +253,17 @@ def test_a_grammar_ended_by_a_bound_is_a_400_that_the_client_does_not_retry(serv
     streamed = json.loads(events[-2])["error"]
     assert streamed["type"] == "invalid_request_error" and "structured-output grammar took" in streamed["message"]
     assert server.wait_idle()["nanoserve:kv_cache_blocks_in_use"] == 0
+
+
+def test_a_schema_keyword_that_would_not_be_enforced_is_a_400_naming_it(client):
+    # xgrammar compiled them and left them out: a uniqueItems array came back as [1, 1, 1]
+    unique = {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}
+    with pytest.raises(openai.BadRequestError, match="'uniqueItems' is not enforced") as refused:
+        client.chat.completions.create(model="tiny", messages=ask(dict), max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "u", "schema": unique}})
+    assert refused.value.body["param"] == "response_format"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {}, "required": ["a"], "additionalProperties": False}}}
+    with pytest.raises(openai.BadRequestError, match="'required' names 'a'"):
+        client.chat.completions.create(model="tiny", messages=ask(dict), max_tokens=8, tools=[tool],
+                                       tool_choice={"type": "function", "function": {"name": "f"}})
