@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, FailFast, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, FailFast, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from nanoserve.engine.validation import RequestRefused, check_priority
@@ -51,6 +51,10 @@ class _FirstError(FailFast):
 FIRST_ERROR = _FirstError()
 T = TypeVar("T")
 Items = Annotated[list[T], FIRST_ERROR]
+# OpenAI's bounds on metadata: 16 pairs, keys of at most 64 characters, string values of at most 512.
+# Unbounded, 10 MB of it came back three times in a Responses stream
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                     Field(max_length=16)]
 
 
 class Strict(BaseModel):
@@ -165,7 +169,7 @@ class SamplingFields(Strict):
     guided_grammar: str | None = None
     # OpenAI's bookkeeping: accepted and ignored, none of them changes the output
     user: str | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
@@ -353,10 +357,23 @@ class ChatMessage(Strict):
         return self.reasoning if self.reasoning is not None else self.reasoning_content
 
 
+def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    # a call's arguments are a JSON object (OpenAI requires "type": "object"): a string schema was
+    # enforced, and the call then came back marked incomplete, its arguments being no object
+    if schema.get("type", "object") != "object":
+        raise PydanticCustomError("object_schema", "a function's parameters are the JSON schema of an object "
+                                  '("type": "object"), not of {kind}', {"kind": repr(schema["type"])[:40]})
+    return schema
+
+
+# a JSON schema of the arguments object; None: no arguments
+Parameters = Annotated[dict[str, Any], AfterValidator(_object_schema)]
+
+
 class FunctionDefinition(Strict):
     name: str = Field(min_length=1)
     description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    parameters: Parameters | None = None
     strict: bool | None = None  # the arguments follow the schema whenever the grammar enforces it
 
 

@@ -17,7 +17,7 @@ from pydantic import Discriminator, Field, Tag, ValidationError
 from nanoserve.sampling_params import MAX_INT
 from nanoserve.server.errors import APIError, from_validation_error
 from nanoserve.server.protocol import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest,
-                                       Items, SamplingFields, Strict, StructuredOutputsRequest)
+                                       Items, Metadata, Parameters, SamplingFields, Strict, StructuredOutputsRequest)
 
 
 def _chat_field(name: str):
@@ -118,7 +118,7 @@ class FunctionTool(Strict):
     type: Literal["function"]
     name: str = Field(min_length=1)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: Parameters | None = None
     strict: bool | None = None
 
 
@@ -181,7 +181,7 @@ class ResponsesRequest(Strict):
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None   # a stored prompt template on OpenAI's side
     # bookkeeping, as in chat
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None

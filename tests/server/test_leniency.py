@@ -170,3 +170,20 @@ def test_stream_options_that_ask_for_nothing_are_accepted_without_stream(server,
     r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 2, "stream_options": {"include_usage": False}},
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+
+
+@pytest.mark.parametrize("metadata, named", [
+    ({f"k{i}": "v" for i in range(17)}, "metadata"),     # OpenAI's bounds: 16 pairs,
+    ({"k" * 65: "v"}, "metadata"),                        # keys of 64 characters,
+    ({"k": "v" * 513}, "metadata.k"),                     # string values of 512
+    ({"k": 1}, "metadata.k"),
+])
+def test_metadata_past_openais_bounds_is_a_400_naming_it(server, metadata, named):
+    # unbounded, 10 MB of metadata came back three times in a Responses stream
+    for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/responses", {"input": PROMPT})):
+        r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 2, "metadata": metadata}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(named), (path, r.text[:300])
+    largest = {f"k{i}": "v" * 512 for i in range(16)}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "metadata": largest},
+                   timeout=30)
+    assert r.status_code == 200, r.text

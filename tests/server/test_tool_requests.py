@@ -109,6 +109,9 @@ BIG_TOOLS = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
     # the grammar that enforces the call is built from the tools' schemas: past the spec limit it was a 500
     ({"tools": BIG_TOOLS, "tool_choice": "required"}, "characters long"),
     ({"tools": BIG_TOOLS, "tool_choice": {"type": "function", "function": {"name": "f0"}}}, "characters long"),
+    # arguments are an object: a string schema was enforced, and the call came back incomplete
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "the JSON schema of an object"),
 ])
 def test_tool_requests_it_cannot_honour_are_400s(tool_server, body, words):
     r = httpx.post(f"{tool_server.url}/v1/chat/completions",
@@ -137,3 +140,9 @@ def test_text_only_the_template_writes_is_bounded_before_tokenizing(tool_server,
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["code"] == "context_length_exceeded" and "as the chat template writes it" in error["message"]
+
+
+def test_responses_refuses_a_function_whose_parameters_are_no_object(tool_server):
+    r = httpx.post(f"{tool_server.url}/v1/responses", timeout=30, json={
+        "input": "x", "max_output_tokens": 4, "tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0.parameters", r.text
