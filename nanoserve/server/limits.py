@@ -99,7 +99,7 @@ class PromptSize:
     def check(self, chars: int, param: str, what: str | None = None) -> None:
         """400 about `param` when `what` (the field itself unless named) has more characters than fit."""
         if chars > self.max_chars:
-            raise APIError(f"The {what or param} has {chars} characters: more than {self.max_model_len} tokens "
+            raise APIError(f"{f'The {what}' if what else repr(param)} has {chars} characters: more than {self.max_model_len} tokens "
                            f"(max_model_len) can hold, at most {self.max_chars} characters for this tokenizer; "
                            "shorten it", param=param, code="context_length_exceeded")
 

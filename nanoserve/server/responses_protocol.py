@@ -291,7 +291,7 @@ def _tool_choice(choice: Literal["none", "auto", "required"] | NamedFunctionChoi
 
 
 # the chat field that a chat check names -> the field of this request that set it
-CHAT_TO_RESPONSES_FIELD = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+CHAT_TO_RESPONSES_FIELD = {"messages": "input", "prompt": "input", "max_completion_tokens": "max_output_tokens",
                            "max_tokens": "max_output_tokens", "response_format": "text.format",
                            "reasoning_effort": "reasoning.effort"}
 

@@ -65,3 +65,12 @@ def test_what_cannot_be_served_is_refused_by_name(tool_server, body, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(param), r.text
     tool_server.wait_idle()
+
+
+def test_input_longer_than_the_context_is_refused_naming_input(tool_server):
+    # the chat path's check named its own field: param "prompt", which /v1/responses does not have
+    r = httpx.post(f"{tool_server.url}/v1/responses", timeout=60,
+                   json={"input": "word " * 2100, "max_output_tokens": 4})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "input" and error["code"] == "context_length_exceeded", error
