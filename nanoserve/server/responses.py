@@ -202,7 +202,7 @@ class ResponseWriter:
             events.append(self.event("response.reasoning_text.delta", item_id=self.items[-1]["id"],
                                      output_index=len(self.items) - 1, content_index=0, delta=delta["reasoning"]))
         if delta.get("content"):
-            events += self.message_text(delta["content"], logprobs)
+            events += self.message_text(delta["content"], _own_entries(delta["content"], logprobs))
         for entry in delta.get("tool_calls") or ():
             if "id" in entry:   # a new call, announced by its name
                 events += self.switch_to(f"call{entry['index']}", self.call_item(entry["id"], entry["function"]["name"],
@@ -312,3 +312,14 @@ async def stored_response(response_id: str) -> Response:
     raise APIError(f"No response found with id {response_id[:80]!r}: this server keeps no responses, so it "
                    "cannot retrieve, delete or cancel one", 404, param="response_id", code="not_found")
 
+
+def _own_entries(text: str, entries: list) -> list:
+    """The logprob entries of the tokens that wrote `text`, the last ones: tokens a parser held back
+    before it (a reasoning's closing tag) came with it and belong to no message. All of them where
+    the tokens' texts do not spell it (a character split across tokens)."""
+    spelled = ""
+    for start in range(len(entries) - 1, -1, -1):
+        spelled = entries[start]["token"] + spelled
+        if len(spelled) >= len(text):
+            return entries[start:] if spelled == text else entries
+    return entries

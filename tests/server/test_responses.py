@@ -212,6 +212,23 @@ def test_logprobs_come_with_the_text_when_included(client):
                for entry in logprobs)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_messages_logprobs_leave_out_the_reasoning_and_its_closing_tag(client, stream):
+    # the tag's tokens, held back by the reasoning parser, came with the answer's first text
+    kwargs = dict(input="Think.", max_output_tokens=60, temperature=0, extra_body=THINKING,
+                  include=["message.output_text.logprobs"])
+    if stream:
+        events = streamed(client, **kwargs)
+        message = events[-1].response.output[-1]
+        delta_tokens = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    else:
+        message = client.responses.create(model="tiny", **kwargs).output[-1]
+        delta_tokens = [lp.token for lp in message.content[0].logprobs]
+    tokens = [lp.token for lp in message.content[0].logprobs]
+    assert message.type == "message" and tokens == delta_tokens
+    assert "".join(tokens).startswith(message.content[0].text) and "think>" not in "".join(tokens), tokens
+
+
 @pytest.mark.parametrize("extra", [{"extra_body": {"structured_outputs": {"regex": "Answer here"}}},
                                    {"extra_body": {"structured_outputs": {"regex": "Answer here"}, "stop": ["here"]}},
                                    {"extra_body": {"structured_outputs": {"regex": "Answer here"}, "stop": ["An"]}},
