@@ -5,6 +5,7 @@ served, validated and refused exactly as on its own route."""
 from __future__ import annotations
 
 import msgspec
+import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -31,15 +32,26 @@ def _given(value: msgspec.Raw) -> bool:
 _keys = msgspec.json.Decoder(_Keys)
 
 
+def _valid_json(body: bytes) -> bool:
+    try:
+        orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return True
+
+
 @router.post("/invocations")
 async def invocations(request: Request) -> Response:
+    body = await read_body(request)   # kept for the route's own read
     try:
-        keys = _keys.decode(await read_body(request))   # kept for the route's own read
+        keys = _keys.decode(body)
     except (msgspec.DecodeError, RecursionError):   # RecursionError: nested past msgspec's depth
         return await create_completion(request)     # which says what is wrong with the body
     if _given(keys.messages):
         return await create_chat_completion(request)
     if _given(keys.prompt):
+        return await create_completion(request)
+    if not _valid_json(body):   # the keys read skipped the rest: invalid UTF-8 in another key passed
         return await create_completion(request)
     raise APIError("/invocations takes a chat completion request (with 'messages') or a completion request "
                    "(with 'prompt'); this body has neither", param=None, code="invalid_request")
