@@ -94,6 +94,17 @@ def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_
     return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
+def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    """The request's prompt: its conversation as the chat template writes it, truncated as it asks.
+    A pass over every message: call it off the event loop for a large request."""
+    kwargs = req.chat_template_kwargs
+    if req.reasoning_effort is not None:   # the request's field, unless the kwargs set it
+        kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
+    return req.truncate(render_chat(state, req.messages, req.add_generation_prompt, req.tools, kwargs,
+                                    req.continue_final_message, req.add_special_tokens, req.documents,
+                                    req.truncate_prompt_tokens))
+
+
 class ChatCompletion(OpenAIResponse):
     """One /v1/chat/completions request between validation and its last byte."""
 
@@ -102,12 +113,7 @@ class ChatCompletion(OpenAIResponse):
     def __init__(self, state: ServerState, req: ChatCompletionRequest, model: str, tools: ToolPlan,
                  client_id: str | None = None) -> None:
         super().__init__(state, req, model, client_id)
-        kwargs = req.chat_template_kwargs
-        if req.reasoning_effort is not None:   # the request's field, unless the kwargs set it
-            kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
-        self.prompt = req.truncate(render_chat(state, req.messages, req.add_generation_prompt, req.tools,
-                                               kwargs, req.continue_final_message, req.add_special_tokens,
-                                               req.documents, req.truncate_prompt_tokens))
+        self.prompt = chat_prompt(state, req)
         self.prompt_lens = [len(self.prompt)]
         self.top_n = req.top_logprobs or 0
         parser = REASONING_PARSERS.get(state.settings.reasoning_parser)

@@ -12,11 +12,12 @@ from contextlib import aclosing
 
 import orjson
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
-from nanoserve.server.chat import ChatCompletion, start_chat
+from nanoserve.server.chat import ChatCompletion, chat_prompt, start_chat
 from nanoserve.server.chat_output import whole_arguments
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import RequestTimer
@@ -303,6 +304,21 @@ async def create_response(request: Request) -> Response:
         return sse_response(writer.events(stream, timer), stream.close)
     body = await cancel_on_disconnect(request, writer.collect(stream, timer))
     return body if body is not None else Response(status_code=499)
+
+
+@router.post("/v1/responses/input_tokens")
+async def count_input_tokens(request: Request) -> Response:
+    """OpenAI's count of a request's input tokens: the prompt the same body would have on /v1/responses."""
+    state: ServerState = request.app.state.server
+    req = await parse_body(request, ResponsesRequest)
+    try:
+        chat_request = await off_the_loop_if_long(len(await request.body()), as_chat_request, req)
+        state.model_name(chat_request.model)
+        prompt = await run_in_threadpool(chat_prompt, state, chat_request)
+    except APIError as exc:
+        exc.param = CHAT_TO_RESPONSES_FIELD.get(exc.param, exc.param)
+        raise
+    return json_response({"object": "response.input_tokens", "input_tokens": len(prompt)})
 
 
 @router.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])

@@ -102,6 +102,20 @@ def test_a_response_echoes_the_settings_it_was_asked_with_and_when_it_completed(
             assert response.completed_at is None
 
 
+def test_input_tokens_counts_the_prompt_the_response_would_have(client):
+    for kwargs in (dict(input="Name a colour."), dict(instructions="Be brief.", input="Name a colour.", tools=[WEATHER]),
+                   dict(input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+                        reasoning={"effort": "low"})):
+        counted = client.responses.input_tokens.count(model="tiny", **kwargs)
+        used = client.responses.create(model="tiny", max_output_tokens=1, **kwargs).usage.input_tokens
+        assert counted.object == "response.input_tokens" and counted.input_tokens == used > 0, kwargs
+    # past the context it still counts (a client asks to know whether it fits)
+    assert client.responses.input_tokens.count(model="tiny", input="word " * 2100).input_tokens > 2048
+    with pytest.raises(openai.BadRequestError) as refused:   # refused as /v1/responses refuses it
+        client.responses.input_tokens.count(model="tiny", input="Hi", tools=[{**WEATHER, "parameters": {"type": "string"}}])
+    assert refused.value.body["param"] == "tools.0.parameters"
+
+
 def test_a_function_call_is_an_item_whole_and_streamed_and_its_output_goes_back_in(client, tool_server):
     kwargs = dict(input="What is the weather in Paris?", tools=[WEATHER], temperature=0, max_output_tokens=MAX_TOKENS,
                   tool_choice={"type": "function", "name": "get_weather"})
