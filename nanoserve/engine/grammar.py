@@ -199,8 +199,10 @@ class GrammarManager:
         if not steps:
             return
         matchers, tokens = zip(*steps)
+        # rows: every one but the suspects, all of them in the common case (no pass over them then)
         self.clock.run(list(matchers), lambda m, i: m.accept_token(tokens[i]),
-                       lambda ms, rows: self._accept(ms, [tokens[i] for i in rows]), closes_step=False)
+                       lambda ms, rows: self._accept(ms, list(tokens) if len(rows) == len(tokens)
+                                                     else [tokens[i] for i in rows]), closes_step=False)
 
     def _accept(self, matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> None:
         if len(matchers) == 1:
