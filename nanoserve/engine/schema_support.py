@@ -15,11 +15,12 @@ from typing import Any
 _IGNORED = ("not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
             "dependentRequired", "dependentSchemas")
 _RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-# keys whose value is one subschema, a list of them, or a map from names to them
+# keys whose value is one subschema, a list of them, or a map from names to them (a property may be
+# called "enum" or "$ref" and still be a schema)
 _ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
         "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 _MANY = ("allOf", "anyOf", "oneOf", "prefixItems")
-_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def unenforced_keyword(schema: Any) -> str | None:
@@ -39,7 +40,7 @@ def unenforced_keyword(schema: Any) -> str | None:
         for key in _MANY:
             if isinstance(node.get(key), list):
                 stack.extend((sub, f"{at}/{key}/{i}") for i, sub in enumerate(node[key]))
-        for key in _NAMED:
+        for key in NAMED_SCHEMAS:
             if isinstance(node.get(key), dict):
                 stack.extend((sub, f"{at}/{key}/{name}") for name, sub in node[key].items())
     return None

@@ -13,6 +13,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 
+from nanoserve.engine.schema_support import NAMED_SCHEMAS
 from nanoserve.sampling_params import MAX_SPEC_CHARS, StructuredOutputsParams
 from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import ChatCompletionRequest, Tool
@@ -125,8 +126,6 @@ def one_call(name: str, parameters: dict | None) -> dict:
 
 # values that are data, not schemas: a "$ref" key inside them is not a reference
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
-# maps from names to schemas: a property may be called "enum" or "$ref" and still be a schema
-_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def rebased_refs(schema: dict | None, root: str) -> dict | None:
@@ -145,7 +144,7 @@ def rebased_refs(schema: dict | None, root: str) -> dict | None:
                 value = root + value[1:]
             elif isinstance(value, (dict, list)) and not (keyed and key in _DATA_KEYWORDS):
                 copy: dict | list = {} if isinstance(value, dict) else [None] * len(value)
-                stack.append((value, copy, keyed and key in _NAMED_SCHEMAS))
+                stack.append((value, copy, keyed and key in NAMED_SCHEMAS))
                 value = copy
             dst[key] = value
     return top
