@@ -378,13 +378,14 @@ def run_front_end(engine: AsyncEngine, settings: ServerSettings, options: HTTPOp
                                **(options.tls.uvicorn_options() if options.tls else {}))
     server = Server(uv_config, engine)
     uv_config.app = build_app(engine, settings, on_fatal=server.fatal)
-    if threading.current_thread() is threading.main_thread():
+    main = threading.current_thread() is threading.main_thread()   # where signal handlers may be set
+    if main:
         # uvicorn drains, then re-raises SIGTERM to the handler it found: exit with the drain's verdict
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(server.exit_code))
         signal.signal(FORCE_SOON_SIGNAL, lambda *_: server.reach(_FORCE_SOON))
         signal.signal(FORCE_NOW_SIGNAL, lambda *_: server.reach(_FORCE_NOW))
     server.run(sockets=[sock])
-    if threading.current_thread() is threading.main_thread():
+    if main:
         # a stage forwarded once serving has ended finds nothing to stop; left to the default it
         # would end this process by the signal and turn a finished drain into a failure
         for sig in (FORCE_SOON_SIGNAL, FORCE_NOW_SIGNAL):

@@ -144,8 +144,8 @@ class RequestTimer:
         self.first: float | None = None     # time of the request's first token
         self.last = 0.0                     # time of its latest token
         self.num_prompt_tokens = 0
-        self.num_generated = 0   # tokens the engine produced for the request
-        self.num_delivered = 0   # of those, the ones its response took in (the rest: its client went away)
+        self.num_delivered = 0   # tokens the response took in
+        self.num_produced = 0    # the engine's count, once the request has ended: more if its client went away
         self.finish_reasons: list[str] = []
         self.timing: tuple[float, float] | None = None   # (queued, first run to first token), from the engine
         self.logged = False
@@ -160,7 +160,6 @@ class RequestTimer:
         if self.first is None:
             self.first = self.last
         self.num_delivered += num_tokens
-        self.num_generated = max(self.num_generated, self.num_delivered)
 
     def finished(self, reason: str) -> None:
         self.finish_reasons.append(reason)
@@ -168,7 +167,7 @@ class RequestTimer:
     def produced(self, num_tokens: int, finish_reasons: list[str]) -> None:
         """The engine's own count of the request's tokens and finished choices, once it has ended:
         its response may have taken in fewer."""
-        self.num_generated = max(self.num_generated, num_tokens)
+        self.num_produced = num_tokens
         if len(finish_reasons) > len(self.finish_reasons):
             self.finish_reasons = finish_reasons
 
@@ -178,8 +177,9 @@ class RequestTimer:
             return
         self.logged = True
         m, now = self.metrics, time.perf_counter()
+        generated = max(self.num_produced, self.num_delivered)
         m.prompt_tokens.inc(self.num_prompt_tokens)
-        m.generation_tokens.inc(self.num_generated)
+        m.generation_tokens.inc(generated)
         for reason in self.finish_reasons:
             m.request_success.labels(reason).inc()
         if self.first is not None:
@@ -188,7 +188,7 @@ class RequestTimer:
                 m.tpot.observe((self.last - self.first) / (self.num_delivered - 1))
         m.e2e.observe(now - self.arrival)
         m.prompt_sizes.observe(self.num_prompt_tokens)
-        m.generation_sizes.observe(self.num_generated)
+        m.generation_sizes.observe(generated)
         if self.timing is not None and self.first is not None:
             queued, prefill = self.timing
             m.queue.observe(queued)
@@ -197,8 +197,8 @@ class RequestTimer:
             m.inference.observe(prefill + self.last - self.first)
         if m.log_requests:
             ttft = f"{1e3 * (self.first - self.arrival):.1f} ms" if self.first is not None else "-"
-            unread = self.num_generated - self.num_delivered
+            unread = generated - self.num_delivered
             logger.info("request %s: %d prompt + %d generated tokens%s, TTFT %s, latency %.1f ms, finish %s",
-                        self.request_id, self.num_prompt_tokens, self.num_generated,
+                        self.request_id, self.num_prompt_tokens, generated,
                         f" ({unread} never sent: the client went away)" if unread else "", ttft,
                         1e3 * (now - self.arrival), ",".join(self.finish_reasons) or "none (cut short)")

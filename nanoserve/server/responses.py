@@ -4,10 +4,11 @@ the API's typed events."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 
 import orjson
@@ -21,6 +22,7 @@ from nanoserve.server.chat import ChatCompletion, chat_prompt, start_chat
 from nanoserve.server.chat_output import whole_arguments
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import RequestTimer
+from nanoserve.server.protocol import ChatCompletionRequest
 from nanoserve.server.responses_protocol import CHAT_TO_RESPONSES_FIELD, ResponsesRequest, as_chat_request
 from nanoserve.server.state import ServerState, engine_error, off_the_loop_if_long, timed
 from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_body, sse_response
@@ -286,18 +288,28 @@ class ResponseWriter:
                 self.event("response.failed", response=body)]
 
 
+async def _as_chat(request: Request, req: ResponsesRequest) -> ChatCompletionRequest:
+    # as long as the input: 240,000 items took 4 s to become a chat request
+    return await off_the_loop_if_long(len(await request.body()), as_chat_request, req)
+
+
+@contextlib.contextmanager
+def _named_as_responses() -> Iterator[None]:
+    """Chat's checks name chat's fields: an error names the field of the Responses request that set it."""
+    try:
+        yield
+    except APIError as exc:
+        exc.param = CHAT_TO_RESPONSES_FIELD.get(exc.param, exc.param)
+        raise
+
+
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     state: ServerState = request.app.state.server
     timer = state.metrics.timer()
     req = await parse_body(request, ResponsesRequest)
-    try:
-        # as long as the input: 240,000 items took 4 s to become a chat request
-        chat_request = await off_the_loop_if_long(len(await request.body()), as_chat_request, req)
-        chat, stream = await start_chat(request, state, chat_request, timer)
-    except APIError as exc:   # chat's checks name chat's fields: name the ones this request set
-        exc.param = CHAT_TO_RESPONSES_FIELD.get(exc.param, exc.param)
-        raise
+    with _named_as_responses():
+        chat, stream = await start_chat(request, state, await _as_chat(request, req), timer)
     writer = ResponseWriter(state, req, chat)
     timer.request_id = writer.id   # the log line names the id the client sees
     if req.stream:
@@ -311,13 +323,10 @@ async def count_input_tokens(request: Request) -> Response:
     """OpenAI's count of a request's input tokens: the prompt the same body would have on /v1/responses."""
     state: ServerState = request.app.state.server
     req = await parse_body(request, ResponsesRequest)
-    try:
-        chat_request = await off_the_loop_if_long(len(await request.body()), as_chat_request, req)
+    with _named_as_responses():
+        chat_request = await _as_chat(request, req)
         state.model_name(chat_request.model)
         prompt = await run_in_threadpool(chat_prompt, state, chat_request)
-    except APIError as exc:
-        exc.param = CHAT_TO_RESPONSES_FIELD.get(exc.param, exc.param)
-        raise
     return json_response({"object": "response.input_tokens", "input_tokens": len(prompt)})
 
 
