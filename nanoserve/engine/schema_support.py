@@ -3,7 +3,8 @@
 xgrammar compiles a schema with these keywords without an error (at most a warning on stderr) and
 leaves them out of the grammar, so the output could break the schema it was asked to keep: an
 `uniqueItems` array came back as [1, 1, 1], an `allOf` of a string and an integer as -1.0, a
-`required` property that the schema does not declare was left out. A schema that uses one is
+`required` property that the schema does not declare was left out, a `$ref` to another document (or
+to an anchor) held the value to nothing. A schema that uses one is
 refused instead, naming the keyword and where it is, as vLLM refuses them for xgrammar.
 """
 
@@ -52,6 +53,9 @@ def _unenforced_here(node: dict) -> str | None:
             return f"'{key}' is not enforced"
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         return "'allOf' of more than one schema is not enforced"
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        return f"'$ref' {ref[:80]!r} is not resolved: only references into the schema itself ('#/...') are"
     if node.get("type") == []:
         return "'type' lists no type, so nothing could match"
     if "multipleOf" in node and any(key in node for key in _RANGE):

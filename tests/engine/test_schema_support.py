@@ -28,6 +28,9 @@ UNENFORCED = [
     ({"type": "object", "properties": {}, "required": ["a"], "additionalProperties": False}, "{}", "'required'"),
     ({"type": "object", "required": ["a"], "additionalProperties": True}, "{}", "'required'"),
     ({"type": []}, "5", "'type'"),
+    ({"$ref": "other.json#/x"}, "1.5", "'$ref'"),
+    ({"$ref": "https://example.com/a.json"}, '{"a": 1}', "'$ref'"),
+    ({"$ref": "#name", "$defs": {"n": {"$anchor": "name", "type": "string"}}}, "5", "'$ref'"),
 ]
 
 ENFORCED = [
