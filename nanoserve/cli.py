@@ -324,8 +324,8 @@ def _generate(args: argparse.Namespace) -> None:
 
     # every flag is checked before the weights load: SamplingParams here, EngineConfig first thing in LLM
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    llm = LLM(**engine_kwargs(args, args.model))
-    print(llm.generate(args.prompt, params, use_tqdm=False)[0].text)
+    with LLM(**engine_kwargs(args, args.model)) as llm:
+        print(llm.generate(args.prompt, params, use_tqdm=False)[0].text)
 
 
 def main(argv: list[str] | None = None) -> None:

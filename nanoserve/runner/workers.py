@@ -7,6 +7,7 @@ step that rank 0 broadcasts until it receives None.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -34,8 +35,19 @@ def start_workers(config: EngineConfig) -> tuple[TensorParallel, list[multiproce
                                name=f"nanoserve-tp{rank}") for rank in range(1, size)]
     for worker in workers:
         worker.start()
+    # multiprocessing's own exit hook SIGTERMs daemon children, which these ignore, and then waits
+    # for them forever: a process that never closed its engine hung at exit. This hook runs first.
+    atexit.register(_kill_left_over, workers)
     logger.info("started %d tensor-parallel workers", len(workers))
     return init_process_group(0, size, init_method, config.device), workers
+
+
+def _kill_left_over(workers: list[multiprocessing.Process]) -> None:
+    """At exit, the workers the engine did not stop (never closed, or failed during startup)."""
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+            worker.join(timeout=10)
 
 
 def _worker_main(config: EngineConfig, rank: int, init_method: str, parent_pid: int) -> None:

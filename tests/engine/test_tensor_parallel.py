@@ -4,6 +4,9 @@ fewer of them than ranks."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from nanoserve import LLM, EngineConfig, SamplingParams
@@ -49,3 +52,11 @@ def test_prompt_logprobs_with_two_ranks_equal_one_rank(qwen3_model):
 def test_unsupported_splits_are_refused_at_start(qwen3_model, size, extra, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model=qwen3_model, device="cpu", tensor_parallel_size=size, **extra)
+
+
+def test_a_process_that_never_closes_its_engine_still_exits(qwen3_model):
+    # multiprocessing's exit hook SIGTERMs daemon children and waits for them; the workers ignore SIGTERM
+    script = (f"from nanoserve import LLM; llm = LLM({str(qwen3_model)!r}, device='cpu', tensor_parallel_size=2); "
+              "print(len(llm.generate('hi', use_tqdm=False)[0].token_ids) > 0)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
