@@ -198,9 +198,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
-        self.bad_words = list(self.bad_words)
+        self.stop = _as_list("stop", self.stop)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
+        self.bad_words = _as_list("bad_words", [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words)
         if isinstance(self.structured_outputs, dict):  # e.g. decoded from a message
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         # numbers of the right kind, as the engine's message schema declares them: an integral float
@@ -252,7 +252,9 @@ class SamplingParams:
             if not isinstance(word, str) or not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
                 raise InvalidSamplingParam("bad_words", "each of bad_words must be a string of 1 to "
                                            f"{MAX_BAD_WORD_CHARS} characters, not only whitespace; got {str(word)[:40]!r}")
-        if not all(isinstance(text, str) and text for text in self.stop):
+        if not all(isinstance(text, str) for text in self.stop):
+            raise InvalidSamplingParam("stop", f"stop must be a string or a list of strings, got {self.stop!r:.80}")
+        if not all(self.stop):
             # as vLLM refuses it: "" matches before any text, and dropping it silently hid a client's bug
             raise InvalidSamplingParam("stop", "stop cannot contain an empty string; leave it out, or send the "
                                        "strings that should end the text")
@@ -261,13 +263,20 @@ class SamplingParams:
                                             or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
             raise InvalidSamplingParam("cache_salt", f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
                                        f"characters, got {str(self.cache_salt)[:40]!r}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise InvalidSamplingParam("logit_bias", f"logit_bias must map token ids to biases, got {self.logit_bias!r:.80}")
         if self.logit_bias:
+            if any(type(token) is not int or type(bias) is not float for token, bias in self.logit_bias.items()):
+                self.logit_bias = {_as_int("logit_bias", token): _as_float("logit_bias", bias)
+                                   for token, bias in self.logit_bias.items()}
             for token, bias in self.logit_bias.items():
                 _check_int("logit_bias", token, 0, MAX_INT)
                 if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
                     raise InvalidSamplingParam("logit_bias", f"logit_bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids)
+            if any(type(token) is not int for token in self.allowed_token_ids):   # 1.5 was taken as 1
+                self.allowed_token_ids = [_as_int("allowed_token_ids", token) for token in self.allowed_token_ids]
             if not self.allowed_token_ids:
                 # nothing to sample from: every logit would be -inf
                 raise InvalidSamplingParam("allowed_token_ids", "allowed_token_ids must hold at least one token id")
@@ -335,6 +344,13 @@ def _as_int(name: str, value: Any, low: int | None = None, high: int | None = No
     if low is not None and high is not None:
         _check_int(name, value, low, high)
     return value
+
+
+def _as_list(name: str, value: Any) -> list:
+    """value (a list, tuple or other sized sequence) as a list; a lone number, a mapping or a set is refused."""
+    if isinstance(value, (str, bytes, dict, set, frozenset)) or not hasattr(value, "__len__"):
+        raise InvalidSamplingParam(name, f"{name} must be a list, got {value!r:.80}")
+    return list(value)
 
 
 def _as_float(name: str, value: Any) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 import itertools
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
@@ -11,8 +12,8 @@ from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.validation import (check_logprobs, check_params_token_ids, check_priority, check_prompt,
-                                         logprobs_cap)
+from nanoserve.engine.validation import (as_token_ids, check_logprobs, check_params_token_ids, check_priority,
+                                         check_prompt, logprobs_cap)
 from nanoserve.engine.outputs import CompletionOutput, PromptTokenLogprob, RequestState
 from nanoserve.sampling_params import SamplingParams
 
@@ -79,7 +80,7 @@ class LLM:
         """Generate for every prompt (strings or token-id lists); outputs keep the prompts' order.
 
         `priority`, one per prompt, orders them under `scheduling_policy="priority"` (lower first)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                        else [sampling_params or SamplingParams()] * len(prompts))
@@ -88,7 +89,7 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"Got {len(priorities)} priorities for {len(prompts)} prompts")
-        token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else as_token_ids(p) for p in prompts]
         # all checked before any is queued: a bad prompt leaves nothing behind
         for ids, params, rank in zip(token_ids, params_list, priorities):
             check_prompt(ids, None, self.engine.config.max_model_len, self.engine.vocab_size)
@@ -97,17 +98,17 @@ class LLM:
             check_priority(rank, self.engine.config.scheduling_policy)
         results: list[RequestOutput] = []
         states: dict[str, tuple[RequestOutput, RequestState]] = {}
-        for prompt, ids, params, rank in zip(prompts, token_ids, params_list, priorities):
-            result = RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, ids)
-            results.append(result)
-            request_ids = [f"{result.request_id}-{index}" for index in range(params.n)]
-            for index, request_id in enumerate(request_ids):
-                state = RequestState(self.tokenizer, ids, params, index, streaming=False)
-                result.outputs.append(state.output)
-                states[request_id] = (result, state)
-            self.engine.add_request(request_ids[0], ids, params, fork_ids=request_ids[1:], priority=rank)
-        bar = tqdm(total=len(states), desc="Generating", disable=not use_tqdm)
+        bar = tqdm(total=sum(params.n for params in params_list), desc="Generating", disable=not use_tqdm)
         try:
+            for prompt, ids, params, rank in zip(prompts, token_ids, params_list, priorities):
+                result = RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, ids)
+                results.append(result)
+                request_ids = [f"{result.request_id}-{index}" for index in range(params.n)]
+                for index, request_id in enumerate(request_ids):
+                    state = RequestState(self.tokenizer, ids, params, index, streaming=False)
+                    result.outputs.append(state.output)
+                    states[request_id] = (result, state)
+                self.engine.add_request(request_ids[0], ids, params, fork_ids=request_ids[1:], priority=rank)
             while self._raise_failures(states) or self.engine.has_unfinished_requests():
                 for step in self.engine.step():
                     result, state = states[step.request_id]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 from nanoserve.sampling_params import SamplingParams
@@ -22,6 +23,18 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str, param:
         return  # min and max run at C speed: the common case costs microseconds
     bad = next(t for t in token_ids if not 0 <= t < vocab_size)
     raise RequestRefused(f"Token id {bad} in {what} is out of range: the vocabulary has {vocab_size} tokens", param)
+
+
+def as_token_ids(prompt: Sequence[int]) -> list[int]:
+    """A prompt given as token ids, as a list of ints; RequestRefused for anything else in it (2.5 or
+    "7" failed deep in the tokenizer, True was taken as id 1)."""
+    ids = list(prompt)
+    if all(type(token) is int for token in ids):
+        return ids
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+    if bad is not None:
+        raise RequestRefused(f"A prompt of token ids holds {bad!r:.40}, which is not a token id (an integer)", "prompt")
+    return [int(token) for token in ids]   # numpy's integers
 
 
 def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
@@ -58,6 +71,8 @@ PRIORITY_RANGE = (-2**63, 2**63 - 1)   # what the engine's messages carry
 def check_priority(priority: int, policy: str) -> None:
     """Raise RequestRefused for a priority the scheduling policy cannot honour (vLLM's rule: only 0
     unless the policy is "priority") or one outside what the engine's messages carry."""
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+        raise RequestRefused(f"'priority' must be an integer, got {priority!r:.40}", "priority")
     if priority != 0 and policy != "priority":
         raise RequestRefused(f"Priority scheduling is not enabled: this server serves requests first come, first "
                              f"served (--scheduling-policy {policy}), so 'priority' must be 0", "priority",

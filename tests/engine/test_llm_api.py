@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from nanoserve import LLM, SamplingParams
@@ -215,6 +216,31 @@ def test_a_rejected_batch_leaves_nothing_queued(qwen3_model):
     assert len(tokens(llm, [[8, 9]], greedy(3))[0]) == 3
 
 
+@pytest.mark.parametrize("bad", [[1, 2.5], [1, "7"], [4, True]])
+def test_a_token_id_prompt_holding_a_non_integer_is_refused_and_leaves_the_engine_whole(llm, bad):
+    # 2.5 failed in the tokenizer after the batch's first prompt was queued, and every later call failed
+    with pytest.raises(ValueError, match="not a token id"):
+        llm.generate(["hello", bad], greedy(3), use_tqdm=False)
+    assert tokens(llm, [[8, 9]], greedy(3)) == tokens(llm, [np.array([8, 9])], greedy(3))
+
+
+def test_a_batch_that_fails_while_it_is_queued_leaves_nothing_behind(llm, monkeypatch):
+    add_request, calls = llm.engine.add_request, []
+
+    def failing_on_the_second(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise RuntimeError("queueing failed")
+        return add_request(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "add_request", failing_on_the_second)
+    with pytest.raises(RuntimeError, match="queueing failed"):
+        llm.generate([[5, 6, 7], [8, 9], [10]], greedy(3), use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    assert len(tokens(llm, [[8, 9]], greedy(3))[0]) == 3
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_generate_call_that_raises_frees_its_requests_and_the_next_call_works(qwen3_model, async_scheduling):
     """An error or Ctrl-C inside a step leaves nothing of that call in the engine: its blocks were
@@ -347,6 +373,13 @@ def test_sampling_params_hold_the_number_kinds_the_engine_core_decodes(given, ta
     ("top_p", True, "top_p must be a number, got True"),
     ("temperature", "0.5", "temperature must be a number"),
     ("logprobs", False, "logprobs must be an integer"),
+    ("allowed_token_ids", [1.5], "allowed_token_ids must be an integer, got 1.5"),   # was taken as id 1
+    ("allowed_token_ids", [3, True], "allowed_token_ids must be an integer, got True"),
+    ("logit_bias", {"5": 1.0}, "logit_bias must be an integer, got '5'"),            # was a TypeError
+    ("logit_bias", [5], "logit_bias must map token ids to biases"),
+    ("stop", 5, "stop must be a list"),
+    ("stop", [5], "stop must be a string or a list of strings"),   # said "cannot contain an empty string"
+    ("stop_token_ids", 5, "stop_token_ids must be a list"),
 ])
 def test_sampling_params_refuse_numbers_of_the_wrong_kind(field, value, message):
     with pytest.raises(ValueError, match=message):
