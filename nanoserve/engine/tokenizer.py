@@ -9,10 +9,16 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
     """ValueError naming `path` when transformers cannot load it: its OSError (a path that is no
     folder is read as a Hub id) ended serve and generate in a traceback."""
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as exc:
         raise ValueError(f"Tokenizer {path!r} (--tokenizer, else the model folder's own) cannot be loaded: "
                          f"{exc}") from exc
+    if len(tokenizer) <= 1:
+        # a folder without tokenizer files still loads, as an empty tokenizer: every prompt came out
+        # as no tokens, and the server looked healthy while it refused every request
+        raise ValueError(f"Tokenizer {path!r} (--tokenizer, else the model folder's own) has no vocabulary: the "
+                         "folder holds no tokenizer files (tokenizer.json, or vocab.json and merges.txt)")
+    return tokenizer
 
 
 def eos_token_ids(model: str, tokenizer: PreTrainedTokenizerBase) -> set[int]:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from nanoserve import SamplingParams
 from nanoserve.cli import build_parser, main
+from nanoserve.config import DEFAULT_MODEL
 from tests.server.conftest import DEVICE, REPO, serve_refusal
 
 ISSUE_FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
@@ -239,6 +241,17 @@ def test_a_tokenizer_that_cannot_be_loaded_is_refused_naming_it(command):
     result = run_cli(command, *args, "--device", "cpu", "--tokenizer", "/no/such/tokenizer", timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Tokenizer '/no/such/tokenizer' (--tokenizer, else the model folder's own) cannot be loaded" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_a_folder_without_tokenizer_files_is_refused_at_start(command, tmp_path):
+    # transformers loads it as an empty tokenizer: the server came up healthy and refused every prompt as empty
+    (tmp_path / "config.json").write_text((Path(DEFAULT_MODEL) / "config.json").read_text())
+    args = ["--port", "0"] if command == "serve" else ["hi"]
+    result = run_cli(command, *args, "--device", "cpu", "--tokenizer", str(tmp_path), timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "has no vocabulary: the folder holds no tokenizer files" in result.stderr
     assert "Traceback" not in result.stderr
 
 
