@@ -38,7 +38,7 @@ def cpu_compute_threads(tensor_parallel_size: int = 1, reserved: int = 0) -> int
     """Threads for each rank: torch's default count (at most the cgroup's CPU quota) less `reserved`
     cores kept for other work, shared among the ranks. None where torch's own count stands: nothing
     to share and no quota below it, or OMP_NUM_THREADS set."""
-    if os.environ.get("OMP_NUM_THREADS"):
+    if os.environ.get("OMP_NUM_THREADS") or tensor_parallel_size < 1:   # the engine's config refuses a size < 1
         return None
     cores, limit = torch.get_num_threads(), cgroup_cpu_limit()
     if limit is not None and limit < cores:

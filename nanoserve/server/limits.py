@@ -6,6 +6,7 @@ hostile request costs time and memory in proportion to the limit, not to what it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from starlette.datastructures import Headers
@@ -58,8 +59,9 @@ class ServerLimits:
         for name in ("timeout_keep_alive", "timeout_headers", "timeout_body", "timeout_grammar_compile"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
-        if not self.max_undelivered_mb > 0:
-            raise ValueError(f"max_undelivered_mb must be a positive number of MiB, got {self.max_undelivered_mb}")
+        if not 0 < self.max_undelivered_mb < math.inf:   # inf overflowed the byte count, a traceback at start
+            raise ValueError(f"max_undelivered_mb (--max-undelivered-mb) must be a finite positive number of MiB, "
+                             f"got {self.max_undelivered_mb}")
 
     def check_request(self, num_prompts: int, n: int, stop: str | list[str] | None,
                       stop_token_ids: list[int] | None) -> None:

@@ -218,6 +218,9 @@ def test_generate_checks_its_flags_before_loading_weights(monkeypatch, capsys):
     (["--allowed-origins", "*", "--allowed-headers", "X-Foo\nX-Bar"], "--allowed-headers 'X-Foo\\nX-Bar'"),
     (["--allowed-origins", "*", "--allowed-methods", "GET", "PO ST"], "--allowed-methods 'PO ST'"),
     (["--allowed-origins", "https://b\u00e9\u4e2d.example"], "--allowed-origins 'https://b\u00e9\u4e2d.example'"),
+    # each was a traceback: inf overflowed the byte count, a size of 0 divided the CPU's threads
+    (["--max-undelivered-mb", "inf"], "--max-undelivered-mb) must be a finite positive number of MiB, got inf"),
+    (["--tensor-parallel-size", "0"], "tensor_parallel_size"),
 ])
 def test_serve_checks_its_flags_before_loading_weights(monkeypatch, capsys, flags, message):
     assert message in serve_refusal(monkeypatch, capsys, *flags)
