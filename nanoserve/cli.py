@@ -348,6 +348,8 @@ def main(argv: list[str] | None = None) -> None:
             _generate(args)
     except ValueError as exc:  # a bad flag value, caught by EngineConfig or SamplingParams
         parser.exit(2, f"nanoserve: error: {exc}\n")
+    except KeyboardInterrupt:  # Ctrl-C before serving began (loading), or during generate or a benchmark
+        parser.exit(130, "nanoserve: interrupted\n")
 
 
 if __name__ == "__main__":

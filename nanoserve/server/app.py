@@ -380,8 +380,10 @@ def run_front_end(engine: AsyncEngine, settings: ServerSettings, options: HTTPOp
     uv_config.app = build_app(engine, settings, on_fatal=server.fatal)
     main = threading.current_thread() is threading.main_thread()   # where signal handlers may be set
     if main:
-        # uvicorn drains, then re-raises SIGTERM to the handler it found: exit with the drain's verdict
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(server.exit_code))
+        # uvicorn drains, then re-raises SIGTERM or SIGINT to the handler it found: exit with the
+        # drain's verdict (SIGINT's default handler, or asyncio's, raised KeyboardInterrupt: a traceback)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: sys.exit(server.exit_code))
         signal.signal(FORCE_SOON_SIGNAL, lambda *_: server.reach(_FORCE_SOON))
         signal.signal(FORCE_NOW_SIGNAL, lambda *_: server.reach(_FORCE_NOW))
     server.run(sockets=[sock])

@@ -121,6 +121,18 @@ def test_requests_cut_by_the_shutdown_deadline_get_an_error_and_the_exit_code_sa
         proc.stop()
 
 
+def test_one_ctrl_c_stops_a_ready_server_cleanly(server_model, tmp_path):
+    # uvicorn re-raised the SIGINT it had drained on to asyncio's handler: a KeyboardInterrupt
+    # traceback, and the process died of the signal (130) where SIGTERM exits 0
+    proc = ServerProcess(server_model, tmp_path)
+    try:
+        proc.proc.send_signal(signal.SIGINT)
+        assert proc.proc.wait(30) == 0, proc.log_tail()
+        assert "Traceback" not in proc.log_tail(100_000) and "Finished server process" in proc.log_tail()
+    finally:
+        proc.stop()
+
+
 def test_a_second_sigint_ends_the_open_requests_with_an_openai_error_before_forcing_the_stop(server_model, tmp_path):
     # uvicorn's forced stop cancelled the handlers at once: whole responses got its plain-text 500
     proc = ServerProcess(server_model, tmp_path, "--num-kvcache-blocks", "256", "--block-size", "16")
