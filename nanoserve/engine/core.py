@@ -185,7 +185,10 @@ def run_engine_process(config: EngineConfig, input_addresses: list[str], output_
     try:
         engine = LLMEngine(config, show_progress=True)
     except BaseException as exc:  # the front end still has to hear of it
-        logger.exception("The engine failed to start")
+        if isinstance(exc, (ValueError, OSError)):   # the model's folder or the flags: the reason says it all
+            logger.error("The engine failed to start: %s", exc)
+        else:
+            logger.exception("The engine failed to start")
         core.died(exc)
         sys.exit(1)
     freeze_startup_heap()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import anyio
 import uvicorn
 from fastapi import FastAPI
-from starlette.datastructures import Headers
+from starlette.datastructures import Headers, State
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -81,6 +81,27 @@ class RequestIdHeaderMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+class StartFailureMiddleware:
+    """Why the engine failed to start, in one line: starlette hands uvicorn the lifespan's whole
+    traceback to log, some 30 lines of it framework frames, and the reason was lost in them."""
+
+    def __init__(self, app: ASGIApp, state: State) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_reason(message: Message) -> None:
+            reason = getattr(self.state, "start_failure", None)
+            if message["type"] == "lifespan.startup.failed" and reason:
+                message = {**message, "message": reason}
+            await send(message)
+
+        await self.app(scope, receive, send_reason)
+
+
 class CanonicalPathMiddleware:
     """Serves a path with a trailing slash or doubled slashes ("/v1/completions/", "//health",
     "/v1//models") as its route's own path. Starlette answered a trailing slash with a 307 to the
@@ -122,7 +143,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings,
             await engine.start()
         except EngineDeadError:
             await engine.shutdown()
-            raise RuntimeError("The engine failed to start; see the log above") from None
+            app.state.start_failure = "The engine failed to start; its error is logged above"
+            raise RuntimeError(app.state.start_failure) from None
         tasks = [asyncio.create_task(app.state.server.budget.run())]
         if settings.log_stats:
             tasks.append(asyncio.create_task(_log_stats(engine)))
@@ -157,6 +179,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings,
         app.add_middleware(RequestIdHeaderMiddleware)
     # outermost: the key check, the limits and the routes all see the path that is served
     app.add_middleware(CanonicalPathMiddleware, root_path=settings.root_path)
+    app.add_middleware(StartFailureMiddleware, state=app.state)
     app.router.redirect_slashes = False   # no route answers with a redirect, whatever the path
     return app
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -256,6 +258,18 @@ def test_a_folder_without_tokenizer_files_is_refused_at_start(command, tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "has no vocabulary: the folder holds no tokenizer files" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_model_the_engine_cannot_load_ends_serve_with_its_reason_and_no_traceback(tmp_path):
+    # the reason sat in the middle of two tracebacks, some 55 lines, the last of them starlette's frames
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["FooForCausalLM"]}))
+    result = run_cli("serve", str(model), "--port", "0", "--device", "cpu", timeout=120)
+    assert result.returncode == 3, result.stderr[-2000:]   # uvicorn's "startup failed"
+    assert "The engine failed to start: Unknown architecture 'FooForCausalLM'" in result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") < 12, result.stderr
 
 
 def test_serve_refuses_cuda_when_there_is_none_instead_of_falling_back():
