@@ -10,14 +10,19 @@ FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
 # the runtime image has CUDA's libraries, not a compiler: Triton compiles a small C launcher
 # (gcc, Python.h) the first time it runs a kernel
+# the cache folder exists, the user's, before a volume is mounted on it (`-v nanoserve-cache:
+# /home/nanoserve/.cache`): Docker fills a new volume from the image's folder, owner included, and
+# creates a missing one as root's, where the server could not write its compiled kernels
+ARG DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv \
-    && useradd --create-home --uid 1001 nanoserve
+    && useradd --create-home --uid 1001 nanoserve \
+    && mkdir -p /home/nanoserve/.cache \
+    && chown 1001:1001 /home/nanoserve/.cache
 
-ENV DEBIAN_FRONTEND=noninteractive \
-    PYTHONUNBUFFERED=1 \
+ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH \

@@ -98,6 +98,17 @@ def test_runs_as_a_user_stops_with_sigterm_and_exposes_the_port():
     assert "docker stop -t 35" in DOCKERFILE.read_text() and "stop_grace_period" in DOCKERFILE.read_text()
 
 
+def test_the_cache_folder_a_volume_mounts_on_is_the_users_and_holds_the_compile_caches():
+    # a named volume on a folder the image lacks is created as root's: user 1001 could not write
+    # Triton's kernels, and every start compiled them again (or failed to)
+    env = env_of_image()
+    cache = "/home/nanoserve/.cache"
+    assert env["TRITON_CACHE_DIR"].startswith(cache) and env["TORCHINDUCTOR_CACHE_DIR"].startswith(cache)
+    run = " ".join(values("RUN"))
+    assert f"mkdir -p {cache}" in run and re.search(rf"chown (-R )?1001(:1001)? {re.escape(cache)}", run)
+    assert f"nanoserve-cache:{cache}" in (REPO / "README.md").read_text()
+
+
 def test_every_copied_path_exists_and_the_package_keeps_its_model():
     for source in [v.split()[:-1] for v in values("COPY")]:
         for path in source:
@@ -180,3 +191,46 @@ def test_the_healthcheck_follows_a_server_that_serves_https(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_healthcheck_asks_where_a_port_given_after_the_image_name_moved_the_server(tmp_path):
+    # `docker run IMAGE --port 9000`: the server listened on 9000 while the probe asked $PORT (8000),
+    # and the container was marked unhealthy for good
+    image_port, port = free_port(), free_port()
+    entrypoint, env = image_command(tmp_path, image_port)
+    proc = subprocess.Popen([*entrypoint, "--device", "cpu", "--num-kvcache-blocks", "128", "--port", str(port)],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    probe_env = {**env, "NANOSERVE_HEALTHCHECK_PID": str(proc.pid)}   # PID 1 in the image
+    try:
+        deadline = time.monotonic() + 120
+        while subprocess.run(healthcheck_command(), env=probe_env, capture_output=True, timeout=30).returncode != 0:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-2000:]
+            time.sleep(0.5)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+@pytest.mark.parametrize("cmdline, port_env, expected", [
+    (["python3", "-m", "nanoserve", "serve", "--host", "0.0.0.0", "--port", "8000", "--port", "9000"], "8000",
+     ("127.0.0.1", 9000, None)),
+    (["nanoserve", "serve", "--host", "0.0.0.0", "--port", "8000", "--port=9001", "--host", "10.1.2.3"], "8000",
+     ("10.1.2.3", 9001, None)),
+    (["nanoserve", "serve", "--host", "::", "--port", "8000"], "8000", ("::1", 8000, None)),
+    (["nanoserve", "serve", "--port", "8000", "--uds", "/run/ns.sock"], "8000", ("127.0.0.1", 8000, "/run/ns.sock")),
+    (["/sbin/tini", "--", "sh"], "8123", ("127.0.0.1", 8123, None)),   # PID 1 is no server: $PORT
+    ([], None, ("127.0.0.1", 8000, None)),
+])
+def test_the_healthcheck_reads_the_address_from_the_servers_command_line(cmdline, port_env, expected):
+    from nanoserve.healthcheck import served_address
+
+    address = served_address(cmdline, port_env)
+    assert (address.host, address.port, address.uds) == expected
+
+
+def test_the_healthcheck_says_a_port_that_is_no_number_in_one_line():
+    env = {**os.environ, "PORT": "abc", "NANOSERVE_HEALTHCHECK_PID": "999999999"}
+    result = subprocess.run(healthcheck_command(), env=env, capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert result.returncode == 1 and "the port 'abc' is not a number" in result.stderr
+    assert "Traceback" not in result.stderr
