@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    # the server sets it for front ends that share a port (server/api_servers.py); inherited, it put
+    # prometheus_client in its multiprocess mode: files left in that folder, a traceback where it is none
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     from nanoserve.server.app import HTTPOptions, serve  # the web stack loads only for `serve`
     from nanoserve.server.defaults import generation_overrides, sampling_defaults
     from nanoserve.server.tool_parsers import TOOL_PARSERS

@@ -9,12 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from nanoserve import SamplingParams
 from nanoserve.cli import build_parser, main
 from nanoserve.config import DEFAULT_MODEL
-from tests.server.conftest import DEVICE, REPO, serve_refusal
+from tests.server.conftest import DEVICE, REPO, ServerProcess, serve_refusal
 
 ISSUE_FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
                "--max-num-batched-tokens", "--gpu-memory-utilization", "--max-queue-len", "--dtype", "--device",
@@ -270,6 +271,18 @@ def test_a_model_the_engine_cannot_load_ends_serve_with_its_reason_and_no_traceb
     assert result.returncode == 3, result.stderr[-2000:]   # uvicorn's "startup failed"
     assert "The engine failed to start: Unknown architecture 'FooForCausalLM'" in result.stderr
     assert "Traceback" not in result.stderr and result.stderr.count("\n") < 12, result.stderr
+
+
+def test_an_inherited_prometheus_multiproc_dir_leaves_a_single_front_end_alone(server_model, tmp_path):
+    # prometheus_client took it up: a folder that did not exist was a traceback at start, one that
+    # did filled with the server's files
+    prom = tmp_path / "prom"
+    with ServerProcess(server_model, tmp_path, env={"PROMETHEUS_MULTIPROC_DIR": str(prom)}) as proc:
+        r = httpx.post(f"{proc.url}/v1/completions", json={"model": "tiny", "prompt": "A list", "max_tokens": 3,
+                                                           "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200
+        assert proc.metrics()["nanoserve:generation_tokens_total"] == 3
+    assert not prom.exists()
 
 
 def test_serve_refuses_cuda_when_there_is_none_instead_of_falling_back():
