@@ -67,7 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model is None and not os.path.isfile(args.config):
+        # the default is the repository's file: run elsewhere (an installed package, the image) it
+        # was a FileNotFoundError traceback
+        parser.error(f"--config {args.config!r} is not a file: run from the repository's root, or give "
+                     "--config CONFIG.json (random weights) or --model FOLDER")
     settings = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
                     prefill_cuda_graphs=args.prefill_cuda_graphs, async_scheduling=args.async_scheduling,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -186,6 +187,15 @@ def test_bench_help_lists_the_benchmarks_and_each_has_its_own():
     for kind, flag in (("throughput", "--num-seqs"), ("serving", "--url")):
         result = run_cli("bench", kind, "--help", timeout=120)
         assert result.returncode == 0 and f"nanoserve bench {kind}" in result.stdout and flag in result.stdout, kind
+
+
+def test_bench_throughput_outside_the_repository_names_the_missing_config(tmp_path):
+    # its default --config is the repository's file: elsewhere it was a FileNotFoundError traceback
+    result = subprocess.run([sys.executable, "-m", "nanoserve.cli", "bench", "throughput", "--num-seqs", "2"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2 and "--config 'bench/configs/qwen3-0.6b.json' is not a file" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_generate_checks_its_flags_before_loading_weights(monkeypatch, capsys):
