@@ -218,8 +218,15 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--uds needs the path of the socket file to listen on")
     if args.api_key is not None and (not args.api_key.strip() or not args.api_key.isascii()):
         # an empty key (an unset variable spliced in) would leave every route open without a word
-        parser.error("--api-key is empty, blank or not ASCII: give a key of printable ASCII characters, "
-                     "or leave the flag out to serve without one")
+        given = "--api-key" if args.api_key != _api_key_from_environment() else next(
+            f"${name}" for name in API_KEY_VARIABLES if os.environ.get(name))
+        parser.error(f"{given} is empty, blank or not ASCII: give a key of printable ASCII characters, "
+                     "or leave it out to serve without one")
+    for name in args.served_model_name or []:
+        if not name.strip() or not name.isprintable():   # /v1/models listed an id no client could send
+            parser.error(f"--served-model-name {name!r} is not a name: give printable text, not only spaces")
+    if args.served_model_name:   # a name given twice was listed twice in /v1/models
+        args.served_model_name = list(dict.fromkeys(args.served_model_name))
     for name in API_KEY_VARIABLES:
         if args.api_key is None and os.environ.get(name) == "":
             print(f"nanoserve: warning: {name} is set but empty: serving without an API key", file=sys.stderr)

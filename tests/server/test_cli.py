@@ -234,6 +234,9 @@ def test_generate_checks_its_flags_before_loading_weights(monkeypatch, capsys):
     # each was a traceback: inf overflowed the byte count, a size of 0 divided the CPU's threads
     (["--max-undelivered-mb", "inf"], "--max-undelivered-mb) must be a finite positive number of MiB, got inf"),
     (["--tensor-parallel-size", "0"], "tensor_parallel_size"),
+    # /v1/models listed an id that no client could send
+    (["--served-model-name", "a", " "], "--served-model-name ' ' is not a name"),
+    (["--served-model-name", "a\nb"], "--served-model-name 'a\\nb' is not a name"),
 ])
 def test_serve_checks_its_flags_before_loading_weights(monkeypatch, capsys, flags, message):
     assert message in serve_refusal(monkeypatch, capsys, *flags)
@@ -304,3 +307,12 @@ def test_serve_refuses_cuda_when_there_is_none_instead_of_falling_back():
     assert result.returncode == 2
     assert "device='cuda' was asked for but torch sees no CUDA device" in result.stderr
     assert "--gpus all" in result.stderr
+
+
+def test_a_served_model_name_given_twice_is_listed_once(monkeypatch):
+    import nanoserve.server.app
+
+    served = []
+    monkeypatch.setattr(nanoserve.server.app, "serve", lambda config, settings, *a: served.append(settings))
+    main(["serve", "--device", "cpu", "--served-model-name", "a", "b", "a"])
+    assert served[0].served_model_names == ["a", "b"]

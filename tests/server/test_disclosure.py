@@ -7,7 +7,7 @@ import logging
 import httpx
 import pytest
 
-from tests.server.conftest import ServerProcess, serving, tiny_engine
+from tests.server.conftest import ServerProcess, serve_refusal, serving, tiny_engine
 
 
 def test_models_show_the_served_name_and_no_path(server, server_model):
@@ -98,3 +98,13 @@ def test_nanoserves_own_variable_wins_over_vllms(monkeypatch):
     monkeypatch.setenv("NANOSERVE_API_KEY", "")   # set but empty: the next one counts
     assert build_parser().parse_args(["serve"]).api_key == "vllm-key"
     assert build_parser().parse_args(["serve", "--api-key", "flag-key"]).api_key == "flag-key"
+
+
+@pytest.mark.parametrize("variable", ["NANOSERVE_API_KEY", "VLLM_API_KEY"])
+def test_a_blank_key_from_the_environment_is_refused_naming_the_variable(monkeypatch, capsys, variable):
+    # the refusal blamed --api-key, a flag the user never passed
+    monkeypatch.delenv("NANOSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.setenv(variable, "   ")
+    assert f"${variable} is empty, blank or not ASCII" in serve_refusal(monkeypatch, capsys)
+    assert "--api-key is empty, blank or not ASCII" in serve_refusal(monkeypatch, capsys, "--api-key", "x\u00e9")
