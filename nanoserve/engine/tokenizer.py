@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """ValueError naming `path` when transformers cannot load it: its OSError (a path that is no
     folder is read as a Hub id) ended serve and generate in a traceback."""
+    if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
+        # transformers reads it as a Hub id, and refused it for its characters
+        raise ValueError(f"Tokenizer folder {path!r} (--tokenizer, else the model folder's own) does not exist")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as exc:
