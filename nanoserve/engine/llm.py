@@ -128,6 +128,29 @@ class LLM:
             bar.close()
         return results
 
+    def chat(self, messages: Seq[dict] | Seq[Seq[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: generate for one conversation (a list of {"role", "content"} messages) or
+        several, each written as the model's chat template writes it (`chat_template` replaces it)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message continues the last message, so it cannot be set beside "
+                             "add_generation_prompt, which opens a new one; set add_generation_prompt=False")
+        if chat_template is None and not self.tokenizer.chat_template:
+            raise ValueError("This model has no chat template: pass chat_template=..., or use generate()")
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                list(conversation), tokenize=False, chat_template=chat_template, tools=tools,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}))
+            # the template writes every special token the model expects (BOS included)
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def _raise_failures(self, request_ids) -> bool:
         """Raise ValueError for a request the engine dropped (a grammar that cannot compile), after
         aborting the rest of this call's requests; else False."""

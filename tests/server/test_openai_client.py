@@ -321,3 +321,20 @@ def test_an_empty_model_name_asks_for_the_served_model_as_in_vllm(client):
     assert completion.usage.completion_tokens == chat.usage.completion_tokens == 2
     response = client.responses.create(model="", input="Hi", max_output_tokens=2)
     assert response.model == "tiny" and response.status == "incomplete"
+
+
+def test_offline_chat_equals_the_servers_chat_completion(client, offline):
+    # LLM.chat, as vLLM's: the conversation as the chat template writes it, whole or continued
+    whole = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20, temperature=0)
+    ref = offline.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
+    assert ref.text == whole.choices[0].message.content and len(ref.prompt_token_ids) == whole.usage.prompt_tokens
+    started = [*CHAT, {"role": "assistant", "content": "A dict maps"}]
+    cont = client.chat.completions.create(model="tiny", messages=started, max_tokens=12, temperature=0,
+                                          extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    continued = offline.chat(started, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False,
+                             add_generation_prompt=False, continue_final_message=True)[0]
+    assert continued.text == cont.choices[0].message.content
+    several = offline.chat([CHAT[1:], CHAT], SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
+    assert len(several) == 2 and several[1].text == ref.text and several[0].prompt_token_ids != ref.prompt_token_ids
+    with pytest.raises(ValueError, match="continue_final_message continues the last message"):
+        offline.chat(started, continue_final_message=True)
