@@ -14,7 +14,11 @@ and refused by name where it asks for something this server cannot do:
   `--tensor-parallel-size` GPUs); more is refused;
 - `--guided-decoding-backend`: auto or xgrammar, the structured-output backend here;
 - `--tokenizer-mode`: auto or hf, transformers' tokenizer of the model (vLLM's slow, mistral and
-  custom modes are refused).
+  custom modes are refused);
+- `--task`, `--runner`: generate (or auto) only;
+- refused by name, with what to do instead: `--quantization`, `--enable-lora`, `--lora-modules`,
+  `--speculative-config`, `--limit-mm-per-prompt`, `--hf-overrides`, `-O`/`--compilation-config`,
+  `--cpu-offload-gb`, `--kv-transfer-config`. argparse's "unrecognized arguments" said only that.
 
 Nothing here imports torch: `--help` answers at once.
 """
@@ -29,7 +33,42 @@ TOKENIZER_MODES = ("auto", "hf")
 MAX_ROLE_CHARS = 64
 
 
+GENERATE_TASKS = ("auto", "generate")
+# vLLM flags for what this server does not do, and what to do instead
+REFUSED_FLAGS = {
+    ("--quantization", "-q"): "quantized checkpoints (AWQ, GPTQ, fp8 weights) are not served here; serve the "
+                              "model's bf16/fp16 weights (--kv-cache-dtype fp8 stores the KV cache in fp8)",
+    ("--enable-lora",): "LoRA adapters are not served here; merge the adapter into the weights first",
+    ("--lora-modules",): "LoRA adapters are not served here; merge the adapter into the weights first",
+    ("--speculative-config",): "speculative decoding is not offered here",
+    ("--limit-mm-per-prompt",): "this server serves text-only models",
+    ("--hf-overrides",): "edit the model folder's config.json instead",
+    ("--compilation-config", "-O"): "the CUDA graphs and kernels are chosen here by themselves "
+                                    "(--enforce-eager turns the graphs off)",
+    ("--cpu-offload-gb",): "weights are not offloaded to the CPU here; use --tensor-parallel-size for a model "
+                           "too large for one GPU",
+    ("--kv-transfer-config",): "disaggregated prefill is not offered here",
+}
+
+
+class _Refused(argparse.Action):
+    """A flag vLLM has and this server refuses, at parse time, with the reason."""
+
+    def __init__(self, option_strings: list[str], dest: str, reason: str = "", **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                         **kwargs)
+        self.reason = reason
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} is not supported by this server: {self.reason}")
+
+
 def add_vllm_serve_flags(p: argparse.ArgumentParser) -> None:
+    for flags, reason in REFUSED_FLAGS.items():
+        p.add_argument(*flags, action=_Refused, reason=reason)
+    for flag in ("--task", "--runner"):
+        p.add_argument(flag, default="generate", choices=GENERATE_TASKS,
+                       help="generate only: this server runs text generation models")
     p.add_argument("--response-role", default="assistant",
                    help="the role a chat reply speaks as (when add_generation_prompt is true)")
     p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=None,

@@ -84,3 +84,21 @@ def test_the_engine_flags_take_vllms_spellings():
 ])
 def test_what_this_server_cannot_do_is_refused_before_the_model_loads(monkeypatch, capsys, flags, message):
     assert message in serve_refusal(monkeypatch, capsys, *flags)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--quantization", "awq"], "--quantization is not supported by this server: quantized checkpoints"),
+    (["-q", "fp8"], "-q is not supported by this server: quantized checkpoints"),
+    (["--enable-lora"], "--enable-lora is not supported by this server: LoRA adapters"),
+    (["-O3"], "-O is not supported by this server"),
+    (["--limit-mm-per-prompt", "image=2"], "this server serves text-only models"),
+    (["--task", "embed"], "argument --task: invalid choice: 'embed'"),
+])
+def test_vllm_flags_for_what_this_server_does_not_do_are_refused_by_name(monkeypatch, capsys, flags, message):
+    # argparse's "unrecognized arguments" named the flag but not why, nor what to do instead
+    assert message in serve_refusal(monkeypatch, capsys, *flags)
+
+
+def test_a_vllm_command_line_asking_for_generation_is_taken():
+    args = build_parser().parse_args(["serve", "--task", "generate", "--runner", "auto"])
+    assert (args.task, args.runner) == ("generate", "auto") and not hasattr(args, "quantization")
