@@ -54,6 +54,8 @@ def resolve_model(name: str, revision: str | None = None, download_dir: str | No
 
     Raises ValueError naming what to change when it is neither."""
     if os.path.isdir(name):
+        if revision is not None:   # a folder has no revisions: the flag was meant for a Hub id
+            logger.warning("--revision %s is ignored: %s is a local folder, served as it is", revision, name)
         return name
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,

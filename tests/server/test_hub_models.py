@@ -99,3 +99,12 @@ def test_a_model_that_cannot_be_fetched_is_refused_before_anything_loads(hub, tm
     assert done.returncode == 2, done.stderr
     assert refusal in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and "Loading weights" not in done.stderr
+
+
+def test_a_revision_given_with_a_local_folder_is_said_to_be_ignored(caplog):
+    from nanoserve.config import DEFAULT_MODEL
+    from nanoserve.model_source import resolve_model
+
+    with caplog.at_level("WARNING", logger="nanoserve.model_source"):
+        assert resolve_model(DEFAULT_MODEL, revision="v2") == DEFAULT_MODEL
+    assert "--revision v2 is ignored" in caplog.text
