@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
-import numbers
 import itertools
+import numbers
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
