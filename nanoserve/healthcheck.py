@@ -63,8 +63,8 @@ def _connection(address: Address, tls: bool, timeout: float) -> http.client.HTTP
 def served_address(cmdline: list[str], port_env: str | None) -> Address:
     """Where a `nanoserve serve` with this command line listens, as seen from beside it."""
     port = _port(port_env) if port_env else DEFAULT_PORT
-    if "serve" not in cmdline:
-        return Address(port=port)
+    if "serve" not in cmdline or not any("nanoserve" in part for part in cmdline[:cmdline.index("serve")]):
+        return Address(port=port)   # PID 1 is no nanoserve server (an init, a shell): $PORT it is
     args = cmdline[cmdline.index("serve") + 1:]
     uds = _last(args, "--uds")
     if uds:

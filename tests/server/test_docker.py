@@ -220,6 +220,7 @@ def test_the_healthcheck_asks_where_a_port_given_after_the_image_name_moved_the_
     (["nanoserve", "serve", "--host", "::", "--port", "8000"], "8000", ("::1", 8000, None)),
     (["nanoserve", "serve", "--port", "8000", "--uds", "/run/ns.sock"], "8000", ("127.0.0.1", 8000, "/run/ns.sock")),
     (["/sbin/tini", "--", "sh"], "8123", ("127.0.0.1", 8123, None)),   # PID 1 is no server: $PORT
+    (["npx", "serve", "--port", "3000"], "8123", ("127.0.0.1", 8123, None)),   # another program's serve
     ([], None, ("127.0.0.1", 8000, None)),
 ])
 def test_the_healthcheck_reads_the_address_from_the_servers_command_line(cmdline, port_env, expected):
