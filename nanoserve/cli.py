@@ -74,8 +74,14 @@ def _limits(args: argparse.Namespace):
 API_KEY_VARIABLES = ("NANOSERVE_API_KEY", "VLLM_API_KEY")
 
 
+def _api_key_variable() -> str | None:
+    """The variable the key comes from when --api-key is not given: the first one set, and not empty."""
+    return next((name for name in API_KEY_VARIABLES if os.environ.get(name)), None)
+
+
 def _api_key_from_environment() -> str | None:
-    return next((os.environ[name] for name in API_KEY_VARIABLES if os.environ.get(name)), None)
+    variable = _api_key_variable()
+    return os.environ[variable] if variable else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,8 +224,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--uds needs the path of the socket file to listen on")
     if args.api_key is not None and (not args.api_key.strip() or not args.api_key.isascii()):
         # an empty key (an unset variable spliced in) would leave every route open without a word
-        given = "--api-key" if args.api_key != _api_key_from_environment() else next(
-            f"${name}" for name in API_KEY_VARIABLES if os.environ.get(name))
+        variable = _api_key_variable()
+        given = f"${variable}" if variable and args.api_key == os.environ[variable] else "--api-key"
         parser.error(f"{given} is empty, blank or not ASCII: give a key of printable ASCII characters, "
                      "or leave it out to serve without one")
     for name in args.served_model_name or []:

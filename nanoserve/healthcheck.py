@@ -27,9 +27,7 @@ class Address:
     uds: str | None = None
 
 
-def healthy(address: Address | int, timeout: float = 4.0) -> bool:
-    if isinstance(address, int):
-        address = Address(port=address)
+def healthy(address: Address, timeout: float = 4.0) -> bool:
     for tls in (False, True):
         conn = _connection(address, tls, timeout)
         try:
@@ -63,9 +61,10 @@ def _connection(address: Address, tls: bool, timeout: float) -> http.client.HTTP
 def served_address(cmdline: list[str], port_env: str | None) -> Address:
     """Where a `nanoserve serve` with this command line listens, as seen from beside it."""
     port = _port(port_env) if port_env else DEFAULT_PORT
-    if "serve" not in cmdline or not any("nanoserve" in part for part in cmdline[:cmdline.index("serve")]):
+    at = cmdline.index("serve") if "serve" in cmdline else 0
+    if not any("nanoserve" in part for part in cmdline[:at]):
         return Address(port=port)   # PID 1 is no nanoserve server (an init, a shell): $PORT it is
-    args = cmdline[cmdline.index("serve") + 1:]
+    args = cmdline[at + 1:]
     uds = _last(args, "--uds")
     if uds:
         return Address(uds=uds)

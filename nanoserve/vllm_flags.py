@@ -31,15 +31,14 @@ import math
 GUIDED_DECODING_BACKENDS = ("auto", "xgrammar")
 TOKENIZER_MODES = ("auto", "hf")
 MAX_ROLE_CHARS = 64
-
-
 GENERATE_TASKS = ("auto", "generate")
+_NO_LORA = "LoRA adapters are not served here; merge the adapter into the weights first"
 # vLLM flags for what this server does not do, and what to do instead
 REFUSED_FLAGS = {
     ("--quantization", "-q"): "quantized checkpoints (AWQ, GPTQ, fp8 weights) are not served here; serve the "
                               "model's bf16/fp16 weights (--kv-cache-dtype fp8 stores the KV cache in fp8)",
-    ("--enable-lora",): "LoRA adapters are not served here; merge the adapter into the weights first",
-    ("--lora-modules",): "LoRA adapters are not served here; merge the adapter into the weights first",
+    ("--enable-lora",): _NO_LORA,
+    ("--lora-modules",): _NO_LORA,
     ("--speculative-config",): "speculative decoding is not offered here",
     ("--limit-mm-per-prompt",): "this server serves text-only models",
     ("--hf-overrides",): "edit the model folder's config.json instead",
