@@ -8,6 +8,7 @@ import json
 import math
 import numbers
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -266,7 +267,7 @@ class SamplingParams:
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise InvalidSamplingParam("logit_bias", f"logit_bias must map token ids to biases, got {self.logit_bias!r:.80}")
         if self.logit_bias:
-            if any(type(token) is not int or type(bias) is not float for token, bias in self.logit_bias.items()):
+            if not (only_of_type(int, self.logit_bias) and only_of_type(float, self.logit_bias.values())):
                 self.logit_bias = {_as_int("logit_bias", token): _as_float("logit_bias", bias)
                                    for token, bias in self.logit_bias.items()}
             for token, bias in self.logit_bias.items():
@@ -275,7 +276,7 @@ class SamplingParams:
                     raise InvalidSamplingParam("logit_bias", f"logit_bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids)
-            if any(type(token) is not int for token in self.allowed_token_ids):   # 1.5 was taken as 1
+            if not only_of_type(int, self.allowed_token_ids):   # 1.5 was taken as 1
                 self.allowed_token_ids = [_as_int("allowed_token_ids", token) for token in self.allowed_token_ids]
             if not self.allowed_token_ids:
                 # nothing to sample from: every logit would be -inf
@@ -344,6 +345,12 @@ def _as_int(name: str, value: Any, low: int | None = None, high: int | None = No
     if low is not None and high is not None:
         _check_int(name, value, low, high)
     return value
+
+
+def only_of_type(kind: type, values: Iterable) -> bool:
+    """Whether every value is exactly a `kind` (not a subclass: True is no int here), in one pass at C
+    speed: a list as long as the vocabulary took ~5 ms as a Python loop."""
+    return set(map(type, values)) <= {kind}
 
 
 def _as_list(name: str, value: Any) -> list:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, only_of_type
 
 
 class RequestRefused(ValueError):
@@ -29,7 +29,7 @@ def as_token_ids(prompt: Sequence[int]) -> list[int]:
     """A prompt given as token ids, as a list of ints; RequestRefused for anything else in it (2.5 or
     "7" failed deep in the tokenizer, True was taken as id 1)."""
     ids = list(prompt)
-    if all(type(token) is int for token in ids):
+    if only_of_type(int, ids):
         return ids
     bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
     if bad is not None:
