@@ -41,6 +41,13 @@ class StructuredOutputsParams:
     choice: list[str] | None = None            # exactly one of these strings
     grammar: str | None = None                 # EBNF (GBNF), xgrammar's dialect
     any_whitespace: bool = True                # False: JSON without optional whitespace
+    # a reasoning model's thinking is left free (engine/reasoning_gate.py): the grammar holds from
+    # the token after `reasoning_end_id`; an output may open its reasoning with `reasoning_start_id`,
+    # or start inside it where the prompt opened it (`reasoning_open`). A server with
+    # --reasoning-parser fills these for chat requests
+    reasoning_start_id: int | None = None
+    reasoning_end_id: int | None = None
+    reasoning_open: bool = False
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -61,6 +68,13 @@ class StructuredOutputsParams:
         if size > MAX_SPEC_CHARS:
             # compile time grows faster than the spec (a 200,000-choice list took minutes)
             raise ValueError(f"the structured outputs spec is {size} characters long; at most {MAX_SPEC_CHARS}")
+        for name in ("reasoning_start_id", "reasoning_end_id"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise ValueError(f"structured outputs' {name} must be a token id (an int >= 0), got {value!r}")
+        if self.reasoning_end_id is None and (self.reasoning_start_id is not None or self.reasoning_open):
+            raise ValueError("structured outputs' reasoning_start_id and reasoning_open need reasoning_end_id, "
+                             "the token that ends the reasoning")
         depth = json_depth(self.json) if self.json is not None else 0
         if depth > MAX_SPEC_DEPTH:
             raise ValueError(f"the JSON schema nests {depth} levels deep; at most {MAX_SPEC_DEPTH}")

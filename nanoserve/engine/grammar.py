@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanoserve.engine.grammar_cache import CompileCache
 from nanoserve.engine.grammar_time import MatcherClock
+from nanoserve.engine.reasoning_gate import ReasoningGate
 from nanoserve.engine.schema_support import unenforced_keyword
 from nanoserve.runner.batch import TokenMask
 from nanoserve.sampling_params import StructuredOutputsParams
@@ -139,6 +140,7 @@ class GrammarManager:
         self.batch = xgr.BatchGrammarMatcher()
         # every request of a step waits for its grammar work: a matcher too slow for that is named here
         self.clock = MatcherClock()
+        self._every_token: np.ndarray | None = None   # a reasoning row's mask, made when first needed
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """A future of the CompiledGrammar; raises ValueError from result() when it cannot compile."""
@@ -155,7 +157,8 @@ class GrammarManager:
         return xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None)
 
     def bitmask(self, matchers: list[xgr.GrammarMatcher | None], bans: dict[int, tuple[int, ...]] | None = None,
-                allowed: dict[int, Sequence[int]] | None = None) -> TokenMask | None:
+                allowed: dict[int, Sequence[int]] | None = None,
+                gates: dict[int, ReasoningGate] | None = None) -> TokenMask | None:
         """The allowed next tokens of each sampling row that has a matcher; None when no row has one.
 
         A terminated matcher has no next token (xgrammar refuses to fill it): its row, whose
@@ -163,7 +166,9 @@ class GrammarManager:
         tokens before min_tokens) unless the grammar allows nothing else, as where it must end.
         `allowed`: per row, its allow list (allowed_token_ids), kept to on the same terms; the
         sampler leaves such rows' logits to this mask. Rows given the same list object (a
-        request's n choices) share its bits, made once."""
+        request's n choices) share its bits, made once. `gates`: rows whose grammar waits for the
+        reasoning's end (not yet answering): a reasoning row may take any token, and a row before
+        its first token may also open its reasoning; the bans and allow lists hold for them too."""
         rows = [r for r, m in enumerate(matchers) if m is not None and not m.is_terminated()]
         if not rows:
             return None
@@ -171,9 +176,25 @@ class GrammarManager:
         # 0.5 ms of the step on an H200's host)
         bitmask = torch.empty((len(rows), xgr.get_bitmask_shape(1, self.vocab_size)[1]), dtype=torch.int32,
                               pin_memory=self.pin_memory)
-        self.clock.run([matchers[r] for r in rows], lambda m, i: m.fill_next_token_bitmask(bitmask, i),
-                       lambda ms, rows_: self._fill(ms, bitmask, rows_), closes_step=True)
-        index = {row: i for i, row in enumerate(rows)} if bans or allowed else {}
+        index = {row: i for i, row in enumerate(rows)} if bans or allowed or gates else {}
+        free = {index[row] for row, gate in gates.items() if row in index and gate.reasoning} if gates else ()
+        if not free:   # the common case: every row's matcher fills it
+            self.clock.run([matchers[r] for r in rows], lambda m, i: m.fill_next_token_bitmask(bitmask, i),
+                           lambda ms, rows_: self._fill(ms, bitmask, rows_), closes_step=True)
+        else:
+            if self._every_token is None:   # every token of the model's vocabulary (reasoning_gate.py)
+                self._every_token = _token_bits(range(self.vocab_size), bitmask.shape[1]).view(np.int32)
+            for i in free:
+                bitmask[i] = torch.from_numpy(self._every_token)
+            filled = [i for i in range(len(rows)) if i not in free]
+            self.clock.run([matchers[rows[i]] for i in filled],
+                           lambda m, j: m.fill_next_token_bitmask(bitmask, filled[j]),
+                           lambda ms, js: self._fill(ms, bitmask, [filled[j] for j in js]), closes_step=True)
+        for row, gate in (gates or {}).items():
+            if row in index and not gate.reasoning and gate.start is not None:
+                # before the first token: the grammar's tokens, or the one that opens the reasoning
+                words = bitmask[index[row]].numpy().view(np.uint32)
+                words |= _token_bits((gate.start,), len(words))
         kept: dict[int, np.ndarray] = {}   # id of an allow list -> its bits
         for row, tokens in (allowed or {}).items():   # rare: no pass over every row without one
             if row in index:

@@ -15,6 +15,7 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.grammar_queue import GrammarQueue
 from nanoserve.engine.grammar_state import GrammarStateGuard
 from nanoserve.engine.messages import EngineStats, StepOutput
+from nanoserve.engine.reasoning_gate import reasoning_gate
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.tokenizer import eos_token_ids, load_tokenizer
@@ -24,6 +25,7 @@ from nanoserve.sampling_params import SamplingParams, fork_seed
 
 if TYPE_CHECKING:  # xgrammar loads with the first structured-output request, not with the engine
     import numpy as np
+    import xgrammar as xgr
 
     from nanoserve.engine.grammar import GrammarManager
 
@@ -115,7 +117,7 @@ class LLMEngine:
             if compiled is None:
                 self.grammar_queue.add(seq, first=front)
                 return
-            seq.grammar = self.grammars.matcher(compiled, seq.stop_token_ids)
+            self._hold_to(seq, compiled)
         self.scheduler.add(seq, first=front)
 
     @property
@@ -127,6 +129,11 @@ class LLMEngine:
             self._grammars = GrammarManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
                                             pin_memory=self.runner.device.type == "cuda")
         return self._grammars
+
+    def _hold_to(self, seq: Sequence, compiled: xgr.CompiledGrammar) -> None:
+        """Give a sequence its matcher at the grammar's start, and its reasoning gate where it has one."""
+        seq.grammar = self.grammars.matcher(compiled, seq.stop_token_ids)
+        seq.gate = reasoning_gate(seq.params.structured_outputs)
 
     def _fail(self, seq: Sequence, why: str) -> None:
         """Drop a request whose grammar cannot compile (and its forks); the core reports it."""
@@ -157,7 +164,7 @@ class LLMEngine:
             concurrent.futures.wait(compiling, timeout=0.01, return_when=concurrent.futures.FIRST_COMPLETED)
         ready, failed = self.grammar_queue.admit()
         for seq, compiled in ready:
-            seq.grammar = self.grammars.matcher(compiled, seq.stop_token_ids)
+            self._hold_to(seq, compiled)
             self.scheduler.add(seq)
         for seq, why in failed:
             self._fail(seq, why)
@@ -278,7 +285,9 @@ class LLMEngine:
             allowed = {row: arrays.setdefault(id(ids), params.allowed_token_ids_array)
                        for row in launched.constrained
                        if (ids := (params := launched.sequences[row].params).allowed_token_ids) is not None}
-            mask = self._grammars.bitmask(self._live_matchers(launched.sequences), launched.bans, allowed)
+            gates = {row: gate for row in launched.constrained
+                     if (gate := launched.sequences[row].gate) is not None and not gate.answering}
+            mask = self._grammars.bitmask(self._live_matchers(launched.sequences), launched.bans, allowed, gates)
         launched.pending = self.runner.sample(launched.forward, mask)
         launched.forward = None
 
@@ -348,7 +357,10 @@ class LLMEngine:
             # every live constrained row advances its matcher in one call, on xgrammar's threads
             live = [(row, seq) for row in launched.constrained
                     if self.sequences.get((seq := launched.sequences[row]).request_id) is seq]
-            self._grammars.advance([(seq.grammar, sampled.token_ids[row]) for row, seq in live])
+            # a sequence still reasoning keeps its matcher at the start (reasoning_gate.py)
+            self._grammars.advance([(seq.grammar, token) for row, seq in live
+                                    if (token := sampled.token_ids[row]) is not None
+                                    and (seq.gate is None or seq.gate.passes(token))])
             complete = {id(seq) for _, seq in live if seq.grammar.is_terminated()}
         # the tokens just read go in first: the deferred step's bad-word bans look back at them
         for seq, position, token in zip(launched.sequences, launched.positions, sampled.token_ids):

@@ -54,6 +54,7 @@ class Sequence:
         # once the grammar compiled). It advances with each sampled token and never rolls back:
         # preemption recomputes the KV cache but keeps the tokens, so the matcher stays right
         self.grammar = None
+        self.gate = None   # engine/reasoning_gate.ReasoningGate: the grammar waits for the reasoning's end
         self.bad_words = None  # engine/bad_words.BadWords, set by the engine when params has any
         self.prompt_logprobs: PromptLogprobBuffer | None = PromptLogprobBuffer(
             self.num_prompt_tokens, params.prompt_logprobs) if params.prompt_logprobs is not None else None

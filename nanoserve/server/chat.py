@@ -8,8 +8,10 @@ from collections.abc import AsyncIterator
 import jinja2
 from fastapi import APIRouter, Request
 from starlette.responses import Response
+from transformers import PreTrainedTokenizerBase
 
 from nanoserve.engine.async_engine import RequestStream, RequestUpdate
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.errors import APIError
 from nanoserve.server.logprobs import chat_logprobs
 from nanoserve.server.metrics import RequestTimer
@@ -42,6 +44,14 @@ def template_tail(tokenizer, prompt: list[int], tags: tuple[str, ...], window: i
     special = set(tokenizer.all_special_ids) - set(tokenizer.convert_tokens_to_ids(list(tags)))
     last = max((i for i, token in enumerate(tail) if token in special), default=-1)
     return tokenizer.decode(tail[last + 1:])
+
+
+def single_token_id(tokenizer: PreTrainedTokenizerBase, text: str) -> int | None:
+    """The id of the one token that is this text, or None where the tokenizer has none."""
+    token_id = tokenizer.convert_tokens_to_ids(text)
+    if token_id is None or token_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(token_id) != text:
+        return None
+    return token_id
 
 
 def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
@@ -122,12 +132,28 @@ class ChatCompletion(OpenAIResponse):
             template_tail(state.tokenizer, self.prompt, (parser.START, parser.END)))
         self.readers = [ChoiceReader(tools, parser(opened) if parser else None, req.include_reasoning)
                         for _ in range(req.n)]
+        self.reasoning = (parser, opened) if parser else None
         # as vLLM answers: as --response-role (the assistant), or without a generation prompt as the last
         # message's author
         last = req.messages[-1]
         self.role = state.settings.response_role if req.add_generation_prompt else last.role
         # vLLM's echo: a reply that continues a message of its own author repeats that message first
         self.echoed = last.text() if req.echo and last.role == self.role else ""
+
+    def after_reasoning(self, params: SamplingParams) -> SamplingParams:
+        """`params` whose grammar (response_format, a required or named tool) holds only after the
+        reasoning, as vLLM's structured outputs do with a reasoning parser: the model thinks freely,
+        then answers to the grammar. Where the tokenizer has no single token for each tag, the
+        grammar holds from the first token."""
+        spec = params.structured_outputs
+        if spec is None or self.reasoning is None:
+            return params
+        parser, opened = self.reasoning
+        start, end = (single_token_id(self.state.tokenizer, tag) for tag in (parser.START, parser.END))
+        if end is None:
+            return params
+        spec = dataclasses.replace(spec, reasoning_start_id=start, reasoning_end_id=end, reasoning_open=opened)
+        return dataclasses.replace(params, structured_outputs=spec)
 
     def logprobs(self, token_ids: list[int], logprobs: list | None) -> dict | None:
         return chat_logprobs(self.token_names, token_ids, logprobs or [], self.top_n) if self.req.logprobs else None
@@ -221,6 +247,7 @@ async def start_chat(request: Request, state: ServerState, req: ChatCompletionRe
     # message), so it says where to render without a pass over the messages on the event loop:
     # that pass alone took 20-35 ms at 16,384 messages of parts, or as many tools
     chat = await off_the_loop_if_long(len(await request.body()), ChatCompletion, state, req, model, tools, client_id)
+    params = chat.after_reasoning(params)
     try:
         stream = await state.start(chat.engine_id, [chat.prompt], params, streamed=req.stream, priority=req.priority)
     except APIError as exc:
