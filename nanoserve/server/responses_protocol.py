@@ -136,10 +136,18 @@ class NamedFunctionChoice(Strict):
 
 class TextFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
+    name: str | None = None   # OpenAI requires one for a schema; without one the schema is named "response"
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
+
+    def echoed(self) -> dict:
+        """The format as the response echoes it: a schema with the name it was given or took."""
+        fields = self.model_dump(by_alias=True, exclude_none=True)
+        return {**fields, "name": self.name or SCHEMA_NAME} if self.type == "json_schema" else fields
+
+
+SCHEMA_NAME = "response"
 
 
 class TextConfig(Strict):
@@ -279,7 +287,7 @@ def _response_format(text: TextConfig | None) -> dict | None:
         return {"type": "json_object"}
     if fmt.schema_ is None:
         raise APIError("text.format of type json_schema needs a 'schema'", param="text.format.schema")
-    spec = {"name": fmt.name or "response", "schema": fmt.schema_, "description": fmt.description,
+    spec = {"name": fmt.name or SCHEMA_NAME, "schema": fmt.schema_, "description": fmt.description,
             "strict": fmt.strict}
     return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
 

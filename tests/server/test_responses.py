@@ -102,6 +102,32 @@ def test_a_response_echoes_the_settings_it_was_asked_with_and_when_it_completed(
             assert response.completed_at is None
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_validates_as_the_clients_own_types_strictly(tool_server, stream):
+    """The openai package's models of a Response, every field they require: a schema format given
+    no name is echoed with the one it took, and usage says what went into the prefix cache."""
+    from openai.types.responses import Response
+
+    body = {"model": "tiny", "input": "A colour as JSON, please. " * 3, "max_output_tokens": 20, "stream": stream,
+            "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}
+    sent = []
+    for _ in range(2):   # the second finds the first one's prompt blocks in the prefix cache
+        reply = httpx.post(f"{tool_server.url}/v1/responses", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        if stream:
+            final = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")][-1]
+            response = Response.model_validate(final["response"], strict=True)
+        else:
+            response = Response.model_validate(reply.json(), strict=True)
+        assert response.text.format.name == "response"
+        sent.append(response.usage)
+    first, again = sent
+    assert first.input_tokens == again.input_tokens > 16
+    blocks = first.input_tokens // 16 * 16   # the server's 16-token blocks
+    assert first.input_tokens_details.cache_write_tokens == blocks - first.input_tokens_details.cached_tokens
+    assert again.input_tokens_details.cached_tokens == blocks and again.input_tokens_details.cache_write_tokens == 0
+
+
 def test_input_tokens_counts_the_prompt_the_response_would_have(client):
     for kwargs in (dict(input="Name a colour."), dict(instructions="Be brief.", input="Name a colour.", tools=[WEATHER]),
                    dict(input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
