@@ -229,6 +229,7 @@ async def start_chat(request: Request, state: ServerState, req: ChatCompletionRe
     if state.settings.force_include_usage:
         req.force_usage()
     req.check_priority(state.engine.config.scheduling_policy)
+    req.fit_truncation(state.engine.config.max_model_len)
     state.check_logprobs(req)
     try:
         params = req.sampling_params(max_tokens(req), (req.top_logprobs or 0) if req.logprobs else None,

@@ -218,6 +218,7 @@ async def create_completion(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
     model = state.model_name(req.model)
     refuse_unsupported(req, state.engine.config.scheduling_policy)
+    req.fit_truncation(state.engine.config.max_model_len)
     state.check_logprobs(req)
     if state.settings.force_include_usage:
         req.force_usage()

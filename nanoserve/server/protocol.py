@@ -148,7 +148,8 @@ class SamplingFields(Strict):
     prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_INT)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # vLLM's: keep only the last k prompt tokens
+    # vLLM's: keep only the last k prompt tokens; -1 keeps as many as the context holds (max_model_len)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT)
     # vLLM's: a request's place under --scheduling-policy priority (lower first); first come, first
     # served takes only 0 (the default), as vLLM does
     priority: int = Field(0, ge=-MAX_INT - 1, le=MAX_INT)
@@ -259,6 +260,19 @@ class SamplingFields(Strict):
     @property
     def continuous_usage(self) -> bool:
         return self.include_usage and self.stream_options.continuous_usage_stats
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_some(cls, k: int | None) -> int | None:
+        if k == 0:
+            raise ValueError("truncate_prompt_tokens keeps the prompt's last k tokens: at least 1, or -1 for as "
+                             "many as the model's context holds")
+        return k
+
+    def fit_truncation(self, max_model_len: int) -> None:
+        """vLLM's truncate_prompt_tokens -1: the prompt's last max_model_len tokens."""
+        if self.truncate_prompt_tokens == -1:
+            self.truncate_prompt_tokens = max_model_len
 
     def truncate(self, prompt: list[int]) -> list[int]:
         k = self.truncate_prompt_tokens

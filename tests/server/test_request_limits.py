@@ -149,6 +149,23 @@ def test_truncate_prompt_tokens_keeps_the_end_of_a_long_prompt_without_tokenizin
     assert r.json()["choices"][0]["text"] == same["choices"][0]["text"]
 
 
+def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_holds(server):
+    """vLLM's -1: the prompt's last max_model_len tokens; a prompt that fits is kept whole."""
+    words = "A list is a sequence of things. " * 30
+    chat = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": words}]}
+    for path, body in (("completions", {**OK, "prompt": words}), ("chat/completions", chat)):
+        kept = httpx.post(f"{server.url}/v1/{path}", json={**body, "temperature": 0, "truncate_prompt_tokens": -1},
+                          timeout=30)
+        assert kept.status_code == 200, kept.text
+        plain = httpx.post(f"{server.url}/v1/{path}", json={**body, "temperature": 0}, timeout=30).json()
+        assert kept.json()["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] > 100
+        assert kept.json()["choices"] == plain["choices"]
+    # past the context, the kept end is the whole context: no room is left for an output token
+    long = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                      json={**OK, "prompt": words * 40, "truncate_prompt_tokens": -1, "max_tokens": 1})
+    assert long.status_code == 400 and "truncate_prompt_tokens" not in long.json()["error"]["message"]
+
+
 def test_chat_truncate_prompt_tokens_keeps_the_end_of_a_conversation_longer_than_the_context(server):
     # /v1/completions keeps a long text's end; chat refused the same text (400 context_length_exceeded)
     # before rendering it, as it did a conversation of more messages than the context has tokens
