@@ -17,6 +17,7 @@ import signal
 import tempfile
 import threading
 import time
+from typing import Any
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.admission import Admission, QueueFullError
+from nanoserve.engine.admission import Admission, QueueFullError, SharedCounts
 from nanoserve.engine.bad_words import with_bad_words_token_ids
 from nanoserve.engine.core import EngineCore, run_engine_process
 from nanoserve.engine.llm_engine import LLMEngine
@@ -86,6 +87,7 @@ class CoreLink:
     input_address: str    # ZeroMQ addresses (ipc://...)
     output_address: str
     core_pid: int         # watched: the core is not this process's child
+    admitted: Any = None  # each front end's admitted sequences (admission.SharedCounts' slots)
 
 
 class AsyncEngine:
@@ -96,7 +98,7 @@ class AsyncEngine:
     a core that another process started with other front ends. At most
     `max_num_seqs + max_queue_len` sequences (prompts × n) are admitted at once: running ones
     plus those that wait; past that `add_request` raises QueueFullError (the server's 503). Front
-    ends that share a core count the others' sequences from the core's last stats.
+    ends that share a core count each other's admitted sequences in memory they share.
     """
 
     def __init__(self, config: EngineConfig, max_queue_len: int | None = None, engine: LLMEngine | None = None,
@@ -106,7 +108,8 @@ class AsyncEngine:
                           else load_tokenizer(self.config.tokenizer, self.config.trust_remote_code))
         self.vocab_size = self.config.hf_config.vocab_size
         self.logprobs_cap = logprobs_cap(self.config.max_logprobs, self.vocab_size)
-        self.admission = Admission(self.config.max_num_seqs, max_queue_len)
+        shared = SharedCounts(link.admitted, link.index) if link is not None and link.admitted is not None else None
+        self.admission = Admission(self.config.max_num_seqs, max_queue_len, shared)
         self.log_level = log_level
         self.ready: EngineReady | None = None
         self.error: EngineDeadError | None = None
@@ -280,11 +283,14 @@ class AsyncEngine:
                                                     priority, self._client))
         except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
             raise RequestRefused(f"The request cannot be passed to the engine: {exc}") from None
-        states = [RequestState(self.tokenizer, prompts[c // n], params, c, keep=keep_outputs)
-                  for c in range(len(ids))]
-        stream = RequestStream(ids, states, self.abort, stream_interval)
-        for rid in ids:
-            self._streams[rid] = stream
+        try:
+            states = [RequestState(self.tokenizer, prompts[c // n], params, c, keep=keep_outputs)
+                      for c in range(len(ids))]
+            stream = RequestStream(ids, states, self.abort, stream_interval)
+            for rid in ids:
+                self._streams[rid] = stream
+        finally:
+            self.admission.settle(len(self._streams))
         self._send_frame(frame)
         return stream
 
@@ -292,6 +298,7 @@ class AsyncEngine:
         """Drop these requests in the core and free their blocks; unknown ids are ignored."""
         for rid in request_ids:
             self._streams.pop(rid, None)
+        self.admission.settle(len(self._streams))
         if request_ids and self.error is None:
             self._send(AbortRequests(list(request_ids)))
 
@@ -346,9 +353,7 @@ class AsyncEngine:
                                                                  "output"))
         if done:
             self._send(AbortRequests(done))
-        if self._link is not None and self._link.count > 1:
-            # the core's count includes this front end's own, less those it has not yet received
-            self.admission.others = max(0, message.stats.num_running + message.stats.num_waiting - len(self._streams))
+        self.admission.settle(len(self._streams))
 
     def _fail(self, request_ids: list[str], exc: BaseException) -> None:
         streams = {self._streams.get(rid) for rid in request_ids} - {None}

@@ -48,8 +48,10 @@ def run_api_servers(config: EngineConfig, settings: ServerSettings, options: HTT
     os.mkdir(metrics_dir)
     # prometheus_client reads it as each front end imports it (they are spawned: they inherit it)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    links = [CoreLink(i, count, f"ipc://{workdir}/input-{i}", f"ipc://{workdir}/output-{i}", 0) for i in range(count)]
     spawn = multiprocessing.get_context("spawn")   # a CUDA context cannot be forked
+    admitted = spawn.Array("q", count, lock=False)   # each front end's admitted sequences (engine/admission.py)
+    links = [CoreLink(i, count, f"ipc://{workdir}/input-{i}", f"ipc://{workdir}/output-{i}", 0, admitted)
+             for i in range(count)]
     level = options.log_level.upper()
     control = f"ipc://{workdir}/control"   # this process's own line to the core, to stop it
     core = spawn.Process(target=run_engine_process, name="nanoserve-engine",
