@@ -10,6 +10,9 @@ from typing import Any
 from nanoserve.engine.validation import RequestRefused
 
 
+_RATE_WINDOW_S = 30.0   # Retry-After reads the completion rate of this last stretch
+
+
 class QueueFullError(RuntimeError):
     """More sequences are waiting than the server admits; the client should retry later."""
 
@@ -80,7 +83,10 @@ class Admission:
         """Seconds until about `queued` sequences have drained, at the recent rate; jittered so that
         refused clients do not all come back in the same second."""
         now = time.monotonic()
-        recent = [t for t in self._finished_times if now - t < 30.0]
-        rate = len(recent) / 30.0
+        recent = [t for t in self._finished_times if now - t < _RATE_WINDOW_S]
+        # over the time the completions were seen in: just after startup a full window's span
+        # understated the rate (19-34 s advised where the queue drained in 2)
+        span = max(1.0, now - recent[0]) if recent else _RATE_WINDOW_S
+        rate = len(recent) / span
         estimate = queued / rate if rate > 0 else 5.0
         return max(1, min(60, round(estimate * random.uniform(0.75, 1.25))))

@@ -37,3 +37,18 @@ def test_a_refused_claim_is_given_back_and_a_single_front_end_shares_nothing():
     assert b.shared.others() == 0   # a's claim went back
     alone = Admission(2, None, front_ends(1)[0].shared)   # no queue limit: nothing to count
     assert alone.shared is None
+
+
+def test_retry_after_reads_the_rate_over_the_time_completions_were_seen(monkeypatch):
+    """Ten completions in the last 2 s drain 10 queued sequences in about 2 s, not 30 s."""
+    from nanoserve.engine import admission as module
+
+    now = [1000.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
+    gate = Admission(1, 1)
+    for i in range(10):
+        now[0] = 1000.0 + 0.2 * i
+        gate.finished()
+    now[0] = 1002.0
+    assert all(gate._retry_after(10) <= 3 for _ in range(20))
+    assert 4 <= Admission(1, 1)._retry_after(10) <= 6   # none seen yet: 5 s, jittered
