@@ -8,6 +8,7 @@ Each app has its own registry, so several servers can live in one process (tests
 
 from __future__ import annotations
 
+import bisect
 import logging
 import re
 import time
@@ -64,6 +65,15 @@ class EngineCollector(Collector):
                                   s.num_preemptions)
 
 
+def add_observations(histogram: Histogram, counts: list[int], total: float) -> None:
+    """Observations already counted by the histogram's buckets (+Inf last), and their sum, added at
+    once: prometheus_client observes one value a call (~2 us), and a stream has an interval a token."""
+    histogram._sum.inc(total)
+    for bucket, count in zip(histogram._buckets, counts, strict=True):
+        if count:
+            bucket.inc(count)
+
+
 def _one_two_five(limit: int) -> list[float]:
     """1, 2, 5, 10, 20, 50, ... up to `limit`, as vLLM buckets token counts."""
     buckets, scale = [], 1
@@ -101,9 +111,16 @@ class ServerMetrics:
                                        ["finished_reason"], registry=r)
         self.ttft = Histogram("nanoserve:time_to_first_token_seconds", "Arrival to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
+        # as vLLM's: each interval between a stream's tokens (time_per_output_token_seconds is its older
+        # name for the same), and each request's mean of them
+        self.itl = Histogram("nanoserve:inter_token_latency_seconds", "Time between two tokens of a choice",
+                             registry=r, buckets=_LATENCY_BUCKETS)
         self.tpot = Histogram("nanoserve:time_per_output_token_seconds",
-                              "Mean time between the tokens of a request after its first", registry=r,
-                              buckets=_LATENCY_BUCKETS)
+                              "Time between two tokens of a choice (inter_token_latency_seconds' older name)",
+                              registry=r, buckets=_LATENCY_BUCKETS)
+        self.request_tpot = Histogram("nanoserve:request_time_per_output_token_seconds",
+                                      "Mean time between the tokens of a request after its first", registry=r,
+                                      buckets=_LATENCY_BUCKETS)
         self.e2e = Histogram("nanoserve:e2e_request_latency_seconds", "Arrival to last token", registry=r,
                              buckets=_LATENCY_BUCKETS)
         # vLLM's names for the phases of a request, which its dashboards chart
@@ -143,6 +160,11 @@ class RequestTimer:
         self.arrival = time.perf_counter()
         self.first: float | None = None     # time of the request's first token
         self.last = 0.0                     # time of its latest token
+        self.choice_last: dict[int, float] = {}   # time of each choice's latest token
+        # the intervals between a choice's tokens, counted by inter_token_latency_seconds' buckets
+        # (+Inf last) and summed: observed once the request ends, not one histogram call a token
+        self.intervals = [0] * (len(_LATENCY_BUCKETS) + 1)
+        self.interval_sum = 0.0
         self.num_prompt_tokens = 0
         self.num_delivered = 0   # tokens the response took in
         self.num_produced = 0    # the engine's count, once the request has ended: more if its client went away
@@ -153,12 +175,20 @@ class RequestTimer:
     def prompt(self, num_tokens: int) -> None:
         self.num_prompt_tokens = num_tokens
 
-    def tokens(self, num_tokens: int) -> None:
+    def tokens(self, num_tokens: int, choice: int = 0) -> None:
+        """A choice's update of `num_tokens` tokens has come. Its tokens since the choice's last update
+        share the interval evenly (several tokens come at once when the client reads slower than the
+        engine writes); a first update's further tokens have no interval of their own."""
         if not num_tokens:
             return
-        self.last = time.perf_counter()
+        now = self.last = time.perf_counter()
         if self.first is None:
-            self.first = self.last
+            self.first = now
+        before = self.choice_last.get(choice)
+        self.choice_last[choice] = now
+        if before is not None:
+            self.interval_sum += now - before
+            self.intervals[bisect.bisect_left(_LATENCY_BUCKETS, (now - before) / num_tokens)] += num_tokens
         self.num_delivered += num_tokens
 
     def finished(self, reason: str) -> None:
@@ -185,7 +215,10 @@ class RequestTimer:
         if self.first is not None:
             m.ttft.observe(self.first - self.arrival)
             if self.num_delivered > 1:
-                m.tpot.observe((self.last - self.first) / (self.num_delivered - 1))
+                m.request_tpot.observe((self.last - self.first) / (self.num_delivered - 1))
+            if self.interval_sum:
+                add_observations(m.itl, self.intervals, self.interval_sum)
+                add_observations(m.tpot, self.intervals, self.interval_sum)
         m.e2e.observe(now - self.arrival)
         m.prompt_sizes.observe(self.num_prompt_tokens)
         m.generation_sizes.observe(generated)

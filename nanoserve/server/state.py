@@ -159,7 +159,7 @@ async def timed(stream: RequestStream, timer: RequestTimer) -> AsyncIterator[Req
     are recorded once it ends, however it ends."""
     try:
         async for update in stream:
-            timer.tokens(len(update.token_ids))
+            timer.tokens(len(update.token_ids), update.index)
             if update.finish_reason is not None:
                 timer.finished(update.finish_reason)
             yield update
