@@ -65,6 +65,19 @@ class EngineCollector(Collector):
                                   s.num_preemptions)
 
 
+class ModelLabel(Collector):
+    """The samples of a registry's collectors with a `model_name` label added (at scrape time only)."""
+
+    def __init__(self, inner: CollectorRegistry, model_name: str) -> None:
+        self.inner, self.model_name = inner, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.inner.collect():
+            metric.samples = [sample._replace(labels={**sample.labels, "model_name": self.model_name})
+                              for sample in metric.samples]
+            yield metric
+
+
 def add_observations(histogram: Histogram, counts: list[int], total: float) -> None:
     """Observations already counted by the histogram's buckets (+Inf last), and their sum, added at
     once: prometheus_client observes one value a call (~2 us), and a stream has an interval a token."""
@@ -96,10 +109,15 @@ class ServerMetrics:
 
     def __init__(self, stats: Callable[[], EngineStats], log_requests: bool = True,
                  alive: Callable[[], bool] = lambda: True, prefix: str = "nanoserve",
-                 multiprocess_dir: str | None = None, max_model_len: int = 1 << 17) -> None:
+                 multiprocess_dir: str | None = None, max_model_len: int = 1 << 17,
+                 model_name: str = "model") -> None:
         self.log_requests = log_requests  # one log line per finished request
         self.prefix = prefix
         self.registry = CollectorRegistry()
+        # what a scrape reads: every series labelled with the served model's name, as vLLM labels
+        # them (its dashboards select `{model_name="$model_name"}`)
+        self.exposed = CollectorRegistry()
+        self.exposed.register(ModelLabel(self.registry, model_name))
         self.registry.register(EngineCollector(stats, alive))
         r = self.registry
         if multiprocess_dir is not None:
@@ -139,7 +157,7 @@ class ServerMetrics:
                                           registry=r, buckets=sizes)
 
     def render(self) -> bytes:
-        text = generate_latest(self.registry)
+        text = generate_latest(self.exposed)
         if self.prefix == "nanoserve":
             return text
         # names only: a sample line starts with its name, HELP and TYPE lines name it second

@@ -83,7 +83,8 @@ class ServerState:
         self.specs = SpecChecker(self.tokenizer, engine.vocab_size, settings.limits.timeout_grammar_compile)
         self.prompt_size = PromptSize(list(engine.tokenizer.get_vocab()), engine.config.max_model_len)
         self.metrics = ServerMetrics(lambda: engine.stats, settings.log_requests, lambda: engine.error is None,
-                                     settings.metrics_prefix, settings.metrics_dir, engine.config.max_model_len)
+                                     settings.metrics_prefix, settings.metrics_dir, engine.config.max_model_len,
+                                     settings.served_model_names[0])
         self.budget = OutputBudget(int(settings.limits.max_undelivered_mb * MiB))
         self.metrics.registry.register(BudgetCollector(self.budget))
         self.created = int(time.time())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -183,10 +184,18 @@ def serve_refusal(monkeypatch, capsys, *flags: str) -> str:
     return capsys.readouterr().err
 
 
+_MODEL_LABEL = re.compile(r'\{model_name="[^"]*"\}|,model_name="[^"]*"')
+
+
+def metrics_text(url: str, headers: dict[str, str] | None = None, **kwargs) -> str:
+    """The server's /metrics without the model_name label that every series carries."""
+    return _MODEL_LABEL.sub("", httpx.get(f"{url}/metrics", headers=headers, timeout=10, **kwargs).text)
+
+
 def read_metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
-    """The unlabelled samples of the server's /metrics by name."""
+    """The samples of the server's /metrics with no label but the served model's, by name."""
     samples = {}
-    for line in httpx.get(f"{url}/metrics", headers=headers, timeout=10).text.splitlines():
+    for line in metrics_text(url, headers).splitlines():
         if line and not line.startswith("#") and "{" not in line:
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import (DEVICE, REPO, SERVER_ARGS, ServerProcess, free_port, gone_within,
+from tests.server.conftest import (DEVICE, REPO, SERVER_ARGS, ServerProcess, free_port, gone_within, metrics_text,
                                    spawned_children)
 
 PROMPTS = [f"Item {i}: the weather in town number {i} is" for i in range(12)]
@@ -94,7 +94,7 @@ def test_requests_on_either_front_end_come_back_whole_and_metrics_count_both(two
 
 
 def _labelled(proc: ServerProcess, name: str) -> dict[str, float]:
-    text = httpx.get(f"{proc.url}/metrics", timeout=10).text
+    text = metrics_text(proc.url)
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line.startswith(name)}
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import ServerProcess, openai_client
+from tests.server.conftest import ServerProcess, metrics_text, openai_client
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 
@@ -94,7 +94,7 @@ def test_a_slow_request_whose_headers_arrived_is_not_cut_off(impatient):
 
 
 def _finished_length(server: ServerProcess) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = metrics_text(server.url)
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith('nanoserve:request_success_total{finished_reason="length"'))
 

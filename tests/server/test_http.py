@@ -210,8 +210,12 @@ def test_models_health_version_metrics(http):
     assert metrics.headers["content-type"].startswith("text/plain")
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hit_rate",
                  "prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_bucket",
-                 "time_per_output_token_seconds_bucket", "e2e_request_latency_seconds_bucket"):
+                 "time_per_output_token_seconds_bucket", "e2e_request_latency_seconds_bucket",
+                 "inter_token_latency_seconds_bucket", "request_time_per_output_token_seconds_bucket"):
         assert f"nanoserve:{name}" in metrics.text
+    # every series carries the served model's name, as vLLM's do (its dashboards select by it)
+    samples = [line for line in metrics.text.splitlines() if line and not line.startswith("#")]
+    assert len(samples) > 50 and all('model_name="tiny"' in line for line in samples), samples[:3]
 
 
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/models/tiny", "/health", "/ping", "/version", "/metrics",

@@ -12,6 +12,7 @@ from prometheus_client import generate_latest
 from nanoserve.engine.messages import EngineStats
 from nanoserve.server import metrics as module
 from nanoserve.server.metrics import ServerMetrics
+from tests.server.conftest import metrics_text
 
 
 def histogram(text: str, name: str) -> dict[str, float]:
@@ -46,7 +47,7 @@ def test_each_interval_between_a_choices_tokens_is_counted(monkeypatch):
 
 def test_a_served_stream_counts_its_intervals(server):
     def count() -> float:
-        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        text = metrics_text(server.url)
         return histogram(text, "nanoserve:inter_token_latency_seconds")["count"]
 
     before = count()

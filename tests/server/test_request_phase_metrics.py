@@ -8,11 +8,11 @@ import time
 
 import httpx
 
-from tests.server.conftest import DEVICE, serving
+from tests.server.conftest import DEVICE, metrics_text, serving
 
 
 def _samples(url: str, prefix: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = metrics_text(url)
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line.startswith(prefix)}
 

@@ -21,7 +21,7 @@ from nanoserve.engine_flags import engine_kwargs
 from nanoserve.config import DEFAULT_MODEL, EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.server.app import build_app
-from tests.server.conftest import REPO, ServerProcess, in_process_server, serve_refusal, tiny_engine
+from tests.server.conftest import REPO, ServerProcess, in_process_server, metrics_text, serve_refusal, tiny_engine
 
 TLS = REPO / "tests" / "assets" / "tls"
 CERT, KEY = str(TLS / "cert.pem"), str(TLS / "key.pem")
@@ -40,7 +40,7 @@ def test_https_serves_the_openai_client_and_the_vllm_flags_take_effect(server_mo
             done = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0.0)
             assert done.usage.completion_tokens == 4
         # prefix caching is off: the second prompt found nothing of the first in the cache
-        metrics = httpx.get(f"{server.url}/metrics", verify=TRUSTS_CERT, timeout=10).text
+        metrics = metrics_text(server.url, verify=TRUSTS_CERT)
         assert "nanoserve:prefix_cache_hits_total 0.0" in metrics
         assert "nanoserve:prefix_cache_queries_total 0.0" in metrics
         # logprobs name tokens by id, unless a request says otherwise
@@ -266,7 +266,7 @@ def test_cors_request_id_usage_access_log_stream_interval_and_metrics_flags(serv
         assert "".join(c.choices[0].text for c in events) == client.completions.create(**ask).choices[0].text
 
         # /metrics under vLLM's names, as autoscalers and routers read them
-        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        metrics = metrics_text(server.url)
         for line in ("# TYPE vllm:num_requests_waiting gauge", "vllm:num_requests_running 0.0",
                      "vllm:kv_cache_usage_perc ", 'vllm:request_success_total{finished_reason="length"}',
                      "vllm:time_to_first_token_seconds_bucket{"):
