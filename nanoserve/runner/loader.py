@@ -22,7 +22,7 @@ KV_SCALE_SUFFIXES = {
 
 def _plain_copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+        raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
     param.data.copy_(loaded)
 
 
@@ -51,9 +51,14 @@ def load_weights(model: nn.Module, folder: str, packed_modules: dict[str, tuple[
     files = [os.path.join(folder, name) for name in weight_files(folder)]
     if not files:
         raise ValueError(f"No *.safetensors files in {folder!r}")
+    absent = [os.path.basename(path) for path in files if not os.path.isfile(path)]
+    if absent:
+        raise ValueError(f"The weight index in {folder!r} names {len(absent)} files that are not there, e.g. "
+                         f"{absent[:3]}: the download may be incomplete")
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded_names: set[str] = set()
+    loaded_shards: set[tuple[str, object]] = set()   # (packed parameter, shard): each must come
     for path in tqdm(files, desc="Loading weights", disable=not show_progress):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
@@ -70,14 +75,22 @@ def load_weights(model: nn.Module, folder: str, packed_modules: dict[str, tuple[
                     raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(model).__name__}")
                 param = params[target]
                 loader = getattr(param, "weight_loader", None)
-                if shard is not None:
-                    loader(param, f.get_tensor(name), shard)
-                elif loader is not None:  # a tensor-parallel slice
-                    loader(param, f.get_tensor(name))
-                else:
-                    _plain_copy(param, f.get_tensor(name))
+                try:
+                    if shard is not None:
+                        loader(param, f.get_tensor(name), shard)
+                        loaded_shards.add((target, shard))
+                    elif loader is not None:  # a tensor-parallel slice
+                        loader(param, f.get_tensor(name))
+                    else:
+                        _plain_copy(param, f.get_tensor(name))
+                except ValueError as exc:
+                    raise ValueError(f"Checkpoint tensor {name!r} {exc}") from None
                 loaded_names.add(target)
     missing = [n for n in params if n not in loaded_names and not (tied and n == "lm_head.weight")]
+    # a packed parameter is filled by pieces (q, k and v): one piece must not pass for all of them
+    missing += [name.replace(f".{packed}.", f".{fragment}.") for name in params if name in loaded_names
+                for fragment, (packed, shard) in packed_modules.items()
+                if f".{packed}." in name and (name, shard) not in loaded_shards]
     if missing:
         raise ValueError(f"Checkpoint in {folder!r} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 

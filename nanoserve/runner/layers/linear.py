@@ -93,7 +93,7 @@ class PackedLinear(nn.Linear):
     def load_part(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
         total, first, size = self.sources[shard]
         if loaded.shape[0] != total:
-            raise ValueError(f"checkpoint shard {shard!r} has {loaded.shape[0]} rows, expected {total}")
+            raise ValueError(f"has {loaded.shape[0]} rows, expected {total}")
         start = self.offsets[shard]
         param.data[start:start + size].copy_(loaded[first:first + size])
 
@@ -129,7 +129,7 @@ class RowParallelLinear(nn.Linear):
 
     def load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape[0] != param.shape[0] or loaded.shape[1] != param.shape[1] * self.tp.size:
-            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected "
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected "
                              f"({param.shape[0]}, {param.shape[1] * self.tp.size})")
         param.data.copy_(loaded[:, self.first:self.first + param.shape[1]])
 

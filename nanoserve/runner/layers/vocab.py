@@ -28,7 +28,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape != (self.vocab_size, param.shape[1]):
-            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected "
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected "
                              f"({self.vocab_size}, {param.shape[1]})")
         mine = loaded[self.first:self.first + self.rows]
         param.data[:len(mine)].copy_(mine)
