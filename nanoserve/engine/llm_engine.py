@@ -58,7 +58,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer, config.trust_remote_code)
-        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, config.hf_config)
         self.runner = ModelRunner(config, show_progress)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,

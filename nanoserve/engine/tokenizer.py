@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
@@ -26,14 +26,15 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
     return tokenizer
 
 
-def eos_token_ids(model: str, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    """generation_config.json's eos_token_id (one or a list) and the tokenizer's own."""
+def eos_token_ids(model: str, tokenizer: PreTrainedTokenizerBase,
+                  hf_config: PretrainedConfig | None = None) -> set[int]:
+    """generation_config.json's eos_token_id (one or a list), else config.json's, and the tokenizer's own."""
     ids: set[int] = set()
     try:
         found = GenerationConfig.from_pretrained(model).eos_token_id
-        ids.update(found if isinstance(found, list) else [found] if found is not None else [])
-    except OSError:  # no generation_config.json
-        pass
+    except OSError:  # no generation_config.json: the model's config says it, as vLLM reads it then
+        found = getattr(hf_config, "eos_token_id", None)
+    ids.update(found if isinstance(found, list) else [found] if found is not None else [])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids

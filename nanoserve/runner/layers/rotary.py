@@ -23,6 +23,10 @@ def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.
     if params["rope_type"] == "default":
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    if params["rope_type"] == "longrope":
+        # its long factors take over past original_max_position_embeddings, per sequence: one table
+        # for every position cannot hold both
+        raise ValueError("Unsupported rope type 'longrope' (its factors change with the sequence's length)")
     if params["rope_type"] not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"Unsupported rope type {params['rope_type']!r}; supported: default, "
                          f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")

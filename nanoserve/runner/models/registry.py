@@ -18,9 +18,22 @@ def model_class(config: PretrainedConfig, max_model_len: int) -> type[DecoderFor
     arch = (getattr(config, "architectures", None) or ["<none>"])[0]
     if arch not in MODELS:
         raise ValueError(f"Unknown architecture {arch!r}; supported: {', '.join(sorted(MODELS))}")
-    sliding = getattr(config, "sliding_window", None)
-    # within the window, sliding-window attention is plain causal attention
-    if getattr(config, "use_sliding_window", sliding is not None) and sliding and sliding < max_model_len:
-        raise ValueError(f"{arch} uses sliding-window attention over {sliding} tokens, which is not "
-                         f"supported: pass max_model_len <= {sliding}")
+    activation = getattr(config, "hidden_act", "silu")
+    if activation not in ("silu", "swish"):
+        # the MLP's kernels are SiLU's: another activation would load and answer wrongly
+        raise ValueError(f"{arch} with hidden_act {activation!r} is not supported: only silu")
+    if sliding_window_in_use(config) and config.sliding_window < max_model_len:
+        # within the window, sliding-window attention is plain causal attention
+        raise ValueError(f"{arch} uses sliding-window attention over {config.sliding_window} tokens, which is not "
+                         f"supported: pass max_model_len <= {config.sliding_window}")
     return MODELS[arch]
+
+
+def sliding_window_in_use(config: PretrainedConfig) -> bool:
+    """Whether any layer attends over a sliding window: as the config's layer_types say where it
+    has them (Qwen2 keeps full attention below max_window_layers), else wherever one is set."""
+    sliding = getattr(config, "sliding_window", None)
+    if not sliding or not getattr(config, "use_sliding_window", True):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is None or "sliding_attention" in layer_types

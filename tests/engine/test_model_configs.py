@@ -1,0 +1,57 @@
+"""Configs that load must answer as transformers does; those that cannot are refused by what they ask."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from tests.conftest import _random_model, hf_greedy, random_prompts
+
+
+@pytest.mark.parametrize("arch, overrides, refusal", [
+    ("llama", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    ("qwen3", dict(hidden_act="relu"), "hidden_act 'relu'"),
+    ("llama", dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                 "original_max_position_embeddings": 32}), "longrope"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), "sliding-window"),
+], ids=["llama-gelu", "qwen3-relu", "llama-longrope", "qwen2-sliding-layer"])
+def test_what_would_answer_wrongly_is_refused_by_name(tmp_path, arch, overrides, refusal):
+    # each loaded and answered with SiLU, the short rope factors or full attention: not what it is
+    folder = _random_model(tmp_path / "model", arch, **overrides)
+    with pytest.raises(ValueError, match=refusal):
+        LLM(folder, device="cpu", max_model_len=64)
+
+
+def test_a_sliding_window_no_layer_uses_is_no_refusal(tmp_path):
+    # Qwen2 keeps full attention below max_window_layers: here that is every layer
+    folder = _random_model(tmp_path / "model", "qwen2", use_sliding_window=True, sliding_window=16,
+                           max_window_layers=2)
+    prompts = random_prompts(2, 384, 40, 60)
+    with LLM(folder, device="cpu", max_model_len=128) as llm:
+        ours = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+            use_tqdm=False)]
+    assert ours == hf_greedy(folder, prompts, 8)
+
+
+def test_without_generation_config_the_models_config_names_its_end_token(tmp_path):
+    folder = _random_model(tmp_path / "model", "llama")
+    os.remove(os.path.join(folder, "generation_config.json"))
+    prompt = random_prompts(1, 384, 8, 9)[0]
+    with LLM(folder, device="cpu") as llm:
+        free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12,
+                                                                        ignore_eos=True), use_tqdm=False)
+    end = free[0].outputs[0].token_ids[3]   # a token the model writes: config.json names it its end
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config["eos_token_id"] = end
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    with LLM(folder, device="cpu") as llm:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12),
+                           use_tqdm=False)[0].outputs[0]
+    first = free[0].outputs[0].token_ids.index(end)
+    assert out.finish_reason == "stop" and out.token_ids == free[0].outputs[0].token_ids[:first + 1]
