@@ -14,6 +14,7 @@ from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, FP8_FLASH_ATT
                                 DEFAULT_MAX_LOGPROBS, KV_CACHE_DTYPES, MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES,
                                 MAX_LOGPROBS_CEILING, SCHEDULING_POLICIES)
 from nanoserve.model_source import resolve_model
+from nanoserve.positions import context_limit
 from nanoserve.sampling_params import SEED_RANGE
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -122,12 +123,12 @@ class EngineConfig:
         if self.async_scheduling is None:
             set_("async_scheduling", device != "cpu")
 
-        limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        limit = context_limit(self.hf_config)
         if self.max_model_len is None:
             set_("max_model_len", limit)
         elif self.max_model_len > limit:
-            raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's "
-                             f"max_position_embeddings ({limit})")
+            raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's context ({limit}: "
+                             "max_position_embeddings, stretched by a linear or yarn rope_scaling where it has one)")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.max_num_batched_tokens is None:

@@ -55,3 +55,19 @@ def test_without_generation_config_the_models_config_names_its_end_token(tmp_pat
                            use_tqdm=False)[0].outputs[0]
     first = free[0].outputs[0].token_ids.index(end)
     assert out.finish_reason == "stop" and out.token_ids == free[0].outputs[0].token_ids[:first + 1]
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+                                     {"rope_type": "linear", "factor": 2.0}], ids=["yarn", "linear"])
+def test_a_static_rope_scaling_stretches_the_context_as_vllm_derives_it(tmp_path, scaling):
+    # Qwen3's documented long context: yarn x4 over its original length, past max_position_embeddings
+    # (40,960 there), was refused; positions past it must still answer as transformers does
+    folder = _random_model(tmp_path / "model", "qwen3", max_position_embeddings=128, rope_scaling=scaling)
+    prompts = random_prompts(2, 384, 150, 200)
+    with LLM(folder, device="cpu", num_kvcache_blocks=64, block_size=16) as llm:
+        assert llm.engine.config.max_model_len == 256
+        ours = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
+    assert ours == hf_greedy(folder, prompts, 8)
+    with pytest.raises(ValueError, match="larger than the model's context"):
+        LLM(folder, device="cpu", max_model_len=257)

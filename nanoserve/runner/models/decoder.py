@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanoserve.positions import context_limit
 from nanoserve.runner.batch import AttentionMetadata
 from nanoserve.runner.layers.linear import PackedLinear, RowParallelLinear
 from nanoserve.runner.layers.norm import RMSNorm
@@ -108,7 +109,7 @@ class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, ops: LayerOps,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        rotary = RotaryTables(config, head_dim_of(config), config.max_position_embeddings)
+        rotary = RotaryTables(config, head_dim_of(config), context_limit(config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm, rotary, ops, tp)
                                     for _ in range(config.num_hidden_layers))

@@ -1,0 +1,30 @@
+"""How far a model's positions reach: its rotary-embedding parameters and the context they allow."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+# rope scalings whose tables are the same at every length: positions past max_position_embeddings
+# take them as they are (dynamic NTK recomputes its frequencies past it; longrope switches factors)
+_STRETCHING = ("linear", "yarn")
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    """rope_theta and rope_scaling in one dict, whichever transformers version wrote the config."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def context_limit(config: PretrainedConfig) -> int:
+    """The longest context the model allows: max_position_embeddings, or as vLLM derives it where
+    a linear or yarn rope scaling stretches the positions (yarn: its original length times the factor,
+    e.g. Qwen3's 32,768 x 4 = 131,072)."""
+    limit = getattr(config, "max_position_embeddings", None) or 4096
+    params = rope_parameters(config)
+    factor = params.get("factor")
+    if params["rope_type"] not in _STRETCHING or not isinstance(factor, (int, float)) or factor <= 1:
+        return limit
+    base = params.get("original_max_position_embeddings") if params["rope_type"] == "yarn" else None
+    return max(limit, int((base or limit) * factor))
