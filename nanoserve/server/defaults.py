@@ -11,9 +11,10 @@ from typing import Any
 
 from nanoserve.sampling_params import SamplingParams
 
-# generation_config.json key -> request field it supplies when the request leaves it out
+# generation_config.json key -> request field it supplies when the request leaves it out (max_new_tokens,
+# as in vLLM, also caps a request's own max_tokens)
 SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                 "repetition_penalty": "repetition_penalty"}
+                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 def check_generation_config(mode: str) -> None:

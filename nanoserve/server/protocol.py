@@ -183,6 +183,9 @@ class SamplingFields(Strict):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         given = lambda name, fallback: next(  # noqa: E731 - the request's value, the model's, or ours
             v for v in (getattr(self, name), (defaults or {}).get(name), fallback) if v is not None)
+        # generation_config's max_new_tokens caps the request's own, as vLLM's get_max_tokens takes the least
+        cap = (defaults or {}).get("max_tokens")
+        max_tokens = cap if max_tokens is None else max_tokens if cap is None else min(max_tokens, cap)
         return SamplingParams(
             n=self.n, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
             top_k=given("top_k", -1) or -1,  # 0 and -1 both mean "off", as in vLLM

@@ -162,6 +162,26 @@ def test_override_generation_config_sets_defaults_over_the_models_file(server_mo
     assert any(h["choices"][0]["text"] != unset[0] for h in hot)
 
 
+def test_max_new_tokens_of_the_generation_config_caps_every_request_as_vllms_does(server_model, tmp_path):
+    from nanoserve.server.defaults import generation_overrides, sampling_defaults
+    from nanoserve.server.state import ServerSettings
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
+    assert sampling_defaults(str(tmp_path)) == {"max_tokens": 3}
+    assert generation_overrides('{"max_new_tokens": 2}') == {"max_tokens": 2}
+    for overrides, cap in (({}, 3), ({"max_tokens": 2}, 2)):
+        settings = ServerSettings(served_model_names=["tiny"], generation_config=str(tmp_path),
+                                  generation_overrides=overrides)
+        with in_process_server(build_app(tiny_engine(server_model), settings)) as (url, _):
+            for body in ({}, {"max_tokens": 10}, {"max_tokens": 1}):
+                done = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                    "model": "tiny", "prompt": "The list of", "ignore_eos": True, **body}).json()
+                assert done["usage"]["completion_tokens"] == min(cap, body.get("max_tokens", cap)), (cap, body)
+            chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+                "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True}).json()
+            assert chat["usage"]["completion_tokens"] == cap
+
+
 @pytest.mark.parametrize("value, message", [
     ("{temperature: 0}", "is not JSON"),
     ("[0.5]", "is not a JSON object"),
