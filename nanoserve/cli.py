@@ -201,7 +201,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     # prometheus_client in its multiprocess mode: files left in that folder, a traceback where it is none
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     from nanoserve.server.app import HTTPOptions, serve  # the web stack loads only for `serve`
-    from nanoserve.server.defaults import generation_overrides, sampling_defaults
+    from nanoserve.generation_defaults import generation_overrides, sampling_defaults
     from nanoserve.server.tool_parsers import TOOL_PARSERS
     from nanoserve.server.connections import raise_open_file_limit
     from nanoserve.server.state import ServerSettings

@@ -213,9 +213,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = _as_list("stop", self.stop)
-        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
-        self.bad_words = _as_list("bad_words", [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words)
+        # None is none, as vLLM takes it
+        self.stop = _as_list("stop", self.stop if self.stop is not None else [])
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids if self.stop_token_ids is not None else [])
+        bad_words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+        self.bad_words = _as_list("bad_words", bad_words if bad_words is not None else [])
         if isinstance(self.structured_outputs, dict):  # e.g. decoded from a message
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         # numbers of the right kind, as the engine's message schema declares them: an integral float
@@ -249,6 +251,8 @@ class SamplingParams:
         if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise InvalidSamplingParam("repetition_penalty", f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], "
                              f"got {self.repetition_penalty}")
+        if self.seed == -1 and not isinstance(self.seed, bool):   # vLLM's "no seed"
+            self.seed = None
         if self.seed is not None:
             self.seed = _as_int("seed", self.seed, *SEED_RANGE)
         if self.max_tokens is not None:
@@ -269,6 +273,9 @@ class SamplingParams:
                                            f"{MAX_BAD_WORD_CHARS} characters, not only whitespace; got {str(word)[:40]!r}")
         if not all(isinstance(text, str) for text in self.stop):
             raise InvalidSamplingParam("stop", f"stop must be a string or a list of strings, got {self.stop!r:.80}")
+        if self.stop and not self.detokenize:
+            # stop strings are matched in the text, which detokenize=False does not make (vLLM refuses it too)
+            raise InvalidSamplingParam("stop", "stop strings need detokenize=True: they are matched in the text")
         if not all(self.stop):
             # as vLLM refuses it: "" matches before any text, and dropping it silently hid a client's bug
             raise InvalidSamplingParam("stop", "stop cannot contain an empty string; leave it out, or send the "

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import numbers
+import threading
 from dataclasses import dataclass, field
+from typing import Any
 from typing import Sequence as Seq
 
 from tqdm import tqdm
@@ -15,9 +18,12 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.validation import (as_token_ids, check_logprobs, check_params_token_ids, check_priority,
                                          check_prompt, logprobs_cap)
 from nanoserve.engine.outputs import CompletionOutput, PromptTokenLogprob, RequestState
+from nanoserve.generation_defaults import sampling_defaults
 from nanoserve.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# a text, token ids, or vLLM's TextPrompt / TokensPrompt: {"prompt": text} / {"prompt_token_ids": ids}
+Prompt = str | list[int] | dict[str, Any]
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 
 
 @dataclass
@@ -58,11 +64,24 @@ class LLM:
     max_num_batched_tokens, block_size, num_kvcache_blocks, enable_prefix_caching, load_format...
     """
 
-    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **kwargs) -> None:
-        """`config` replaces `model` and the keyword arguments when given (benchmarks build one)."""
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None,
+                 generation_config: str = "auto", **kwargs) -> None:
+        """`config` replaces `model` and the keyword arguments when given (benchmarks build one).
+        `generation_config`, as vLLM's: where generate() without SamplingParams takes its defaults
+        ("auto": the model folder's generation_config.json; "vllm": none; or another folder)."""
         self.engine = LLMEngine(config or EngineConfig(model=model, **kwargs), show_progress=True)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        self._defaults = sampling_defaults(self.engine.config.model, generation_config)
+        # one call at a time: two threads' steps interleaved in the engine took each other's outputs
+        self._lock = threading.Lock()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling settings the model's generation_config.json sets, over ours."""
+        return SamplingParams(**self._defaults)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (they also end with this process)."""
@@ -76,20 +95,39 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs keep the prompts' order.
+                 use_tqdm: bool = True, priority: Seq[int] | None = None,
+                 lora_request: None = None) -> list[RequestOutput]:
+        """Generate for every prompt (texts, token-id lists, or vLLM's prompt dicts); outputs keep the
+        prompts' order. Without SamplingParams, those of get_default_sampling_params().
 
-        `priority`, one per prompt, orders them under `scheduling_policy="priority"` (lower first)."""
-        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
+        `priority`, one per prompt, orders them under `scheduling_policy="priority"` (lower first).
+        Calls from several threads take turns."""
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported (lora_request)")
+        with self._lock:
+            return self._generate(prompts, sampling_params, use_tqdm, priority)
+
+    def _generate(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
-                       else [sampling_params or SamplingParams()] * len(prompts))
+                       else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        params_list = _checked_copies(params_list)
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"Got {len(priorities)} priorities for {len(prompts)} prompts")
-        token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else as_token_ids(p) for p in prompts]
+        texts, token_ids = [], []
+        for i, prompt in enumerate(prompts):
+            text, ids, salt = self._prompt(prompt)
+            texts.append(text)
+            token_ids.append(ids)
+            if salt is not None:
+                params_list[i] = dataclasses.replace(params_list[i], cache_salt=salt)
         # all checked before any is queued: a bad prompt leaves nothing behind
         for ids, params, rank in zip(token_ids, params_list, priorities):
             check_prompt(ids, None, self.engine.config.max_model_len, self.engine.vocab_size)
@@ -100,8 +138,8 @@ class LLM:
         states: dict[str, tuple[RequestOutput, RequestState]] = {}
         bar = tqdm(total=sum(params.n for params in params_list), desc="Generating", disable=not use_tqdm)
         try:
-            for prompt, ids, params, rank in zip(prompts, token_ids, params_list, priorities):
-                result = RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, ids)
+            for text, ids, params, rank in zip(texts, token_ids, params_list, priorities):
+                result = RequestOutput(str(next(self._ids)), text, ids)
                 results.append(result)
                 request_ids = [f"{result.request_id}-{index}" for index in range(params.n)]
                 for index, request_id in enumerate(request_ids):
@@ -132,9 +170,11 @@ class LLM:
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora_request: None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: generate for one conversation (a list of {"role", "content"} messages) or
         several, each written as the model's chat template writes it (`chat_template` replaces it)."""
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported (lora_request)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message continues the last message, so it cannot be set beside "
@@ -144,12 +184,29 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(
-                list(conversation), tokenize=False, chat_template=chat_template, tools=tools,
+                [_text_content(message) for message in conversation], tokenize=False,
+                chat_template=chat_template, tools=tools,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 **(chat_template_kwargs or {}))
             # the template writes every special token the model expects (BOS included)
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _prompt(self, prompt: Prompt) -> tuple[str | None, list[int], str | None]:
+        """(its text if it has one, its token ids, its cache_salt) of one prompt of generate()."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt), None
+        if not isinstance(prompt, dict):
+            return None, as_token_ids(prompt), None
+        unknown = sorted(prompt.keys() - _PROMPT_KEYS)
+        if unknown:
+            raise ValueError(f"A prompt dict takes 'prompt' (text) or 'prompt_token_ids', and 'cache_salt'; "
+                             f"{unknown} are not supported (text-only models)")
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), as_token_ids(prompt["prompt_token_ids"]), prompt.get("cache_salt")
+        if not isinstance(prompt.get("prompt"), str):
+            raise ValueError(f"A prompt dict needs 'prompt' (a text) or 'prompt_token_ids', got {prompt!r:.80}")
+        return prompt["prompt"], self.tokenizer.encode(prompt["prompt"]), prompt.get("cache_salt")
 
     def _raise_failures(self, request_ids) -> bool:
         """Raise ValueError for a request the engine dropped (a grammar that cannot compile), after
@@ -160,3 +217,32 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise ValueError(failures[0][1])
         return False
+
+
+def _text_content(message: dict) -> dict:
+    """The message with OpenAI's list of content parts joined into its text, as vLLM writes it for
+    a template that takes a string ("text" parts, one a line); other parts are refused by name."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
+            raise ValueError(f"Message content parts must be text parts ({{'type': 'text', 'text': ...}}): "
+                             f"this model reads text only; got {str(part)[:80]}")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
+
+
+def _checked_copies(params_list: list[SamplingParams]) -> list[SamplingParams]:
+    """A checked copy of each distinct SamplingParams, made now: one changed since an earlier call
+    (params.logit_bias = ...) kept the arrays the engine had made from its old values, and one
+    changed to a value it would refuse (n = 0) failed deep in the engine."""
+    copies: dict[int, SamplingParams] = {}
+    for params in params_list:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if id(params) not in copies:
+            copies[id(params)] = dataclasses.replace(params)
+    return [copies[id(params)] for params in params_list]

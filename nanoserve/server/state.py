@@ -15,10 +15,10 @@ from nanoserve.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFu
                                           RequestStream, RequestUpdate)
 from nanoserve.engine.bad_words import with_bad_words_token_ids
 from nanoserve.engine.validation import RequestRefused, check_prompt_length
+from nanoserve.generation_defaults import sampling_defaults
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.backlog import BudgetCollector, OutputBudget
 from nanoserve.server.conversation import template_compile_error
-from nanoserve.server.defaults import sampling_defaults
 from nanoserve.server.errors import APIError
 from nanoserve.server.limits import MiB, PromptSize, ServerLimits
 from nanoserve.server.logprobs import TokenTexts
@@ -51,7 +51,7 @@ class ServerSettings:
     engine_death_grace_s: float = 30.0  # /health answers 503 this long after the engine died, then the server exits
     engine_stall_timeout_s: float = 60.0  # /health answers 503 while the engine core has been silent this long
     chat_template: str | None = None  # Jinja text that replaces the tokenizer's own
-    generation_config: str = "auto"  # where default temperature etc. come from (see server/defaults.py)
+    generation_config: str = "auto"  # where default temperature etc. come from (see generation_defaults.py)
     generation_overrides: dict = field(default_factory=dict)  # request fields set over generation_config's
     tool_call_parser: str | None = None  # reads tool calls out of the text (server/tool_parsers)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" needs it, as in vLLM

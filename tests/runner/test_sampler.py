@@ -140,9 +140,10 @@ def test_seeds_that_python_hashes_alike_draw_apart():
     logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(3))
     for a, b in ((-1, -2), (5, 5 + 2**61 - 1), (SEED_RANGE[0] + 3, -1), (-2, fork_seed(-2, 1))):
         torch.manual_seed(0)
-        first = run_steps(logits, SamplingParams(temperature=1.0, seed=a), [], 0)
+        # as a fork's seed is set (derived): SamplingParams(seed=-1) is vLLM's "no seed"
+        first = run_steps(logits, SamplingParams(temperature=1.0).derived(seed=a), [], 0)
         torch.manual_seed(0)
-        assert run_steps(logits, SamplingParams(temperature=1.0, seed=b), [], 0) != first, (a, b)
+        assert run_steps(logits, SamplingParams(temperature=1.0).derived(seed=b), [], 0) != first, (a, b)
     # the ends of the seed range and every position give distinct generator seeds (modulo 2^64,
     # as torch takes a seed, the range's top is -1)
     seeds = {step_seed(s, pos) for s in (*SEED_RANGE, -2, 0, 2**61 - 1, 2**61) for pos in range(64)}

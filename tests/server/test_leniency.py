@@ -10,7 +10,7 @@ import pytest
 
 from nanoserve import SamplingParams
 from nanoserve.server.conversation import template_inputs
-from nanoserve.server.defaults import sampling_defaults
+from nanoserve.generation_defaults import sampling_defaults
 from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from tests.server.conftest import openai_client
 
@@ -106,7 +106,8 @@ def test_generation_config_supplies_defaults_the_request_can_override(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 9}))
     defaults = sampling_defaults(str(tmp_path), "auto")
-    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1}
+    # max_new_tokens caps max_tokens, as vLLM reads it (test_vllm_flags.py)
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_tokens": 9}
     assert sampling_defaults(str(tmp_path), "vllm") == {}
     req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "top_p": 0.5})
     params = req.sampling_params(None, None, defaults)

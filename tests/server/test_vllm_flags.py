@@ -141,7 +141,7 @@ def test_disable_log_stats_silences_the_periodic_engine_line(server_model, monke
 
 
 def test_override_generation_config_sets_defaults_over_the_models_file(server_model, tmp_path):
-    from nanoserve.server.defaults import generation_overrides, sampling_defaults
+    from nanoserve.generation_defaults import generation_overrides, sampling_defaults
     from nanoserve.server.state import ServerSettings
 
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20}))
@@ -163,7 +163,7 @@ def test_override_generation_config_sets_defaults_over_the_models_file(server_mo
 
 
 def test_max_new_tokens_of_the_generation_config_caps_every_request_as_vllms_does(server_model, tmp_path):
-    from nanoserve.server.defaults import generation_overrides, sampling_defaults
+    from nanoserve.generation_defaults import generation_overrides, sampling_defaults
     from nanoserve.server.state import ServerSettings
 
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
@@ -200,7 +200,7 @@ def test_a_bad_override_generation_config_exits_before_the_model_loads(monkeypat
     ({"top_k": 0}, {"top_k": -1}),                                            # off, as transformers reads 0
 ])
 def test_a_model_folders_defaults_are_taken_as_a_request_would_take_them(tmp_path, found, expected):
-    from nanoserve.server.defaults import sampling_defaults
+    from nanoserve.generation_defaults import sampling_defaults
 
     (tmp_path / "generation_config.json").write_text(json.dumps(found))
     defaults = sampling_defaults(str(tmp_path))
