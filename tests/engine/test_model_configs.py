@@ -17,7 +17,9 @@ from tests.conftest import _random_model, hf_greedy, random_prompts
     ("llama", dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
                                  "original_max_position_embeddings": 32}), "longrope"),
     ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), "sliding-window"),
-], ids=["llama-gelu", "qwen3-relu", "llama-longrope", "qwen2-sliding-layer"])
+    ("llama", dict(attention_bias=True), "attention_bias=true"),
+    ("llama", dict(mlp_bias=True), "mlp_bias=true"),
+], ids=["llama-gelu", "qwen3-relu", "llama-longrope", "qwen2-sliding-layer", "llama-o-bias", "llama-mlp-bias"])
 def test_what_would_answer_wrongly_is_refused_by_name(tmp_path, arch, overrides, refusal):
     # each loaded and answered with SiLU, the short rope factors or full attention: not what it is
     folder = _random_model(tmp_path / "model", arch, **overrides)

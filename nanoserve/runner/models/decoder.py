@@ -134,14 +134,11 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, ops: LayerOps = EAGER_OPS, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.uses_qkv_bias(config), self.qk_norm, ops, tp)
+        # attention_bias (a bias on o_proj too) is refused by registry.model_class
+        self.model = DecoderModel(config, self.qkv_bias, self.qk_norm, ops, tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    @classmethod
-    def uses_qkv_bias(cls, config: PretrainedConfig) -> bool:
-        return cls.qkv_bias or bool(getattr(config, "attention_bias", False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)

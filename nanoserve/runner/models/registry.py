@@ -22,6 +22,10 @@ def model_class(config: PretrainedConfig, max_model_len: int) -> type[DecoderFor
     if activation not in ("silu", "swish"):
         # the MLP's kernels are SiLU's: another activation would load and answer wrongly
         raise ValueError(f"{arch} with hidden_act {activation!r} is not supported: only silu")
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(config, flag, False):
+            # transformers adds biases to o_proj (and the MLP's projections), which these layers do not have
+            raise ValueError(f"{arch} with {flag}=true is not supported")
     if sliding_window_in_use(config) and config.sliding_window < max_model_len:
         # within the window, sliding-window attention is plain causal attention
         raise ValueError(f"{arch} uses sliding-window attention over {config.sliding_window} tokens, which is not "
