@@ -56,6 +56,10 @@ class RequestOutput:
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
 
+    @property
+    def finished(self) -> bool:
+        return all(out.finished for out in self.outputs)
+
 
 class LLM:
     """Batch generation on one model. `LLM()` serves the bundled model.

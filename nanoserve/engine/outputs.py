@@ -35,6 +35,11 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of the sampled tokens' logprobs, where logprobs were asked for (else None)."""
+        return None if self.logprobs is None else sum(logprob for logprob, _ in self.logprobs)
+
 
 class RequestState:
     """Detokenizes one request's token stream and applies stop strings.

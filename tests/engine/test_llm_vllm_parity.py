@@ -115,3 +115,11 @@ def test_vllms_spellings_of_none(llm):
     with pytest.raises(ValueError, match="need detokenize=True"):
         SamplingParams(stop=["x"], detokenize=False)   # never matched: the text is not made
     assert llm.get_tokenizer() is llm.tokenizer
+
+
+def test_outputs_say_they_finished_and_sum_their_logprobs(llm):
+    out = llm.generate("Hello", greedy(5, logprobs=2), use_tqdm=False)[0]
+    assert out.finished and out.outputs[0].finished
+    assert out.outputs[0].cumulative_logprob == pytest.approx(sum(lp for lp, _ in out.outputs[0].logprobs))
+    assert out.outputs[0].cumulative_logprob < 0
+    assert llm.generate("Hello", greedy(2), use_tqdm=False)[0].outputs[0].cumulative_logprob is None
