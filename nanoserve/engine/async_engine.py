@@ -17,9 +17,9 @@ import signal
 import tempfile
 import threading
 import time
-from typing import Any
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
@@ -276,14 +276,14 @@ class AsyncEngine:
             raise RequestRefused(f"Request id {request_id!r} is already in use")
         # past what the server ever holds, the request is too large by n, or by its prompts
         self.admission.check(len(ids), self.num_unfinished, "n" if len(prompts) == 1 else "prompt")
-        params = with_bad_words_token_ids(params, self.tokenizer)   # here, once, not per choice in the core
-        try:  # encoded before anything is registered: a request the core cannot receive leaves no trace
-            frame = input_encoder.encode(AddRequest(ids[::n], [list(p) for p in prompts], params,
-                                                    [ids[p * n + 1:(p + 1) * n] for p in range(len(prompts))],
-                                                    priority, self._client))
-        except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
-            raise RequestRefused(f"The request cannot be passed to the engine: {exc}") from None
-        try:
+        try:   # the claim check() made is settled whatever happens: kept if registered, else given back
+            params = with_bad_words_token_ids(params, self.tokenizer)   # here, once, not per choice in the core
+            try:  # encoded before anything is registered: a request the core cannot receive leaves no trace
+                frame = input_encoder.encode(AddRequest(ids[::n], [list(p) for p in prompts], params,
+                                                        [ids[p * n + 1:(p + 1) * n] for p in range(len(prompts))],
+                                                        priority, self._client))
+            except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
+                raise RequestRefused(f"The request cannot be passed to the engine: {exc}") from None
             states = [RequestState(self.tokenizer, prompts[c // n], params, c, keep=keep_outputs)
                       for c in range(len(ids))]
             stream = RequestStream(ids, states, self.abort, stream_interval)
