@@ -35,15 +35,16 @@ def messages_length(messages: list[ChatMessage]) -> int:
                for m in messages)
 
 
-def template_tail(tokenizer, prompt: list[int], tags: tuple[str, ...], window: int = 16) -> str:
-    """The text of the prompt's last `window` tokens after the last special token in them (the
-    reasoning `tags` aside, should a tokenizer list them as special): what the template wrote after
-    the last message's own text (its generation prompt, or the message it continues), never a
-    "<think>" that a user wrote in a message before it."""
-    tail = prompt[-window:]
+def template_tail(tokenizer, prompt: list[int], tags: tuple[str, ...]) -> str:
+    """The text of the prompt after its last special token (the reasoning `tags` aside, should a
+    tokenizer list them as special): the last message's header and what follows it (the generation
+    prompt, or the message it continues, however long), never a "<think>" that a user wrote in a
+    message before it."""
     special = set(tokenizer.all_special_ids) - set(tokenizer.convert_tokens_to_ids(list(tags)))
-    last = max((i for i, token in enumerate(tail) if token in special), default=-1)
-    return tokenizer.decode(tail[last + 1:])
+    last = len(prompt) - 1
+    while last >= 0 and prompt[last] not in special:   # from the end: the last message's length at most
+        last -= 1
+    return tokenizer.decode(prompt[last + 1:])
 
 
 def single_token_id(tokenizer: PreTrainedTokenizerBase, text: str) -> int | None:
@@ -127,12 +128,13 @@ class ChatCompletion(OpenAIResponse):
         self.prompt_lens = [len(self.prompt)]
         self.top_n = req.top_logprobs or 0
         parser = REASONING_PARSERS.get(state.settings.reasoning_parser)
-        # a template may open the reasoning for the model, in the prompt's last tokens
-        opened = parser is not None and parser.opens_in(
-            template_tail(state.tokenizer, self.prompt, (parser.START, parser.END)))
+        # a template may open the reasoning for the model, or write it closed (thinking turned off)
+        tail = template_tail(state.tokenizer, self.prompt, (parser.START, parser.END)) if parser else ""
+        opened = parser is not None and parser.opens_in(tail)
         self.readers = [ChoiceReader(tools, parser(opened) if parser else None, req.include_reasoning)
                         for _ in range(req.n)]
-        self.reasoning = (parser, opened) if parser else None
+        # a grammar waits for the reasoning's end, unless the prompt has ended it
+        self.reasoning = (parser, opened) if parser and not parser.closes_in(tail) else None
         # as vLLM answers: as --response-role (the assistant), or without a generation prompt as the last
         # message's author
         last = req.messages[-1]

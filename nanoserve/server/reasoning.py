@@ -28,6 +28,12 @@ class Qwen3ReasoningParser:
         """Whether a prompt ending with this text leaves a `<think>` open for the output."""
         return prompt_tail.rfind(cls.START) > prompt_tail.rfind(cls.END)
 
+    @classmethod
+    def closes_in(cls, prompt_tail: str) -> bool:
+        """Whether a prompt ending with this text has closed the reasoning (an empty block written for
+        the model, as Qwen3's template does with enable_thinking false): the output is all answer."""
+        return prompt_tail.rfind(cls.END) > prompt_tail.rfind(cls.START)
+
     def parse(self, text: str, final: bool) -> tuple[str | None, str]:
         """(reasoning or None, content)."""
         body = text.lstrip()

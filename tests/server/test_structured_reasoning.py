@@ -106,3 +106,33 @@ def test_the_model_may_reason_before_the_grammar_holds(thinker):
         logit_bias={str(start): 100}, response_format={"type": "json_object"}).choices[0]
     assert choice.finish_reason == "length" and choice.message.content is None
     assert choice.message.reasoning_content == "<think>" * 7
+
+
+def test_a_reasoning_the_template_closed_holds_the_grammar_from_the_first_token(thinker):
+    """enable_thinking false: the template writes an empty think block, so the answer starts at
+    once, under the grammar; <think> may not reopen it (the bias pushed it before)."""
+    client = openai_client(thinker.url)
+    start = thinker.think_ids[0]
+    choice = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Count something."}], temperature=0, max_tokens=40,
+        logit_bias={str(start): 100}, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True}).choices[0]
+    assert start not in choice.token_ids
+    assert isinstance(json.loads(choice.message.content)["n"], int)
+
+
+def test_a_long_reasoning_the_prompt_opened_is_continued_free(thinker):
+    """The <think> of a continued message may lie far back: the output still starts inside the
+    reasoning (the end token, pushed by the bias, comes first), and the answer follows the grammar."""
+    client = openai_client(thinker.url)
+    end = thinker.think_ids[1]
+    prefill = "<think>\n" + " ".join(["apples"] * 40)
+    choice = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Count something."},
+                                {"role": "assistant", "content": prefill}],
+        temperature=0, max_tokens=40, logit_bias={str(end): 100},
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
+        extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                    "return_token_ids": True}).choices[0]
+    assert choice.token_ids[0] == end
+    assert isinstance(json.loads(choice.message.content)["n"], int)
