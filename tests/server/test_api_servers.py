@@ -143,7 +143,7 @@ def test_admission_counts_the_other_front_ends_sequences(server_model, tmp_path)
         assert proc.wait_idle()["nanoserve:kv_cache_blocks_in_use"] == 0
         # a burst on an idle server, each request on a connection of its own (both front ends get
         # some): the core's stats said 0 in each, and each front end admitted 4
-        body = {"prompt": "Burst", "max_tokens": 200, "ignore_eos": True}
+        body = {"prompt": "Burst", "max_tokens": 64, "ignore_eos": True}
         codes: list[int] = []
         burst = [threading.Thread(target=lambda: codes.append(
             httpx.post(f"{proc.url}/v1/completions", json=body, timeout=120).status_code)) for _ in range(16)]
