@@ -213,11 +213,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        # None is none, as vLLM takes it
-        self.stop = _as_list("stop", self.stop if self.stop is not None else [])
-        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids if self.stop_token_ids is not None else [])
-        bad_words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
-        self.bad_words = _as_list("bad_words", bad_words if bad_words is not None else [])
+        self.stop = _as_list("stop", self.stop)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
+        self.bad_words = _as_list("bad_words", [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words)
         if isinstance(self.structured_outputs, dict):  # e.g. decoded from a message
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         # numbers of the right kind, as the engine's message schema declares them: an integral float
@@ -375,7 +373,10 @@ def only_of_type(kind: type, values: Iterable) -> bool:
 
 
 def _as_list(name: str, value: Any) -> list:
-    """value (a list, tuple or other sized sequence) as a list; a lone number, a mapping or a set is refused."""
+    """value (a list, tuple or other sized sequence) as a list, None as none (as vLLM takes it); a lone
+    number, a mapping or a set is refused."""
+    if value is None:
+        return []
     if isinstance(value, (str, bytes, dict, set, frozenset)) or not hasattr(value, "__len__"):
         raise InvalidSamplingParam(name, f"{name} must be a list, got {value!r:.80}")
     return list(value)

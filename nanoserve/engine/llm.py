@@ -177,8 +177,6 @@ class LLM:
              tools: list[dict] | None = None, lora_request: None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: generate for one conversation (a list of {"role", "content"} messages) or
         several, each written as the model's chat template writes it (`chat_template` replaces it)."""
-        if lora_request is not None:
-            raise ValueError("LoRA adapters are not supported (lora_request)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message continues the last message, so it cannot be set beside "
@@ -194,7 +192,7 @@ class LLM:
                 **(chat_template_kwargs or {}))
             # the template writes every special token the model expects (BOS included)
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _prompt(self, prompt: Prompt) -> tuple[str | None, list[int], str | None]:
         """(its text if it has one, its token ids, its cache_salt) of one prompt of generate()."""

@@ -358,9 +358,12 @@ class LLMEngine:
             live = [(row, seq) for row in launched.constrained
                     if self.sequences.get((seq := launched.sequences[row]).request_id) is seq]
             # a sequence still reasoning keeps its matcher at the start (reasoning_gate.py)
-            self._grammars.advance([(seq.grammar, token) for row, seq in live
-                                    if (token := sampled.token_ids[row]) is not None
-                                    and (seq.gate is None or seq.gate.passes(token))])
+            steps = []
+            for row, seq in live:
+                token = sampled.token_ids[row]
+                if seq.gate is None or seq.gate.passes(token):
+                    steps.append((seq.grammar, token))
+            self._grammars.advance(steps)
             complete = {id(seq) for _, seq in live if seq.grammar.is_terminated()}
         # the tokens just read go in first: the deferred step's bad-word bans look back at them
         for seq, position, token in zip(launched.sequences, launched.positions, sampled.token_ids):
