@@ -107,13 +107,13 @@ def _front_end_main(config: EngineConfig, settings: ServerSettings, options: HTT
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     logging.basicConfig(level=options.log_level.upper(), format=LOG_FORMAT.replace("%(name)s", f"[api {link.index}] %(name)s"))
     engine = AsyncEngine(config, max_queue_len=options.max_queue_len, log_level=options.log_level.upper(), link=link)
-    sys.exit(run_front_end(engine, settings, options, sock))
+    sys.exit(run_front_end(engine, settings, options, sock, supervised=True))
 
 
 class _Supervisor:
     """Waits for the front ends; forwards a stop to them; stops them all when one fails unasked; then
-    sees the core out. SIGINT from a terminal reaches every process of the group: the front ends
-    drain on their own and the core waits for them, as with one front end."""
+    sees the core out. SIGINT from a terminal reaches every process of the group: a front end takes
+    its own as a drain, the stages after it come from here, and the core waits for the front ends."""
 
     def __init__(self, core: multiprocessing.process.BaseProcess, control_address: str) -> None:
         self.core = core
@@ -131,10 +131,9 @@ class _Supervisor:
         self._forward(signal.SIGTERM)   # uvicorn drains on SIGTERM; a second SIGINT would cut
 
     def interrupt(self, *_) -> None:
-        """A SIGINT sent to this process alone steps the stop on as it would with one front end: the
-        second ends the open requests with an error and forces the stop soon, the third at once. The
-        front ends get the stage it reaches, which leaves them where they are when the same Ctrl-C
-        reached them too."""
+        """Each SIGINT steps the stop on as it would with one front end: the first drains, the second
+        ends the open requests with an error and forces the stop soon, the third at once. The front
+        ends get the stage it reaches, whether the Ctrl-C came to the group or to this process alone."""
         self.interrupts += 1
         if self.interrupts == 1 or not self.stopping:
             self.stop()

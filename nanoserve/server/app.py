@@ -225,9 +225,10 @@ class Server(uvicorn.Server):
     deadline that ends the requests still open with an OpenAI error instead of cutting them, and the
     same error for them when a second Ctrl-C forces the stop."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, supervised: bool = False) -> None:
         super().__init__(config)
         self.engine = engine
+        self.supervised = supervised
         self.exit_code = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stage = 0
@@ -236,7 +237,13 @@ class Server(uvicorn.Server):
         """SIGTERM or a first SIGINT drains, as in uvicorn. Each SIGINT after that is one stage more: the
         second ends the open requests with an OpenAI error (an SSE error event and [DONE] for streams)
         and forces the stop FORCED_STOP_GRACE_S later; the third forces it at once. uvicorn's second
-        SIGINT cancelled the request handlers at once, and whole responses got its plain-text 500."""
+        SIGINT cancelled the request handlers at once, and whole responses got its plain-text 500.
+
+        A front end under a supervisor (server/api_servers.py) takes its own SIGINT as a drain only:
+        the supervisor forwards each stage of a Ctrl-C, which reaches both, and the forward of the
+        first (SIGTERM) may come before the front end's own SIGINT, which then read as a second."""
+        if sig == signal.SIGINT and self.supervised:
+            sig = signal.SIGTERM
         if sig == signal.SIGINT and self.should_exit and self.loop is not None:
             self._captured_signals.append(sig)   # re-raised once serving ends, as uvicorn does
             self.reach(max(self.stage, _DRAIN) + 1)
@@ -392,14 +399,16 @@ def serve(config: EngineConfig, settings: ServerSettings, options: HTTPOptions =
     sys.exit(code)
 
 
-def run_front_end(engine: AsyncEngine, settings: ServerSettings, options: HTTPOptions, sock: socket.socket) -> int:
-    """uvicorn serving the app around `engine` on the bound `sock` until it is told to stop; the exit code."""
+def run_front_end(engine: AsyncEngine, settings: ServerSettings, options: HTTPOptions, sock: socket.socket,
+                  supervised: bool = False) -> int:
+    """uvicorn serving the app around `engine` on the bound `sock` until it is told to stop; the exit
+    code. `supervised`: one of several front ends, whose supervisor forwards the stages of a stop."""
     uv_config = uvicorn.Config(None, host=options.host, port=options.port,
                                log_level=options.uvicorn_log_level or options.log_level,
                                access_log=options.access_log, timeout_graceful_shutdown=options.shutdown_timeout,
                                **uvicorn_options(settings.limits),
                                **(options.tls.uvicorn_options() if options.tls else {}))
-    server = Server(uv_config, engine)
+    server = Server(uv_config, engine, supervised)
     uv_config.app = build_app(engine, settings, on_fatal=server.fatal)
     main = threading.current_thread() is threading.main_thread()   # where signal handlers may be set
     if main:
