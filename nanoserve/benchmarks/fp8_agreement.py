@@ -36,8 +36,10 @@ def greedy_agreement(make_llm: Callable[[str], LLM], prompts: list[str] = PROMPT
     scored = fp8.generate([r.prompt_token_ids + r.token_ids for r in runs],
                           SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     # entry len(prompt) + j: the top token at the position before run.token_ids[j]
-    agree = sum(out.prompt_logprobs[len(run.prompt_token_ids) + j][1][0][0] == token
-                for run, out in zip(runs, scored) for j, token in enumerate(run.token_ids))
+    agree = 0
+    for run, out in zip(runs, scored):
+        entries = out.outputs[0].prompt_logprobs.entries()
+        agree += sum(entries[len(run.prompt_token_ids) + j][1][0][0] == token for j, token in enumerate(run.token_ids))
     free = fp8.generate(prompts, params, use_tqdm=False)
     same = sum(a == b for r, f in zip(runs, free) for a, b in zip(r.token_ids, f.token_ids))
     fp8.close()

@@ -8,6 +8,7 @@ import itertools
 import numbers
 import threading
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 from typing import Sequence as Seq
 
@@ -17,7 +18,8 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.validation import (as_token_ids, check_logprobs, check_params_token_ids, check_priority,
                                          check_prompt, logprobs_cap)
-from nanoserve.engine.outputs import CompletionOutput, PromptTokenLogprob, RequestState
+from nanoserve.engine.outputs import CompletionOutput, RequestState
+from nanoserve.engine.vllm_logprobs import PositionLogprobs, sequence_logprobs, token_decoder
 from nanoserve.generation_defaults import sampling_defaults
 from nanoserve.sampling_params import SamplingParams
 
@@ -35,14 +37,15 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    decode: Callable[[int], str | None] = field(default=lambda token_id: None, repr=False, compare=False)
 
     @functools.cached_property
-    def prompt_logprobs(self) -> list[PromptTokenLogprob | None] | None:
-        """With SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob,
-        top-N alternatives and rank. Listed once, on first read, from the packed arrays the engine
-        keeps (CompletionOutput.prompt_logprobs)."""
+    def prompt_logprobs(self) -> list[PositionLogprobs | None] | None:
+        """With SamplingParams.prompt_logprobs, vLLM's form: None for the first prompt token, then per
+        token {token id: Logprob}, the token itself first. Listed once, on first read, from the
+        packed arrays the engine keeps (CompletionOutput.prompt_logprobs)."""
         scored = self.outputs[0].prompt_logprobs
-        return None if scored is None else scored.entries()
+        return None if scored is None else sequence_logprobs(self.prompt_token_ids, scored.entries(), self.decode)
 
     @property
     def text(self) -> str:
@@ -143,7 +146,8 @@ class LLM:
         bar = tqdm(total=sum(params.n for params in params_list), desc="Generating", disable=not use_tqdm)
         try:
             for text, ids, params, rank in zip(texts, token_ids, params_list, priorities):
-                result = RequestOutput(str(next(self._ids)), text, ids)
+                result = RequestOutput(str(next(self._ids)), text, ids,
+                                       decode=token_decoder(self.tokenizer, params.detokenize))
                 results.append(result)
                 request_ids = [f"{result.request_id}-{index}" for index in range(params.n)]
                 for index, request_id in enumerate(request_ids):
@@ -168,6 +172,8 @@ class LLM:
             raise
         finally:
             bar.close()
+        for result, state in states.values():
+            _as_vllm_logprobs(state.output, result.decode)
         return results
 
     def chat(self, messages: Seq[dict] | Seq[Seq[dict]],
@@ -219,6 +225,13 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise ValueError(failures[0][1])
         return False
+
+
+def _as_vllm_logprobs(out: CompletionOutput, decode: Callable[[int], str | None]) -> None:
+    """A finished output's logprobs in vLLM's form, and their sum (vLLM's cumulative_logprob)."""
+    if out.logprobs is not None:
+        out.cumulative_logprob = sum(entry[0] for entry in out.logprobs)
+        out.logprobs = sequence_logprobs(out.token_ids, out.logprobs, decode)
 
 
 def _text_content(message: dict) -> dict:

@@ -12,8 +12,9 @@ import msgspec
 from nanoserve.engine.prompt_logprobs import PromptLogprobs
 from nanoserve.sampling_params import SamplingParams
 
-# (logprob of the chosen token, [(token id, logprob), ...] of the top alternatives)
-TokenLogprob = tuple[float, list[tuple[int, float]]]
+# (logprob of the chosen token, [(token id, logprob), ...] of the top alternatives, rank of the
+# chosen token: 1 + how many tokens the model found more likely), as a prompt token's entry is
+TokenLogprob = tuple[float, list[tuple[int, float]], int]
 
 
 class StepOutput(msgspec.Struct, array_like=True, gc=False):

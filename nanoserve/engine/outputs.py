@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerBase
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.messages import StepOutput, TokenLogprob
 from nanoserve.engine.prompt_logprobs import PromptLogprobs, PromptTokenLogprob
+from nanoserve.engine.vllm_logprobs import PositionLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 __all__ = ["CompletionOutput", "PromptLogprobs", "PromptTokenLogprob", "RequestState", "StepOutput", "TokenLogprob"]
@@ -26,19 +27,16 @@ class CompletionOutput:
     text_delta: str = ""
     token_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0  # tokens generated so far, kept or not
-    logprobs: list[TokenLogprob] | None = None
+    # the engine's entries while it runs; the offline API gives vLLM's dicts once it has finished
+    logprobs: list[TokenLogprob] | list[PositionLogprobs] | None = None
     prompt_logprobs: PromptLogprobs | None = None  # see StepOutput (RequestOutput lists them)
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    cumulative_logprob: float | None = None  # vLLM's: the sampled tokens' logprobs summed (offline)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def cumulative_logprob(self) -> float | None:
-        """vLLM's: the sum of the sampled tokens' logprobs, where logprobs were asked for (else None)."""
-        return None if self.logprobs is None else sum(logprob for logprob, _ in self.logprobs)
 
 
 class RequestState:

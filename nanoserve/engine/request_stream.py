@@ -12,10 +12,10 @@ from nanoserve.engine.prompt_logprobs import PromptLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 # What a token's output holds in this process, by sys.getsizeof on CPython 3.12: its id (an int
-# and a list slot); with logprobs a (float, list) tuple, and per alternative an (int, float) tuple
-# and its slot. Measured against the process: 600 tokens with 20 alternatives held ~2.7 KB each.
+# and a list slot); with logprobs a (float, list, rank) tuple, and per alternative an (int, float)
+# tuple and its slot. Measured against the process: 600 tokens with 20 alternatives held ~2.7 KB each.
 TOKEN_BYTES = 40
-LOGPROB_BYTES = 136
+LOGPROB_BYTES = 172
 ALTERNATIVE_BYTES = 116
 
 

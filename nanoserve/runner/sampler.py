@@ -226,11 +226,14 @@ def _fused_draw(logits: torch.Tensor, st: SamplingTensors, token_mask: TokenMask
 
 
 def token_logprobs(chosen_ids: torch.Tensor, logprobs: torch.Tensor, top_n: list[int | None]) -> list:
-    """Per row: (logprob of chosen_ids[row], [(id, logprob), ...] of its top_n[row] best), or None
-    where top_n[row] is None. Reads the values back to the host."""
-    chosen = logprobs.gather(-1, chosen_ids[:, None]).squeeze(-1).clamp(min=MIN_LOGPROB)
+    """Per row: (logprob of chosen_ids[row], [(id, logprob), ...] of its top_n[row] best, rank of
+    chosen_ids[row]: 1 + how many tokens the model found more likely), or None where top_n[row] is
+    None. Reads the values back to the host."""
+    chosen = logprobs.gather(-1, chosen_ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
     top_vals, top_ids = logprobs.topk(max(max((n for n in top_n if n is not None), default=0), 1), dim=-1)
     top_vals = top_vals.clamp(min=MIN_LOGPROB)
-    chosen_list, ids_list, vals_list = chosen.tolist(), top_ids.tolist(), top_vals.tolist()
-    return [None if n is None else (chosen_list[i], list(zip(ids_list[i][:n], vals_list[i][:n])))
+    chosen_list = chosen.squeeze(-1).clamp(min=MIN_LOGPROB).tolist()
+    ids_list, vals_list, rank_list = top_ids.tolist(), top_vals.tolist(), ranks.tolist()
+    return [None if n is None else (chosen_list[i], list(zip(ids_list[i][:n], vals_list[i][:n])), rank_list[i])
             for i, n in enumerate(top_n)]

@@ -98,9 +98,7 @@ class Completion(OpenAIResponse):
         p = choice // self.req.n
         scored = stream.outputs[p * self.req.n].prompt_logprobs
         # the engine may have scored more alternatives, for prompt_logprobs: echo shows `logprobs`
-        # (and no rank, which only prompt_logprobs carries)
-        entries = [] if scored is None else scored.entries(self.req.logprobs)
-        return self.prompts[p], [e if e is None else e[:2] for e in entries]
+        return self.prompts[p], [] if scored is None else scored.entries(self.req.logprobs)
 
     def token_ids(self, choice: int, own_ids: list[int], first: bool) -> dict:
         """vLLM's return_token_ids: a choice's own new token ids (echo or not), and with its first

@@ -125,7 +125,7 @@ def completion_logprobs(texts: TokenTexts | TokenIdNames, token_ids: list[int], 
             token_logprobs.append(None)
             top.append(None)
             continue
-        chosen, alternatives = scored
+        chosen, alternatives, _ = scored
         token_logprobs.append(chosen)
         entry = {texts.text(tid): lp for tid, lp in alternatives}
         entry.setdefault(text, chosen)
@@ -136,7 +136,7 @@ def completion_logprobs(texts: TokenTexts | TokenIdNames, token_ids: list[int], 
 def chat_logprobs(texts: TokenTexts | TokenIdNames, token_ids: list[int], logprobs: list[TokenLogprob], top_n: int) -> dict:
     """The /v1/chat/completions `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     content = []
-    for token_id, (chosen, alternatives) in zip(token_ids, logprobs):
+    for token_id, (chosen, alternatives, _) in zip(token_ids, logprobs):
         raw, text = texts.get(token_id)
         top = [{"token": texts.text(tid), "logprob": lp, "bytes": list(texts.get(tid)[0])}
                for tid, lp in alternatives[:top_n]]

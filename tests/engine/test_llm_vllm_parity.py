@@ -120,6 +120,7 @@ def test_vllms_spellings_of_none(llm):
 def test_outputs_say_they_finished_and_sum_their_logprobs(llm):
     out = llm.generate("Hello", greedy(5, logprobs=2), use_tqdm=False)[0]
     assert out.finished and out.outputs[0].finished
-    assert out.outputs[0].cumulative_logprob == pytest.approx(sum(lp for lp, _ in out.outputs[0].logprobs))
+    assert out.outputs[0].cumulative_logprob == pytest.approx(
+        sum(entry[token].logprob for token, entry in zip(out.token_ids, out.outputs[0].logprobs)))
     assert out.outputs[0].cumulative_logprob < 0
     assert llm.generate("Hello", greedy(2), use_tqdm=False)[0].outputs[0].cumulative_logprob is None

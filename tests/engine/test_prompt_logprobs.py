@@ -44,7 +44,7 @@ def test_prompt_logprobs_match_hf_through_chunks_and_preemption(random_model, as
     assert llm.engine.scheduler.num_preemptions > 0
     assert max(map(len, prompts)) > 32  # every long prompt is scored over several chunks
     for prompt, out in zip(prompts, outputs):
-        assert_matches_hf(random_model, prompt, out.prompt_logprobs)
+        assert_matches_hf(random_model, prompt, out.outputs[0].prompt_logprobs.entries())
     assert llm.engine.block_manager.num_free_blocks == 30
 
 
@@ -57,7 +57,7 @@ def test_a_cached_prefix_is_scored_all_the_same(qwen3_model):
                           use_tqdm=False)[0]
     assert scored.num_cached_tokens == 0  # the prompt's blocks were in the cache, and were not used
     assert scored.token_ids == plain.token_ids
-    assert_matches_hf(qwen3_model, prompt, scored.prompt_logprobs)
+    assert_matches_hf(qwen3_model, prompt, scored.outputs[0].prompt_logprobs.entries())
 
 
 def test_n_choices_score_their_prompt_once_and_share_its_blocks(qwen3_model):
@@ -65,7 +65,7 @@ def test_n_choices_score_their_prompt_once_and_share_its_blocks(qwen3_model):
     llm = LLM(qwen3_model, dtype="float32", device="cpu", block_size=16)
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, prompt_logprobs=TOP, n=4)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
-    assert_matches_hf(qwen3_model, prompt, out.prompt_logprobs)
+    assert_matches_hf(qwen3_model, prompt, out.outputs[0].prompt_logprobs.entries())
     # the siblings start from the first choice's cached prompt, where each once prefilled it anew
     assert out.num_cached_tokens == 64 and len(out.outputs) == 4
     assert all(len(o.token_ids) == 3 for o in out.outputs)
@@ -90,10 +90,13 @@ def test_max_logprobs_bounds_both_kinds_and_past_20_they_match_hf(qwen3_model):
     out = wide.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, logprobs=33, prompt_logprobs=37),
                         use_tqdm=False)[0]
     expected = hf_prompt_logprobs(qwen3_model, prompt + out.token_ids)
-    for position, (_, top, _) in enumerate(out.prompt_logprobs[1:]):
-        assert [v for _, v in top] == pytest.approx(expected[position].topk(37).values.tolist(), abs=1e-4)
-    for step, (_, top) in enumerate(out.outputs[0].logprobs):
-        assert [v for _, v in top] == pytest.approx(expected[len(prompt) - 1 + step].topk(33).values.tolist(),
-                                                    abs=1e-4)
+    for position, entry in enumerate(out.prompt_logprobs[1:]):
+        top = sorted(entry.values(), key=lambda lp: lp.rank)[:37]
+        assert [lp.rank for lp in top] == list(range(1, 38))
+        assert [lp.logprob for lp in top] == pytest.approx(expected[position].topk(37).values.tolist(), abs=1e-4)
+    for step, entry in enumerate(out.outputs[0].logprobs):
+        top = sorted(entry.values(), key=lambda lp: lp.rank)[:33]
+        assert [lp.logprob for lp in top] == pytest.approx(expected[len(prompt) - 1 + step].topk(33).values.tolist(),
+                                                           abs=1e-4)
     with pytest.raises(ValueError, match="max_logprobs must be an integer in 0-1024"):
         LLM(qwen3_model, dtype="float32", device="cpu", max_logprobs=-1)

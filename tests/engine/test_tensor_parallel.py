@@ -42,7 +42,8 @@ def test_prompt_logprobs_with_two_ranks_equal_one_rank(qwen3_model):
         two = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(one, two):
         assert a.token_ids == b.token_ids
-        assert [e[0] for e in b.prompt_logprobs[1:]] == pytest.approx([e[0] for e in a.prompt_logprobs[1:]], abs=1e-4)
+        assert [e[0] for e in b.outputs[0].prompt_logprobs.entries()[1:]] == pytest.approx(
+            [e[0] for e in a.outputs[0].prompt_logprobs.entries()[1:]], abs=1e-4)
 
 
 @pytest.mark.parametrize("size, extra, message", [

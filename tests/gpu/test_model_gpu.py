@@ -66,8 +66,9 @@ def test_float32_prompt_logprobs_match_transformers(qwen3_06b):
     with torch.no_grad():
         for ids, out in zip(prompts, outputs):
             ref = model(torch.tensor([ids], device="cuda")).logits[0].float().log_softmax(-1)
-            chosen = torch.tensor([entry[0] for entry in out.prompt_logprobs[1:]])
+            entries = out.outputs[0].prompt_logprobs.entries()
+            chosen = torch.tensor([entry[0] for entry in entries[1:]])
             expected = ref[:-1].gather(-1, torch.tensor(ids[1:], device="cuda")[:, None]).squeeze(-1).cpu()
-            assert out.prompt_logprobs[0] is None
+            assert entries[0] is None and out.prompt_logprobs[0] is None
             assert torch.allclose(chosen, expected, atol=2e-3), (chosen - expected).abs().max()
-            assert [t for t, _ in out.prompt_logprobs[1][1]] == ref[0].topk(3).indices.tolist()
+            assert [t for t, _ in entries[1][1]] == ref[0].topk(3).indices.tolist()

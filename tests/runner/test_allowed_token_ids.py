@@ -61,8 +61,9 @@ def test_logprobs_are_the_models_own_not_those_of_the_masked_logits():
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5)) * 2
     raw = logits.log_softmax(dim=-1)[0]
     out = sample(logits.clone(), [row(SamplingParams(temperature=0.0, logprobs=2, allowed_token_ids=[9, 11]))])
-    chosen, top = out.logprobs[0]
+    chosen, top, rank = out.logprobs[0]
     assert out.token_ids[0] in (9, 11)
+    assert rank == int((raw > raw[out.token_ids[0]]).sum()) + 1
     assert chosen == pytest.approx(raw[out.token_ids[0]].item(), abs=1e-5)
     assert [t for t, _ in top] == raw.topk(2).indices.tolist()
 

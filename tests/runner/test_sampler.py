@@ -277,14 +277,17 @@ def test_logprobs_are_of_the_raw_logits_with_sorted_top_n():
     out = sample(logits.clone(), rows)
     assert out.logprobs[2] is None
     for i, n in ((0, 3), (1, 0), (3, 5)):
-        chosen, top = out.logprobs[i]
+        chosen, top, rank = out.logprobs[i]
         assert chosen == pytest.approx(raw[i, out.token_ids[i]].item(), abs=1e-5)
+        # 1 + how many tokens the raw logits favour over the pick (the biased pick is not the first)
+        assert rank == int((raw[i] > raw[i, out.token_ids[i]]).sum()) + 1
         assert len(top) == n
         assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
         assert [t for t, _ in top] == raw[i].topk(n).indices.tolist() if n else top == []
         for t, lp in top:
             assert lp == pytest.approx(raw[i, t].item(), abs=1e-5)
     assert out.token_ids[0] == 7  # sampled from the biased logits, reported against the raw ones
+    assert out.logprobs[0][2] > 1
 
 
 

@@ -213,7 +213,8 @@ def test_echo_with_logprobs_scores_the_prompt_streamed_and_whole(client, offline
         assert whole.choices[choice].text == prompt + ref.text
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(ids) + 3
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        expected = [entry[0] for entry in ref.prompt_logprobs[1:]] + [c for c, _ in ref.outputs[0].logprobs]
+        expected = ([entry[0] for entry in ref.outputs[0].prompt_logprobs.entries()[1:]]
+                    + [entry[t].logprob for t, entry in zip(ref.token_ids, ref.outputs[0].logprobs)])
         assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-5)
         assert lp.text_offset[0] == 0 and "".join(lp.tokens).endswith(ref.text)
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice]
@@ -232,7 +233,8 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone_with_its_logprobs(clien
     choice = whole.choices[0]
     assert choice.text == prompt and choice.finish_reason == "length"
     assert len(choice.logprobs.tokens) == len(ids) and choice.logprobs.token_logprobs[0] is None
-    assert choice.logprobs.token_logprobs[1:] == pytest.approx([entry[0] for entry in ref.prompt_logprobs[1:]], abs=1e-5)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+        [entry[0] for entry in ref.outputs[0].prompt_logprobs.entries()[1:]], abs=1e-5)
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), 0)
     chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     mine = [c.choices[0] for c in chunks if c.choices]
@@ -256,8 +258,8 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, offline, 
     assert whole.text == ref.text and whole.logprobs.tokens == names
     assert sum((c.choices[0].logprobs.tokens for c in chunks if c.choices[0].logprobs), []) == names
     assert whole.logprobs.text_offset == plain.text_offset
-    for top, name, (_, alternatives) in zip(whole.logprobs.top_logprobs, names, ref.outputs[0].logprobs):
-        assert set(top) == {f"token_id:{t}" for t, _ in alternatives} | {name}
+    for top, name, entry in zip(whole.logprobs.top_logprobs, names, ref.outputs[0].logprobs):
+        assert set(top) == {f"token_id:{t}" for t in entry} | {name}
     chat_ref = reference(offline, chat_prompt, temperature=0.0, max_tokens=4, logprobs=2)
     chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
                                           top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
@@ -265,7 +267,8 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, offline, 
     assert [c.token for c in content] == [f"token_id:{t}" for t in chat_ref.token_ids]
     assert all(bytes(c.bytes) == c.token.encode() for c in content)
     assert [[t.token for t in c.top_logprobs] for c in content] == \
-        [[f"token_id:{t}" for t, _ in alternatives[:2]] for _, alternatives in chat_ref.outputs[0].logprobs]
+        [[f"token_id:{t}" for t, lp in sorted(entry.items(), key=lambda item: item[1].rank)[:2]]
+         for entry in chat_ref.outputs[0].logprobs]
 
 
 def test_truncate_prompt_tokens_keeps_the_prompt_end(client, offline):

@@ -24,7 +24,7 @@ def scored(offline, prompt, top: int = 20):
     """The prompt's ids and, per token, its logprob and top alternatives, offline."""
     ref = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=top),
                            use_tqdm=False)[0]
-    return ref.prompt_token_ids, ref.prompt_logprobs
+    return ref.prompt_token_ids, ref.outputs[0].prompt_logprobs.entries()
 
 
 def check(entries: list, prompt_ids: list[int], ref: list, top_n: int, offline) -> None:
