@@ -9,14 +9,15 @@ from nanoserve.defaults import DEFAULT_MODEL
 if TYPE_CHECKING:
     from nanoserve.config import EngineConfig
     from nanoserve.engine.llm import LLM, RequestOutput
+    from nanoserve.engine.vllm_logprobs import Logprob
     from nanoserve.sampling_params import SamplingParams
 
-__all__ = ["DEFAULT_MODEL", "EngineConfig", "LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["DEFAULT_MODEL", "EngineConfig", "LLM", "Logprob", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 # imported on first use, so that `nanoserve --help` and `python -m nanoserve` need no torch
 _LAZY = {"EngineConfig": "nanoserve.config", "LLM": "nanoserve.engine.llm", "RequestOutput": "nanoserve.engine.llm",
-         "SamplingParams": "nanoserve.sampling_params"}
+         "Logprob": "nanoserve.engine.vllm_logprobs", "SamplingParams": "nanoserve.sampling_params"}
 
 
 def __getattr__(name: str) -> object:

@@ -8,9 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, Logprob, SamplingParams
 from nanoserve.config import DEFAULT_MODEL
-from nanoserve.engine.vllm_logprobs import Logprob
 
 TOP = 3
 
