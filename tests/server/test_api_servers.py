@@ -257,8 +257,7 @@ def test_a_front_ends_own_sigint_beside_the_forwarded_sigterm_only_drains(server
     try:
         streams, ends = streaming(proc, "Drain", 4, 200)   # seconds, well inside the drain's 30
         _, front_ends = processes(proc)
-        for pid in front_ends:
-            os.kill(pid, signal.SIGTERM)
+        proc.proc.send_signal(signal.SIGTERM)   # forwarded to each front end
         deadline = time.monotonic() + 30   # the SIGTERM taken first: both front ends drain
         while proc.log_path.read_text(errors="replace").count("Shutting down") < 2:
             assert time.monotonic() < deadline, proc.log_tail()
@@ -273,6 +272,19 @@ def test_a_front_ends_own_sigint_beside_the_forwarded_sigterm_only_drains(server
             last = json.loads(events[-2][len("data: "):])
             assert "error" not in last and last["choices"][0]["finish_reason"] == "length", last
         assert proc.proc.wait(60) == 0, proc.log_tail()
+    finally:
+        proc.stop()
+
+
+def test_a_front_end_that_stops_unasked_stops_the_server_non_zero_even_when_it_exits_0(server_model, tmp_path):
+    # a SIGTERM sent to one front end alone drains it to a clean exit: the server stopped, and
+    # exited 0, so a service manager's restart-on-failure left it down
+    proc = started(ServerProcess(server_model, tmp_path, *SERVER_ARGS, "--api-server-count", "2"))
+    try:
+        _, front_ends = processes(proc)
+        os.kill(front_ends[0], signal.SIGTERM)
+        assert proc.proc.wait(60) == 1, proc.log_tail()
+        assert "exited with code 0; stopping the server" in proc.log_tail()
     finally:
         proc.stop()
 
