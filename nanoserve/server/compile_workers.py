@@ -16,6 +16,7 @@ import hashlib
 import multiprocessing
 import os
 from collections import OrderedDict
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from nanoserve.sampling_params import StructuredOutputsParams
@@ -135,6 +136,14 @@ class _Worker:
             self.conn = None
 
 
+@dataclass
+class _SharedCheck:
+    """One spec's check under way, and how many requests wait for it."""
+
+    task: asyncio.Task
+    waiters: int = 0
+
+
 class CompileWorkers:
     """A few workers; a check waits for an idle one on the event loop, not on a thread.
 
@@ -145,12 +154,15 @@ class CompileWorkers:
     is answered from its remembered verdict without a worker, so one that an application sends
     with every request never waits. Only verdicts are kept, never grammars (~34 MB for a 128 KiB
     spec), under a digest of the spec rather than its text; a timeout is not a verdict (it
-    depends on the load)."""
+    depends on the load). A spec already being checked is not checked again: its checks wait for
+    the one under way (a burst of one spec on a cold server took every worker and answered the
+    rest "busy"), which ends when its last waiter leaves."""
 
     def __init__(self, tokenizer_info_json: str, num_workers: int = 2) -> None:
         self.workers = [_Worker(tokenizer_info_json) for _ in range(num_workers)]
         self._idle: asyncio.Queue[_Worker] | None = None
         self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
+        self._checking: dict[bytes, _SharedCheck] = {}
 
     async def check(self, spec: StructuredOutputsParams, timeout: float) -> str | None:
         """None when the spec compiles within `timeout` seconds, else why it does not; raises
@@ -159,6 +171,20 @@ class CompileWorkers:
         if key in self._verdicts:
             self._verdicts.move_to_end(key)
             return self._verdicts[key]
+        shared = self._checking.get(key)
+        if shared is None:
+            shared = self._checking[key] = _SharedCheck(
+                asyncio.get_running_loop().create_task(self._verdict(key, spec, timeout)))
+            shared.task.add_done_callback(lambda _: self._checking.pop(key, None))
+        shared.waiters += 1
+        try:
+            return await asyncio.shield(shared.task)
+        finally:
+            shared.waiters -= 1
+            if not shared.waiters:
+                shared.task.cancel()   # no one waits for it: the worker is freed (a no-op once done)
+
+    async def _verdict(self, key: bytes, spec: StructuredOutputsParams, timeout: float) -> str | None:
         verdict = await self._compiled(spec, timeout)
         self._verdicts[key] = verdict
         if len(self._verdicts) > _VERDICTS:
