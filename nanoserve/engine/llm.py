@@ -7,8 +7,8 @@ import functools
 import itertools
 import numbers
 import threading
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 from typing import Sequence as Seq
 

@@ -175,14 +175,21 @@ class CompileWorkers:
         if shared is None:
             shared = self._checking[key] = _SharedCheck(
                 asyncio.get_running_loop().create_task(self._verdict(key, spec, timeout)))
-            shared.task.add_done_callback(lambda _: self._checking.pop(key, None))
+            shared.task.add_done_callback(lambda _: self._forget(key, shared))
         shared.waiters += 1
         try:
             return await asyncio.shield(shared.task)
         finally:
             shared.waiters -= 1
-            if not shared.waiters:
-                shared.task.cancel()   # no one waits for it: the worker is freed (a no-op once done)
+            if not shared.waiters and not shared.task.done():
+                # no one waits for it: the worker is freed, and a request for the spec that comes
+                # while the cancel lands starts a check of its own rather than join this one
+                shared.task.cancel()
+                self._forget(key, shared)
+
+    def _forget(self, key: bytes, shared: _SharedCheck) -> None:
+        if self._checking.get(key) is shared:
+            del self._checking[key]
 
     async def _verdict(self, key: bytes, spec: StructuredOutputsParams, timeout: float) -> str | None:
         verdict = await self._compiled(spec, timeout)
