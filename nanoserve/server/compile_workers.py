@@ -65,10 +65,11 @@ class _Worker:
         self.conn: Connection | None = None
         self._restart: asyncio.Task | None = None
 
-    def restart_soon(self) -> None:
+    def restart_soon(self) -> asyncio.Task:
         """Start the process again in the background, so that the next check finds it (nearly) up."""
         if self._restart is None or self._restart.done():
             self._restart = asyncio.get_running_loop().create_task(self._start_quietly())
+        return self._restart
 
     async def _start_quietly(self) -> None:
         with contextlib.suppress(Exception):  # one that failed is tried again by the next check
@@ -161,6 +162,7 @@ class CompileWorkers:
     def __init__(self, tokenizer_info_json: str, num_workers: int = 2) -> None:
         self.workers = [_Worker(tokenizer_info_json) for _ in range(num_workers)]
         self._idle: asyncio.Queue[_Worker] | None = None
+        self._first_start: asyncio.Future | None = None
         self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
         self._checking: dict[bytes, _SharedCheck] = {}
 
@@ -203,6 +205,11 @@ class CompileWorkers:
             self._idle = asyncio.Queue()
             for worker in self.workers:
                 self._idle.put_nowait(worker)
+            # every worker starts with the first spec, and specs wait their deadline for a worker
+            # once they have started: importing xgrammar and torch took seconds, and a cold burst of
+            # specs waited out their deadline behind the first two starts (503 "busy")
+            self._first_start = asyncio.ensure_future(asyncio.wait([w.restart_soon() for w in self.workers]))
+        await asyncio.shield(self._first_start)
         try:
             # a get that completes as the wait ends still returns its worker (wait_for and
             # asyncio.Queue are both cancellation-safe), so none is lost from the pool

@@ -140,18 +140,20 @@ def test_specs_whose_clients_left_stop_holding_the_compile_workers(server):
     server.wait_idle()
 
 
-def test_a_burst_of_one_new_spec_on_a_cold_server_is_checked_once_for_all(server_model, tmp_path):
-    # the workers start with the first spec (importing xgrammar takes seconds): the same spec sent
-    # twelve times at once took both workers, and the rest waited the deadline for one and got 503s
+def test_a_burst_of_new_specs_on_a_cold_server_waits_for_the_workers_to_start(server_model, tmp_path):
+    # the workers start with the first spec (importing xgrammar takes seconds). One spec sent eight
+    # times at once took both workers, and the rest waited the deadline for one and got 503s; six
+    # specs of their own waited it behind the first two starts
     with ServerProcess(server_model, tmp_path, *SERVER_ARGS, "--timeout-grammar-compile", "2") as proc:
         schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-        body = {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}
+        same = {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}
+        bodies = [same] * 8 + [{**CHAT, "guided_regex": f"[a-z]{{{n}}}"} for n in range(1, 7)]
         answers: list[httpx.Response] = []
-        burst = [threading.Thread(target=lambda: answers.append(
-            httpx.post(f"{proc.url}/v1/chat/completions", json=body, timeout=120))) for _ in range(12)]
+        burst = [threading.Thread(target=lambda body=body: answers.append(
+            httpx.post(f"{proc.url}/v1/chat/completions", json=body, timeout=120))) for body in bodies]
         for t in burst:
             t.start()
         for t in burst:
             t.join(150)
-        assert [r.status_code for r in answers] == [200] * 12, [r.text for r in answers if r.status_code != 200][:1]
+        assert [r.status_code for r in answers] == [200] * 14, [r.text for r in answers if r.status_code != 200][:1]
         assert proc.wait_idle()["nanoserve:kv_cache_blocks_in_use"] == 0
