@@ -230,10 +230,10 @@ def token_logprobs(chosen_ids: torch.Tensor, logprobs: torch.Tensor, top_n: list
     chosen_ids[row]: 1 + how many tokens the model found more likely), or None where top_n[row] is
     None. Reads the values back to the host."""
     chosen = logprobs.gather(-1, chosen_ids[:, None])
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    # the rank travels beside the logprob, as a float (exact below 2**24): one copy to the host, not two
+    chosen_and_rank = torch.cat([chosen.clamp(min=MIN_LOGPROB), (logprobs > chosen).sum(-1, keepdim=True) + 1.0], -1)
     top_vals, top_ids = logprobs.topk(max(max((n for n in top_n if n is not None), default=0), 1), dim=-1)
     top_vals = top_vals.clamp(min=MIN_LOGPROB)
-    chosen_list = chosen.squeeze(-1).clamp(min=MIN_LOGPROB).tolist()
-    ids_list, vals_list, rank_list = top_ids.tolist(), top_vals.tolist(), ranks.tolist()
-    return [None if n is None else (chosen_list[i], list(zip(ids_list[i][:n], vals_list[i][:n])), rank_list[i])
+    pairs, ids_list, vals_list = chosen_and_rank.tolist(), top_ids.tolist(), top_vals.tolist()
+    return [None if n is None else (pairs[i][0], list(zip(ids_list[i][:n], vals_list[i][:n])), int(pairs[i][1]))
             for i, n in enumerate(top_n)]
