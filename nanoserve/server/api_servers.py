@@ -159,7 +159,7 @@ class _Supervisor:
                 # with nothing in flight: that is a clean stop too. One that ends unasked, even with
                 # 0 (a SIGTERM sent to it alone drains it), stops the server: a failure to the
                 # service manager, which would not restart a server that exits 0
-                if not self.stopping or (process.exitcode != 0 and process.exitcode != -signal.SIGTERM):
+                if not self.stopping or process.exitcode not in (0, -signal.SIGTERM):
                     code = 1
                 if not self.stopping:
                     logger.error("Front end %s %s; stopping the server", process.name, exit_reason(process))
