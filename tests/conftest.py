@@ -104,6 +104,20 @@ def hf_greedy(model_path: str, prompts: list[list[int]], max_new_tokens: int, st
     return outs
 
 
+def hf_logprobs(model_path: str, tokens: list[int]) -> torch.Tensor:
+    """transformers' float32 log-softmax at each position of `tokens` (row p scores the token at p + 1)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].log_softmax(dim=-1)
+
+
+def assert_rank(row: torch.Tensor, value: float, rank: int) -> None:
+    """`rank` is 1 + how many of `row` beat `value` (ties within float noise may count either way)."""
+    assert int((row > value + 1e-4).sum()) + 1 <= rank <= int((row > value - 1e-4).sum()) + 1
+
+
 def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     prefix = torch.randint(1, vocab, (shared_prefix,), generator=gen).tolist()

@@ -4,30 +4,21 @@ position, through chunked prefill, preemption, pipelined scheduling and a warm p
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from nanoserve import LLM, SamplingParams
-from tests.conftest import random_prompts
+from tests.conftest import assert_rank, hf_logprobs, random_prompts
 
 TOP = 3
 
 
-def hf_prompt_logprobs(model_path: str, prompt: list[int]) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0].log_softmax(dim=-1)
-
-
 def assert_matches_hf(model_path: str, prompt: list[int], got: list) -> None:
-    expected = hf_prompt_logprobs(model_path, prompt)
+    expected = hf_logprobs(model_path, prompt)
     assert len(got) == len(prompt) and got[0] is None
     for position, (chosen, top, rank) in enumerate(got[1:]):
         row = expected[position]  # the logits at position p score the token at p + 1
         target = row[prompt[position + 1]].item()
         assert chosen == pytest.approx(target, abs=1e-4)
-        # 1 + how many tokens are more likely (ties within float noise may count either way)
-        assert int((row > target + 1e-4).sum()) + 1 <= rank <= int((row > target - 1e-4).sum()) + 1
+        assert_rank(row, target, rank)
         values, _ = row.topk(TOP)
         assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
         # each id named has that value in transformers too (two ids may swap only within a tie)
@@ -89,7 +80,7 @@ def test_max_logprobs_bounds_both_kinds_and_past_20_they_match_hf(qwen3_model):
     wide = LLM(qwen3_model, dtype="float32", device="cpu", block_size=16, max_logprobs=40)
     out = wide.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, logprobs=33, prompt_logprobs=37),
                         use_tqdm=False)[0]
-    expected = hf_prompt_logprobs(qwen3_model, prompt + out.token_ids)
+    expected = hf_logprobs(qwen3_model, prompt + out.token_ids)
     for position, entry in enumerate(out.prompt_logprobs[1:]):
         top = sorted(entry.values(), key=lambda lp: lp.rank)[:37]
         assert [lp.rank for lp in top] == list(range(1, 38))

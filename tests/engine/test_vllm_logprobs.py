@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from nanoserve import LLM, Logprob, SamplingParams
 from nanoserve.config import DEFAULT_MODEL
+from tests.conftest import assert_rank, hf_logprobs
 
 TOP = 3
 
@@ -20,19 +20,12 @@ def llm():
         yield model
 
 
-def reference(tokens: list[int]) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].log_softmax(dim=-1)
-
-
 def assert_position(entry: dict, token: int, row: torch.Tensor, top_n: int, decode) -> None:
     target = row[token].item()
     assert next(iter(entry)) == token   # the scored token first, as vLLM lists it
     scored = entry[token]
     assert scored.logprob == pytest.approx(target, abs=1e-4)
-    # 1 + how many tokens are more likely (ties within float noise may count either way)
-    assert int((row > target + 1e-4).sum()) + 1 <= scored.rank <= int((row > target - 1e-4).sum()) + 1
+    assert_rank(row, target, scored.rank)
     ranked = sorted(entry.items(), key=lambda item: item[1].rank)
     top = ranked[:top_n]
     assert [lp.rank for _, lp in top] == list(range(1, top_n + 1))
@@ -50,7 +43,7 @@ def test_sampled_and_prompt_logprobs_are_vllms_dicts_of_transformers_values(llm)
     out = llm.generate(prompt, params, use_tqdm=False)[0]
     completion = out.outputs[0]
     ids = out.prompt_token_ids + completion.token_ids
-    rows = reference(ids)
+    rows = hf_logprobs(DEFAULT_MODEL, ids)
     decode = lambda t: llm.tokenizer.decode([t])   # noqa: E731
     assert len(completion.logprobs) == len(completion.token_ids) == 12
     for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
