@@ -33,13 +33,18 @@ def _listening_inode(port: int) -> str:
     raise AssertionError(f"nothing listens on port {port}")
 
 
+def logged_by_both(proc: ServerProcess, line: str, timeout: float) -> ServerProcess:
+    """`proc` once its log holds `line` twice (once from each front end)."""
+    deadline = time.monotonic() + timeout
+    while proc.log_path.read_text(errors="replace").count(line) < 2:
+        assert time.monotonic() < deadline and proc.proc.poll() is None, proc.log_tail()
+        time.sleep(0.01)
+    return proc
+
+
 def started(proc: ServerProcess, timeout: float = 120.0) -> ServerProcess:
     """`proc` once both front ends serve: /health answers as soon as the first does."""
-    deadline = time.monotonic() + timeout
-    while proc.log_path.read_text(errors="replace").count("Application startup complete") < 2:
-        assert time.monotonic() < deadline and proc.proc.poll() is None, proc.log_tail()
-        time.sleep(0.1)
-    return proc
+    return logged_by_both(proc, "Application startup complete", timeout)
 
 
 def processes(proc: ServerProcess) -> tuple[int, list[int]]:
@@ -258,10 +263,7 @@ def test_a_front_ends_own_sigint_beside_the_forwarded_sigterm_only_drains(server
         streams, ends = streaming(proc, "Drain", 4, 200)   # seconds, well inside the drain's 30
         _, front_ends = processes(proc)
         proc.proc.send_signal(signal.SIGTERM)   # forwarded to each front end
-        deadline = time.monotonic() + 30   # the SIGTERM taken first: both front ends drain
-        while proc.log_path.read_text(errors="replace").count("Shutting down") < 2:
-            assert time.monotonic() < deadline, proc.log_tail()
-            time.sleep(0.01)
+        logged_by_both(proc, "Shutting down", 30)   # the SIGTERM taken first: both front ends drain
         for pid in front_ends:
             os.kill(pid, signal.SIGINT)
         for t in streams:
