@@ -17,7 +17,7 @@ from nanoserve.server.logprobs import chat_logprobs
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.chat_output import ChoiceReader
 from nanoserve.server.conversation import template_inputs
-from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage, Tool
+from nanoserve.server.chat_protocol import ChatCompletionRequest, ChatMessage, Tool
 from nanoserve.server.reasoning import REASONING_PARSERS
 from nanoserve.server.response import OpenAIResponse, client_request_id, with_prompt_logprobs
 from nanoserve.server.state import ServerState, off_the_loop_if_long, sampling_error

@@ -10,7 +10,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.server.errors import APIError
-from nanoserve.server.protocol import ChatMessage, Tool
+from nanoserve.server.chat_protocol import ChatMessage, Tool
 
 # apply_chat_template's own arguments (whatever this transformers has): a request may not set
 # them through chat_template_kwargs, where they would change what is returned, not the template

@@ -12,7 +12,7 @@ from nanoserve import __version__
 from nanoserve.server.chat import check_continuation, render_chat
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import CONTENT_TYPE
-from nanoserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from nanoserve.server.chat_protocol import DetokenizeRequest, TokenizeRequest
 from nanoserve.server.state import ServerState, off_the_loop_if_long
 from nanoserve.server.wire import json_response, parse_body
 

@@ -15,7 +15,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from nanoserve.server.connections import always_served
-from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from nanoserve.server.chat_protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from nanoserve.server.protocol import CompletionRequest
 from nanoserve.server.responses_protocol import ResponsesRequest
 
 REF = "#/components/schemas/{model}"

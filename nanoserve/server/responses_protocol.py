@@ -16,8 +16,9 @@ from pydantic import Discriminator, Field, Tag, ValidationError
 
 from nanoserve.sampling_params import MAX_INT
 from nanoserve.server.errors import APIError, from_validation_error
-from nanoserve.server.protocol import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest,
-                                       Items, Metadata, Parameters, SamplingFields, Strict, StructuredOutputsRequest)
+from nanoserve.server.chat_protocol import ChatCompletionRequest, Parameters
+from nanoserve.server.protocol import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS, Items, Metadata, SamplingFields, Strict,
+                                       StructuredOutputsRequest)
 
 
 def _chat_field(name: str):

@@ -11,7 +11,8 @@ import pytest
 from nanoserve import SamplingParams
 from nanoserve.server.conversation import template_inputs
 from nanoserve.generation_defaults import sampling_defaults
-from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from nanoserve.server.chat_protocol import ChatCompletionRequest, ChatMessage
+from nanoserve.server.protocol import CompletionRequest
 from tests.server.conftest import openai_client
 
 PROMPT = "A list is"

@@ -82,7 +82,7 @@ def test_a_body_of_ten_million_empty_strings_is_refused_without_freezing_other_s
 
 def test_required_over_more_tools_than_any_spec_holds_is_refused_before_building_it():
     from nanoserve.server.errors import APIError
-    from nanoserve.server.protocol import ChatCompletionRequest
+    from nanoserve.server.chat_protocol import ChatCompletionRequest
     from nanoserve.server.tools import plan_tools
 
     req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": MANY_TOOLS, "tool_choice": "required"})

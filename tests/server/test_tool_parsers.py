@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from nanoserve.config import DEFAULT_MODEL
 from nanoserve.server.chat_output import ChoiceReader
 from nanoserve.server.conversation import template_inputs
-from nanoserve.server.protocol import ChatMessage, Tool
+from nanoserve.server.chat_protocol import ChatMessage, Tool
 from nanoserve.server.reasoning import Qwen3ReasoningParser
 from nanoserve.server.tool_parsers import TOOL_PARSERS
 from nanoserve.server.tools import ToolPlan
