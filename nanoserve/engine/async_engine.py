@@ -12,9 +12,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -29,6 +27,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.admission import Admission, QueueFullError, SharedCounts
 from nanoserve.engine.bad_words import with_bad_words_token_ids
 from nanoserve.engine.core import EngineCore, run_engine_process
+from nanoserve.engine.ipc_dir import remove_socket_dir, socket_dir
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.messages import (AbortRequests, AddRequest, EngineDied, EngineOutputs, EngineReady, EngineStats,
                                        Shutdown, input_encoder, output_decoder)
@@ -42,7 +41,7 @@ from nanoserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "CoreLink", "EngineDeadError", "EngineStats", "QueueFullError", "RequestFailedError",
-           "RequestStream", "RequestUpdate", "socket_dir"]
+           "RequestStream", "RequestUpdate"]
 
 _SHUTDOWN_WAIT_S = 30.0  # for the core to close its workers before it is killed
 
@@ -61,20 +60,6 @@ def exit_reason(process: multiprocessing.process.BaseProcess, wait_s: float = 1.
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
-
-
-_IPC_PATH_MAX = getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 107   # bytes of a Unix socket's path (sun_path)
-
-
-def socket_dir(longest_name: str) -> str:
-    """A new private folder for ZeroMQ ipc sockets, the longest named `longest_name`: in the
-    temporary folder (TMPDIR), or in /tmp where a socket's path there would pass the kernel's limit.
-    A batch job's or CI runner's TMPDIR can be that deep, and no socket in it could bind."""
-    folder = tempfile.mkdtemp(prefix="nanoserve-")
-    if len(os.fsencode(os.path.join(folder, longest_name))) <= _IPC_PATH_MAX:
-        return folder
-    os.rmdir(folder)
-    return tempfile.mkdtemp(prefix="nanoserve-", dir="/tmp")
 
 
 @dataclass(frozen=True)
@@ -237,7 +222,7 @@ class AsyncEngine:
         self._outputs.close(linger=0)
         self._context.term()
         if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            remove_socket_dir(self._dir)
 
     def check_token_ids(self, token_ids: list[int], what: str) -> None:
         """Raise RequestRefused for an id outside the vocabulary."""

@@ -17,7 +17,6 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.resource_tracker
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -27,7 +26,8 @@ import zmq
 
 from nanoserve.config import EngineConfig
 from nanoserve.defaults import LOG_FORMAT
-from nanoserve.engine.async_engine import AsyncEngine, CoreLink, exit_reason, socket_dir
+from nanoserve.engine.async_engine import AsyncEngine, CoreLink, exit_reason
+from nanoserve.engine.ipc_dir import remove_socket_dir, socket_dir
 from nanoserve.engine.core import run_engine_process
 from nanoserve.engine.messages import Shutdown, input_encoder
 from nanoserve.lifetime import die_with_parent
@@ -79,7 +79,7 @@ def run_api_servers(config: EngineConfig, settings: ServerSettings, options: HTT
         for process in [core, *supervisor.front_ends]:
             if process.is_alive():
                 process.kill()
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_socket_dir(workdir)
 
 
 def _start_ignoring_sigint(process: multiprocessing.process.BaseProcess) -> None:

@@ -354,3 +354,33 @@ def test_a_temporary_folder_too_deep_for_a_socket_path_still_serves_and_is_left_
         assert list(temp.iterdir()) == []
     finally:
         proc.stop()
+
+
+def test_a_killed_servers_socket_folder_is_removed_by_the_next_server(server_model, tmp_path):
+    # a server killed outright (SIGKILL, the OOM killer) cannot remove its folder of ipc sockets; it
+    # stayed in the temporary folder for good. The next server, alone (1) or with front ends (2),
+    # removes it, and only it
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    killed = ServerProcess(server_model, tmp_path, *SERVER_ARGS, env={"TMPDIR": str(temp)})
+    try:
+        children = spawned_children(killed.proc.pid)
+        left = list(temp.iterdir())
+        assert len(left) == 1 and (left[0] / "lock").exists()
+        killed.proc.send_signal(signal.SIGKILL)
+        killed.proc.wait(10)
+        assert gone_within(children, 10)
+        assert list(temp.iterdir()) == left
+    finally:
+        killed.stop()
+    following = started(ServerProcess(server_model, tmp_path, *SERVER_ARGS, "--api-server-count", "2",
+                                      env={"TMPDIR": str(temp)}))
+    try:
+        now = list(temp.iterdir())
+        assert len(now) == 1 and now != left
+        reply = httpx.post(f"{following.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert following.stop() == 0, following.log_tail()
+        assert list(temp.iterdir()) == []
+    finally:
+        following.stop()
