@@ -121,6 +121,9 @@ def json_depth(text: str) -> int:
 # Every integer the sampler puts in a tensor must fit int32 (kernels index with it) and int64
 # (torch.tensor of a Python int past 2**63 raises inside the engine loop, killing every request)
 MAX_INT = 2**31 - 1
+# choices of one request: each is a sequence of its own (~0.6 ms of host work apiece on this machine's
+# CPU even for one token), and n = 10**9 ran for hours where it should be refused; vLLM's default cap
+MAX_N = 16384
 # torch.Generator.manual_seed takes any integer in [-2**63, 2**64)
 SEED_RANGE = (-(2**63), 2**64 - 1)
 # below this a temperature is greedy (as in vLLM): logits / 1e-300 overflow float32 to inf and NaN
@@ -229,7 +232,7 @@ class SamplingParams:
             self.presence_penalty = 0.0
         if abs(self.frequency_penalty) < TINY:
             self.frequency_penalty = 0.0
-        self.n = _as_int("n", self.n, 1, MAX_INT)
+        self.n = _as_int("n", self.n, 1, MAX_N)
         if self.temperature < 0:
             raise InvalidSamplingParam("temperature", f"temperature must be >= 0, got {self.temperature}")
         if self.temperature < GREEDY_TEMPERATURE:

@@ -19,7 +19,7 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.validation import (as_token_ids, check_logprobs, check_params_token_ids, check_priority,
                                          check_prompt, logprobs_cap)
 from nanoserve.engine.outputs import CompletionOutput, RequestState
-from nanoserve.engine.vllm_logprobs import PositionLogprobs, sequence_logprobs, token_decoder
+from nanoserve.engine.vllm_logprobs import PositionLogprobs, no_text, sequence_logprobs, token_decoder
 from nanoserve.generation_defaults import sampling_defaults
 from nanoserve.sampling_params import SamplingParams
 
@@ -37,7 +37,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
-    decode: Callable[[int], str | None] = field(default=lambda token_id: None, repr=False, compare=False)
+    decode: Callable[[int], str | None] = field(default=no_text, repr=False, compare=False)
 
     @functools.cached_property
     def prompt_logprobs(self) -> list[PositionLogprobs | None] | None:
@@ -46,6 +46,12 @@ class RequestOutput:
         packed arrays the engine keeps (CompletionOutput.prompt_logprobs)."""
         scored = self.outputs[0].prompt_logprobs
         return None if scored is None else sequence_logprobs(self.prompt_token_ids, scored.entries(), self.decode)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the prompt logprobs are listed now, so that the decoder (a closure over the tokenizer) stays
+        # behind: outputs pickle, as vLLM's do, for multiprocessing and for saving results
+        self.prompt_logprobs
+        return {**self.__dict__, "decode": no_text}
 
     @property
     def text(self) -> str:
@@ -61,7 +67,7 @@ class RequestOutput:
 
     @property
     def finished(self) -> bool:
-        return all(out.finished for out in self.outputs)
+        return all(out.finished() for out in self.outputs)
 
 
 class LLM:
@@ -115,6 +121,7 @@ class LLM:
             return self._generate(prompts, sampling_params, use_tqdm, priority)
 
     def _generate(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+        _check_prompt_type(prompts)
         if isinstance(prompts, (str, dict)) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -162,7 +169,7 @@ class LLM:
                     out = state.update(step)
                     if state.stopped and not step.finished:
                         self.engine.abort_request(step.request_id)
-                    if out.finished:
+                    if out.finished():
                         bar.update(1)
         except BaseException:
             # an error or Ctrl-C: left in the engine, this call's requests would hold their KV
@@ -184,24 +191,32 @@ class LLM:
         """vLLM's LLM.chat: generate for one conversation (a list of {"role", "content"} messages) or
         several, each written as the model's chat template writes it (`chat_template` replaces it)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        if add_generation_prompt and continue_final_message:
+        if isinstance(messages, str) or not all(isinstance(conversation, (list, tuple)) and conversation
+                                                and all(isinstance(m, dict) for m in conversation)
+                                                for conversation in conversations):
+            raise TypeError("LLM.chat takes a conversation (a list of {'role': ..., 'content': ...} dicts) or a "
+                            "list of conversations")
+        # as vLLM merges them, chat_template_kwargs win over the arguments (add_generation_prompt
+        # among them); the template's text is what this path needs, whatever `tokenize` says
+        arguments = {"chat_template": chat_template, "tools": tools, "add_generation_prompt": add_generation_prompt,
+                     "continue_final_message": continue_final_message, **(chat_template_kwargs or {}),
+                     "tokenize": False}
+        if arguments["add_generation_prompt"] and arguments["continue_final_message"]:
             raise ValueError("continue_final_message continues the last message, so it cannot be set beside "
                              "add_generation_prompt, which opens a new one; set add_generation_prompt=False")
-        if chat_template is None and not self.tokenizer.chat_template:
+        if arguments["chat_template"] is None and not self.tokenizer.chat_template:
             raise ValueError("This model has no chat template: pass chat_template=..., or use generate()")
         prompts = []
         for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(
-                [_text_content(message) for message in conversation], tokenize=False,
-                chat_template=chat_template, tools=tools,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                **(chat_template_kwargs or {}))
+            text = self.tokenizer.apply_chat_template([_text_content(message) for message in conversation],
+                                                      **arguments)
             # the template writes every special token the model expects (BOS included)
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _prompt(self, prompt: Prompt) -> tuple[str | None, list[int], str | None]:
         """(its text if it has one, its token ids, its cache_salt) of one prompt of generate()."""
+        _check_prompt_type(prompt)
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt), None
         if not isinstance(prompt, dict):
@@ -225,6 +240,14 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise ValueError(failures[0][1])
         return False
+
+
+def _check_prompt_type(prompt: Any) -> None:
+    """TypeError for what is no prompt: bytes were iterated as token ids, a number or None failed on len()."""
+    if prompt is None or isinstance(prompt, (bytes, bytearray, memoryview, numbers.Number)):
+        raise TypeError(f"A prompt is a text, a list of token ids or a prompt dict ({{'prompt': ...}} or "
+                        f"{{'prompt_token_ids': [...]}}), got {type(prompt).__name__}"
+                        + ("; decode bytes to a text first" if isinstance(prompt, (bytes, bytearray)) else ""))
 
 
 def _as_vllm_logprobs(out: CompletionOutput, decode: Callable[[int], str | None]) -> None:

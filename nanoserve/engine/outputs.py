@@ -34,8 +34,8 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     cumulative_logprob: float | None = None  # vLLM's: the sampled tokens' logprobs summed (offline)
 
-    @property
     def finished(self) -> bool:
+        """Whether it has ended (a method, as vLLM's CompletionOutput has it)."""
         return self.finish_reason is not None
 
 
@@ -58,6 +58,7 @@ class RequestState:
                                                   params.include_stop_str_in_output, params.skip_special_tokens,
                                                   params.min_tokens, params.spaces_between_special_tokens)
         self.output = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
+        self.eos_token_id = tokenizer.eos_token_id
 
     @property
     def stopped(self) -> bool:
@@ -77,7 +78,7 @@ class RequestState:
 
     def update(self, step: StepOutput) -> CompletionOutput:
         out = self.output
-        if out.finished:
+        if out.finished():
             out.text_delta = ""
             return out
         tokens = step.new_token_ids
@@ -106,6 +107,10 @@ class RequestState:
         elif step.finished:
             out.finish_reason = step.finish_reason
             last = tokens[-1] if tokens else None
-            if step.finish_reason == "stop" and last in self.params.stop_token_ids and self._past_min_tokens:
+            # as vLLM reports it: the tokenizer's EOS is checked first and has no stop reason; any other
+            # stop token has, a stop_token_id or an EOS id that only generation_config.json names
+            # (vLLM adds those to the stop ids): Qwen3's <|endoftext|> beside its <|im_end|>
+            eos = last == self.eos_token_id and not self.params.ignore_eos
+            if step.finish_reason == "stop" and last is not None and not eos and self._past_min_tokens:
                 out.stop_reason = last
         return out

@@ -159,12 +159,12 @@ class RequestStream:
         else:
             earlier.merge(update)
             update = earlier
-        if (self.interval == 1 or out.finished or len(update.token_ids) >= self.interval
+        if (self.interval == 1 or out.finished() or len(update.token_ids) >= self.interval
                 or len(update.token_ids) == out.num_tokens):   # its first tokens: not held for TTFT
             self._wakeup.set()
-        if out.finished:
+        if out.finished():
             self._unfinished.discard(step.request_id)
-        return out.finished
+        return out.finished()
 
     @property
     def engine_done(self) -> bool:

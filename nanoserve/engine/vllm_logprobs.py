@@ -25,11 +25,16 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
+def no_text(token_id: int) -> None:
+    """The decoder of a request that does not detokenize."""
+    return None
+
+
 def token_decoder(tokenizer: PreTrainedTokenizerBase, detokenize: bool) -> Callable[[int], str | None]:
     """Each token's text as vLLM's decoded_token gives it (the token decoded alone), looked up once
     per id; None for every token when the request does not detokenize."""
     if not detokenize:
-        return lambda token_id: None
+        return no_text
     texts: dict[int, str] = {}
 
     def decode(token_id: int) -> str:

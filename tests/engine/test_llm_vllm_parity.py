@@ -4,7 +4,9 @@ threads, OpenAI content parts in chat, and vLLM's spellings of "none"."""
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 import shutil
 import threading
 
@@ -119,8 +121,68 @@ def test_vllms_spellings_of_none(llm):
 
 def test_outputs_say_they_finished_and_sum_their_logprobs(llm):
     out = llm.generate("Hello", greedy(5, logprobs=2), use_tqdm=False)[0]
-    assert out.finished and out.outputs[0].finished
+    assert out.finished and out.outputs[0].finished()
     assert out.outputs[0].cumulative_logprob == pytest.approx(
         sum(entry[token].logprob for token, entry in zip(out.token_ids, out.outputs[0].logprobs)))
     assert out.outputs[0].cumulative_logprob < 0
     assert llm.generate("Hello", greedy(2), use_tqdm=False)[0].outputs[0].cumulative_logprob is None
+
+
+def test_outputs_pickle_with_their_logprobs(llm):
+    # scripts save results and pass them between processes; the prompt logprobs' token decoder (a
+    # closure over the tokenizer) made every output unpicklable
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=4, logprobs=2, prompt_logprobs=1)
+    outs = llm.generate(["Hello there", "A list"], params, use_tqdm=False)
+    for out in pickle.loads(pickle.dumps(outs)) + copy.deepcopy(outs):
+        original = outs[0] if out.prompt_token_ids == outs[0].prompt_token_ids else outs[1]
+        assert out.prompt_logprobs == original.prompt_logprobs and out.prompt_logprobs[1]
+        assert out.outputs[0].logprobs == original.outputs[0].logprobs
+        assert out.outputs[0].finished() and out.token_ids == original.token_ids
+    ids = llm.generate("Hi", SamplingParams(max_tokens=3, detokenize=False, prompt_logprobs=0), use_tqdm=False)
+    assert pickle.loads(pickle.dumps(ids))[0].prompt_logprobs == ids[0].prompt_logprobs
+
+
+@pytest.mark.parametrize("prompt", [b"Hi", [b"Hi"], None, 5, [1.5, 2.0], ["Hi", None]])
+def test_what_is_no_prompt_is_a_type_error_and_the_next_call_works(llm, prompt):
+    before = llm.generate("Hi", greedy(3), use_tqdm=False)[0].token_ids
+    with pytest.raises((TypeError, ValueError), match="prompt"):
+        llm.generate(prompt, greedy(3), use_tqdm=False)
+    assert llm.generate("Hi", greedy(3), use_tqdm=False)[0].token_ids == before
+
+
+def test_n_is_bounded(llm):
+    assert SamplingParams(n=16384).n == 16384
+    with pytest.raises(ValueError, match="n must be"):
+        SamplingParams(n=10**9)
+
+
+def test_chat_template_kwargs_win_over_the_arguments_as_in_vllm(llm):
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    as_argument = llm.chat(conversation, greedy(3), add_generation_prompt=False, continue_final_message=True,
+                           use_tqdm=False)[0]
+    as_kwargs = llm.chat(conversation, greedy(3), chat_template_kwargs={
+        "add_generation_prompt": False, "continue_final_message": True, "tokenize": True}, use_tqdm=False)[0]
+    assert as_kwargs.prompt_token_ids == as_argument.prompt_token_ids
+    opened = llm.chat(conversation, greedy(3), use_tqdm=False)[0]
+    assert opened.prompt_token_ids != as_argument.prompt_token_ids
+    with pytest.raises(TypeError, match="conversation"):
+        llm.chat("Hi", greedy(3))
+
+
+def test_stop_reason_is_none_for_the_tokenizers_eos_and_names_any_other_stop_token(llm):
+    # vLLM checks the tokenizer's EOS first (no stop reason) and adds the other EOS ids of
+    # generation_config.json to the stop ids, so they are named: Qwen3's <|endoftext|> beside <|im_end|>
+    eos = llm.tokenizer.eos_token_id
+    others = sorted(set(llm.engine.eos_token_ids) - {eos})
+    assert others, "the bundled model's generation_config.json names a second EOS id"
+
+    def end(token: int, **fields) -> tuple:
+        out = llm.generate("Hi", SamplingParams(max_tokens=3, allowed_token_ids=[token], **fields),
+                           use_tqdm=False)[0].outputs[0]
+        return out.finish_reason, out.stop_reason, out.token_ids
+
+    assert end(eos) == ("stop", None, [eos])
+    assert end(others[0]) == ("stop", others[0], [others[0]])
+    assert end(eos, stop_token_ids=[eos]) == ("stop", None, [eos])
+    assert end(eos, stop_token_ids=[eos], ignore_eos=True) == ("stop", eos, [eos])
+    assert end(others[0], ignore_eos=True) == ("length", None, [others[0]] * 3)
