@@ -212,6 +212,8 @@ class SamplingParams:
     # cache shares blocks only between requests of equal salt (None included), so that a tenant
     # cannot learn from cache hits (time to first token) what another tenant's prompts were
     cache_salt: str | None = None
+    # vLLM's: the offline API keeps only the prompt's last k tokens (-1: the last max_model_len)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -286,6 +288,8 @@ class SamplingParams:
                                             or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
             raise InvalidSamplingParam("cache_salt", f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
                                        f"characters, got {str(self.cache_salt)[:40]!r}")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            self.truncate_prompt_tokens = _as_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, MAX_INT)
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise InvalidSamplingParam("logit_bias", f"logit_bias must map token ids to biases, got {self.logit_bias!r:.80}")
         if self.logit_bias:
@@ -307,6 +311,10 @@ class SamplingParams:
             if min(self.allowed_token_ids) < 0 or max(self.allowed_token_ids) > MAX_INT:
                 bad = next(t for t in self.allowed_token_ids if not 0 <= t <= MAX_INT)
                 _check_int("allowed_token_ids", bad, 0, MAX_INT)
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's name)."""
+        return copy.deepcopy(self)
 
     def derived(self, **fields: Any) -> SamplingParams:
         """A copy with `fields` set and not checked again: for what the engine derives from params

@@ -138,6 +138,9 @@ class LLM:
         texts, token_ids = [], []
         for i, prompt in enumerate(prompts):
             text, ids, salt = self._prompt(prompt)
+            keep = params_list[i].truncate_prompt_tokens
+            if keep is not None:
+                ids = ids[-(self.engine.config.max_model_len if keep == -1 else keep):]
             texts.append(text)
             token_ids.append(ids)
             if salt is not None:

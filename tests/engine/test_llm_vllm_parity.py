@@ -186,3 +186,19 @@ def test_stop_reason_is_none_for_the_tokenizers_eos_and_names_any_other_stop_tok
     assert end(eos, stop_token_ids=[eos]) == ("stop", None, [eos])
     assert end(eos, stop_token_ids=[eos], ignore_eos=True) == ("stop", eos, [eos])
     assert end(others[0], ignore_eos=True) == ("length", None, [others[0]] * 3)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end_and_clone_copies(llm):
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog " * 3)
+    whole = llm.generate({"prompt_token_ids": ids[-5:]}, greedy(4), use_tqdm=False)[0]
+    cut = llm.generate({"prompt_token_ids": ids}, greedy(4, truncate_prompt_tokens=5), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-5:] and cut.token_ids == whole.token_ids
+    assert llm.generate({"prompt_token_ids": ids}, greedy(4, truncate_prompt_tokens=-1),
+                        use_tqdm=False)[0].prompt_token_ids == ids   # shorter than max_model_len: all of it
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    params = SamplingParams(stop=["x"], logit_bias={3: 1.0})
+    copy_ = params.clone()
+    copy_.stop.append("y")
+    assert params.stop == ["x"] and copy_.logit_bias == params.logit_bias
