@@ -32,7 +32,7 @@ from nanoserve.server.middleware import (APIKeyMiddleware, CanonicalPathMiddlewa
                                          StartFailureMiddleware)
 from nanoserve.server.openapi import install_openapi
 from nanoserve.server.state import ServerSettings, ServerState
-from nanoserve.server.tls import TLSFiles
+from nanoserve.server.tls import TLSFiles, end_waiting_tls_closes
 
 logger = logging.getLogger(__name__)
 
@@ -199,9 +199,11 @@ class Server(uvicorn.Server):
             # a moment before uvicorn cancels the handlers, end their requests so each can still
             # send its error: a JSON error object, or an SSE error event and [DONE]
             cut = asyncio.create_task(self._cut_at(max(0.0, timeout - min(2.0, timeout / 4))))
+        tls_closes = asyncio.create_task(end_waiting_tls_closes(self.server_state.connections))
         try:
             await super().shutdown(sockets)
         finally:
+            tls_closes.cancel()
             if cut is not None:
                 cut.cancel()
             # an engine that died before this stop (within its grace period, or during the drain)

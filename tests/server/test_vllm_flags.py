@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import signal
 import ssl
+import time
 from pathlib import Path
 
 import httpx
@@ -63,6 +65,31 @@ def test_https_serves_the_openai_client_and_the_vllm_flags_take_effect(server_mo
     assert f"on https://127.0.0.1:{server.port}" in log
     # uvicorn at warning: its access lines are gone, nanoserve's own info lines are not
     assert '"POST /v1/completions HTTP/1.1" 200' not in log and "Engine ready" in log
+
+
+def test_https_stops_at_once_beside_an_idle_client_and_still_drains_a_stream_in_flight(server_model, tmp_path):
+    # an idle pooled connection (every openai client keeps one) held the stop for 30 s: its TLS
+    # close waited for the client's close_notify, which a pool never sends
+    server = ServerProcess(server_model, tmp_path, "--ssl-certfile", CERT, "--ssl-keyfile", KEY, verify=TRUSTS_CERT)
+    idle = httpx.Client(verify=TRUSTS_CERT)
+    try:
+        assert idle.get(f"{server.url}/health").status_code == 200   # its connection stays in the pool
+        body = {"prompt": "A list", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx.Client(verify=TRUSTS_CERT, timeout=60) as client, \
+                client.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+            events = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
+            first = next(events)
+            server.proc.send_signal(signal.SIGTERM)
+            stopping = time.monotonic()
+            received = [first, *events]
+        assert received[-1] == "[DONE]"
+        assert json.loads(received[-2])["choices"][0]["finish_reason"] == "length"
+        assert sum(json.loads(e)["choices"][0]["text"] != "" for e in received[:-1]) > 100
+        assert server.proc.wait(15) == 0, server.log_tail()
+        assert time.monotonic() - stopping < 10
+    finally:
+        idle.close()
+        server.stop()
 
 
 @pytest.mark.parametrize("flags, message", [
