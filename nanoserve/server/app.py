@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -137,10 +138,13 @@ class Server(uvicorn.Server):
     deadline that ends the requests still open with an OpenAI error instead of cutting them, and the
     same error for them when a second Ctrl-C forces the stop."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, supervised: bool = False) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, supervised: bool = False,
+                 tls_handshake_timeout: float = 10.0) -> None:
         super().__init__(config)
         self.engine = engine
         self.supervised = supervised
+        self.tls_handshake_timeout = tls_handshake_timeout
+        self.tls_closes: asyncio.Task | None = None
         self.exit_code = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stage = 0
@@ -188,9 +192,22 @@ class Server(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
-        await super().startup(sockets)   # the lifespan: the engine core is ready once it returns
+        tls = self.config.ssl is not None
+        if tls:
+            # uvicorn gives the event loop no TLS handshake timeout, and its default is 60 s: a
+            # connection that never finished its handshake is not yet a connection of ours (no header
+            # deadline, no --max-connections count), so enough of them held every descriptor for 60 s
+            self.loop.create_server = functools.partial(self.loop.create_server,
+                                                        ssl_handshake_timeout=self.tls_handshake_timeout)
+        try:
+            await super().startup(sockets)   # the lifespan: the engine core is ready once it returns
+        finally:
+            if tls:
+                del self.loop.create_server
         if self.started:
             freeze_startup_heap()
+            if tls:
+                self.tls_closes = asyncio.create_task(end_waiting_tls_closes(self.server_state.connections))
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         timeout = self.config.timeout_graceful_shutdown
@@ -198,12 +215,13 @@ class Server(uvicorn.Server):
         if timeout is not None:
             # a moment before uvicorn cancels the handlers, end their requests so each can still
             # send its error: a JSON error object, or an SSE error event and [DONE]
-            cut = asyncio.create_task(self._cut_at(max(0.0, timeout - min(2.0, timeout / 4))))
-        tls_closes = asyncio.create_task(end_waiting_tls_closes(self.server_state.connections))
+            margin = min(2.0, timeout / 4)
+            cut = asyncio.create_task(self._cut_at(timeout - margin, margin / 2))
         try:
             await super().shutdown(sockets)
         finally:
-            tls_closes.cancel()
+            if self.tls_closes is not None:
+                self.tls_closes.cancel()
             if cut is not None:
                 cut.cancel()
             # an engine that died before this stop (within its grace period, or during the drain)
@@ -211,11 +229,22 @@ class Server(uvicorn.Server):
             if self.engine.crashed:
                 self.exit_code = self.exit_code or 1
 
-    async def _cut_at(self, delay: float) -> None:
+    async def _cut_at(self, delay: float, sending_s: float) -> None:
         await asyncio.sleep(delay)
         if self.engine.num_unfinished:
             logger.error("Shutdown deadline: ending %d unfinished sequences with an error", self.engine.num_unfinished)
             self.engine.fail_all(EngineDeadError("The server shut down before this request finished"))
+            self.exit_code = self.exit_code or 1
+        await asyncio.sleep(sending_s)   # the errors just made go out
+        # a response the engine finished that its client reads too slowly: uvicorn cancelled its
+        # handler at the deadline, logged a traceback and exited 0 with the response cut. Cut here,
+        # the handler ends quietly (its sends go nowhere), and the exit code says the drain was cut
+        sending = [c for c in list(self.server_state.connections)
+                   if getattr(c, "cycle", None) is not None and not c.cycle.response_complete]
+        if sending:
+            logger.error("Shutdown deadline: cutting %d responses that their clients are still reading", len(sending))
+            for connection in sending:
+                connection.transport.abort()
             self.exit_code = self.exit_code or 1
 
 
@@ -322,7 +351,7 @@ def run_front_end(engine: AsyncEngine, settings: ServerSettings, options: HTTPOp
                                access_log=options.access_log, timeout_graceful_shutdown=options.shutdown_timeout,
                                **uvicorn_options(settings.limits),
                                **(options.tls.uvicorn_options() if options.tls else {}))
-    server = Server(uv_config, engine, supervised)
+    server = Server(uv_config, engine, supervised, tls_handshake_timeout=settings.limits.timeout_headers)
     uv_config.app = build_app(engine, settings, on_fatal=server.fatal)
     main = threading.current_thread() is threading.main_thread()   # where signal handlers may be set
     if main:
