@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import time
+import types
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
@@ -28,6 +30,7 @@ from nanoserve.server.limits import ServerLimits
 
 logger = logging.getLogger(__name__)
 
+OVER_CAP_LOG_EVERY_S = 10.0
 # probes: load balancers and Docker's HEALTHCHECK reach these with no API key and past the connection cap
 ALWAYS_SERVED = {"/health", "/ping"}
 # descriptors kept free beyond --max-connections: model files, the tensor-parallel sockets, and
@@ -146,6 +149,8 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
     """uvicorn's `http=` protocol class enforcing `limits.timeout_headers`, `limits.timeout_body` (for
     the request body, and for a response the client leaves unread) and `limits.max_connections`."""
 
+    refusals = types.SimpleNamespace(quiet_until=0.0)
+
     class LimitedConnection(HttpToolsProtocol):
         _header_deadline: asyncio.TimerHandle | None = None
         _body_deadline: asyncio.TimerHandle | None = None
@@ -159,8 +164,12 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             if len(self.connections) > limits.max_connections:
-                logger.warning("%d open connections (--max-connections %d): refusing new requests but /health",
-                               len(self.connections), limits.max_connections)
+                now = time.monotonic()
+                if now >= refusals.quiet_until:   # a flood of connections made one line each
+                    refusals.quiet_until = now + OVER_CAP_LOG_EVERY_S
+                    logger.warning("%d open connections (--max-connections %d): refusing new requests but /health "
+                                   "(logged at most every %.0f s)", len(self.connections), limits.max_connections,
+                                   OVER_CAP_LOG_EVERY_S)
                 self.app = over_capacity(self.app, limits.max_connections)
             self._arm_header_deadline()  # a connection that never sends a request counts too
 

@@ -143,6 +143,11 @@ def test_past_the_connection_cap_requests_get_503_but_health_answers(server_mode
             assert r.headers["connection"] == "close"
         health = httpx.get(f"{proc.url}/health", timeout=10)
         assert health.status_code == 200 and health.headers["connection"] == "close"
+        extra = [connect(proc) for _ in range(20)]   # a flood past the cap is one log line, not one each
+        time.sleep(0.3)
+        for sock in extra:
+            sock.close()
+        assert proc.log_path.read_text(errors="replace").count("open connections (--max-connections 4)") == 1
         for sock in held:
             sock.close()
         time.sleep(0.2)
