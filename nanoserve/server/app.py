@@ -135,8 +135,9 @@ _DRAIN, _FORCE_SOON, _FORCE_NOW = 1, 2, 3
 
 class Server(uvicorn.Server):
     """uvicorn's server, and what it lacks: an exit code that says how serving ended, a shutdown
-    deadline that ends the requests still open with an OpenAI error instead of cutting them, and the
-    same error for them when a second Ctrl-C forces the stop."""
+    deadline that ends the requests still open with an OpenAI error instead of cutting them, the
+    same error for them when a second Ctrl-C forces the stop, and HTTPS connections held to the
+    deadlines plain ones have (the TLS handshake to --timeout-headers, a close to what it must send)."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, supervised: bool = False,
                  tls_handshake_timeout: float = 10.0) -> None:
