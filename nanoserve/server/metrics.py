@@ -125,7 +125,7 @@ class ServerMetrics:
             r = CollectorRegistry()   # never scraped: the values go to this process's files
         self.prompt_tokens = Counter("nanoserve:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("nanoserve:generation_tokens", "Tokens generated", registry=r)
-        self.request_success = Counter("nanoserve:request_success", "Finished choices by finish reason",
+        self.request_success = Counter("nanoserve:request_success", "Finished choices by finish reason (abort: ended unfinished)",
                                        ["finished_reason"], registry=r)
         self.ttft = Histogram("nanoserve:time_to_first_token_seconds", "Arrival to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
@@ -187,6 +187,7 @@ class RequestTimer:
         self.num_delivered = 0   # tokens the response took in
         self.num_produced = 0    # the engine's count, once the request has ended: more if its client went away
         self.finish_reasons: list[str] = []
+        self.num_aborted = 0
         self.timing: tuple[float, float] | None = None   # (queued, first run to first token), from the engine
         self.logged = False
 
@@ -212,12 +213,14 @@ class RequestTimer:
     def finished(self, reason: str) -> None:
         self.finish_reasons.append(reason)
 
-    def produced(self, num_tokens: int, finish_reasons: list[str]) -> None:
+    def produced(self, num_tokens: int, finish_reasons: list[str], num_choices: int = 0) -> None:
         """The engine's own count of the request's tokens and finished choices, once it has ended:
-        its response may have taken in fewer."""
+        its response may have taken in fewer. Choices that did not finish (the client went away, the
+        request was cut or failed) count as vLLM's "abort"."""
         self.num_produced = num_tokens
         if len(finish_reasons) > len(self.finish_reasons):
             self.finish_reasons = finish_reasons
+        self.num_aborted = max(0, num_choices - len(self.finish_reasons))
 
     def done(self) -> None:
         """Record the request's metrics and its log line; idempotent."""
@@ -230,6 +233,8 @@ class RequestTimer:
         m.generation_tokens.inc(generated)
         for reason in self.finish_reasons:
             m.request_success.labels(reason).inc()
+        if self.num_aborted:
+            m.request_success.labels("abort").inc(self.num_aborted)
         if self.first is not None:
             m.ttft.observe(self.first - self.arrival)
             if self.num_delivered > 1:

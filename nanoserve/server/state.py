@@ -169,7 +169,8 @@ async def timed(stream: RequestStream, timer: RequestTimer) -> AsyncIterator[Req
         # what the engine produced, read or not: a client cut off by --timeout-body or gone left
         # updates unread, and counting only those read undercounted tokens and finishes
         timer.produced(sum(out.num_tokens for out in stream.outputs),
-                       [out.finish_reason for out in stream.outputs if out.finish_reason is not None])
+                       [out.finish_reason for out in stream.outputs if out.finish_reason is not None],
+                       len(stream.outputs))
         timer.done()
 
 

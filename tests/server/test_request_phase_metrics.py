@@ -52,3 +52,24 @@ def test_a_request_that_waits_for_a_seat_shows_its_queue_time(server_model):
         assert prompt_sum > second["usage"]["prompt_tokens"] and m["nanoserve:request_prompt_tokens_count"] == 3
         # a request that never waited: the queue's sum is the second's wait plus a few milliseconds
         assert m["nanoserve:request_queue_time_seconds_sum"] < waited + 1.0
+
+
+def test_choices_cut_short_count_as_aborted_as_vllm_labels_them(server_model):
+    from nanoserve import EngineConfig
+    from nanoserve.engine.async_engine import AsyncEngine
+
+    # a client gone mid-stream left its choices in no finish reason: /metrics never showed them
+    engine = AsyncEngine(EngineConfig(model=server_model, device=DEVICE, num_kvcache_blocks=128, block_size=16))
+    with serving(engine) as (url, _):
+        httpx.post(f"{url}/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                "prompt": "A long list of", "max_tokens": 1000, "n": 3, "ignore_eos": True, "stream": True}) as cut:
+            lines = cut.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+        deadline = time.monotonic() + 30
+        name = "nanoserve:request_success_total"
+        while _samples(url, name).get(f'{name}{{finished_reason="abort"}}') != 3:
+            assert time.monotonic() < deadline, _samples(url, name)
+            time.sleep(0.05)
+        assert _samples(url, name)[f'{name}{{finished_reason="length"}}'] == 1
