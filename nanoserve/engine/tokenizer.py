@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
@@ -23,6 +24,9 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
         # as no tokens, and the server looked healthy while it refused every request
         raise ValueError(f"Tokenizer {path!r} (--tokenizer, else the model folder's own) has no vocabulary: the "
                          "folder holds no tokenizer files (tokenizer.json, or vocab.json and merges.txt)")
+    # the context's limit is max_model_len, checked with the request's own error; the tokenizer's copy of
+    # it only made transformers log that a prompt "will result in indexing errors" beside that refusal
+    tokenizer.model_max_length = sys.maxsize
     return tokenizer
 
 

@@ -85,8 +85,11 @@ class KVCache:
         self.num_blocks = num_blocks
         shape = (2, hf.num_hidden_layers, num_blocks, config.block_size, local_kv_heads(config), head_dim_of(hf))
         self.fp8 = cache_dtype(config) == FP8_DTYPE
-        # an fp8 V tile is read whole, past a sequence's end too: the cache holds no NaN (kv_layout)
-        self.tensor = (torch.zeros if self.fp8 else torch.empty)(shape, dtype=cache_dtype(config), device=device)
+        # an fp8 V tile is read whole, past a sequence's end too: the cache holds no NaN (kv_layout).
+        # On the CPU the pages are written now: left to first use, the process's memory grew by the
+        # cache's size over the first thousands of requests, past what a limit sized at startup allowed
+        zeroed = self.fp8 or device.type == "cpu"
+        self.tensor = (torch.zeros if zeroed else torch.empty)(shape, dtype=cache_dtype(config), device=device)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s K and V caches, V in the layout the kernels read (attention/kv_layout.py)."""
