@@ -83,8 +83,9 @@ def closed_but_waiting(transport: asyncio.BaseTransport) -> bool:
 
 async def end_waiting_tls_closes(connections: Iterable, every_s: float = 0.25) -> None:
     """Until cancelled: abort each connection found closed_but_waiting on two checks in a row (the
-    second one makes sure nothing was moving between the TLS layer and the socket). Run while the
-    server stops, so that it waits for responses still being sent, not for clients' courtesy."""
+    second one makes sure nothing was moving between the TLS layer and the socket). Run for as long as
+    the server serves HTTPS: a connection closed by a timeout or by the stop is let go once its last
+    bytes are out, not when its client answers, and its --max-connections place with it."""
     waiting: set = set()
     while True:
         await asyncio.sleep(every_s)
