@@ -17,7 +17,7 @@ from tqdm import tqdm
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.validation import (as_token_ids, check_logprobs, check_params_token_ids, check_priority,
-                                         check_prompt, logprobs_cap)
+                                         check_prompt, logprobs_cap, tokens_kept, truncated)
 from nanoserve.engine.outputs import CompletionOutput, RequestState
 from nanoserve.engine.vllm_logprobs import PositionLogprobs, no_text, sequence_logprobs, token_decoder
 from nanoserve.generation_defaults import sampling_defaults
@@ -138,9 +138,7 @@ class LLM:
         texts, token_ids = [], []
         for i, prompt in enumerate(prompts):
             text, ids, salt = self._prompt(prompt)
-            keep = params_list[i].truncate_prompt_tokens
-            if keep is not None:
-                ids = ids[-(self.engine.config.max_model_len if keep == -1 else keep):]
+            ids = truncated(ids, tokens_kept(params_list[i].truncate_prompt_tokens, self.engine.config.max_model_len))
             texts.append(text)
             token_ids.append(ids)
             if salt is not None:

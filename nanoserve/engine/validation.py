@@ -37,6 +37,17 @@ def as_token_ids(prompt: Sequence[int]) -> list[int]:
     return [int(token) for token in ids]   # numpy's integers
 
 
+def tokens_kept(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """vLLM's truncate_prompt_tokens: how many of a prompt's last tokens are kept (-1: max_model_len),
+    None for all of them."""
+    return max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+
+
+def truncated(prompt: list[int], keep: int | None) -> list[int]:
+    """The prompt's last `keep` tokens (tokens_kept), or the whole prompt for None."""
+    return prompt[-keep:] if keep is not None else prompt
+
+
 def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
     """Raise RequestRefused when a prompt of `num_tokens` leaves the context no room for output."""
     if num_tokens >= max_model_len:

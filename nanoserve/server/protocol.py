@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, FailFast, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from nanoserve.engine.validation import RequestRefused, check_priority
+from nanoserve.engine.validation import RequestRefused, check_priority, tokens_kept, truncated
 from nanoserve.sampling_params import (MAX_CACHE_SALT_CHARS, MAX_INT, MIN_REPETITION_PENALTY, SEED_RANGE,
                                        SamplingParams)
 from nanoserve.server.errors import APIError
@@ -274,12 +274,10 @@ class SamplingFields(Strict):
 
     def fit_truncation(self, max_model_len: int) -> None:
         """vLLM's truncate_prompt_tokens -1: the prompt's last max_model_len tokens."""
-        if self.truncate_prompt_tokens == -1:
-            self.truncate_prompt_tokens = max_model_len
+        self.truncate_prompt_tokens = tokens_kept(self.truncate_prompt_tokens, max_model_len)
 
     def truncate(self, prompt: list[int]) -> list[int]:
-        k = self.truncate_prompt_tokens
-        return prompt[-k:] if k is not None else prompt
+        return truncated(prompt, self.truncate_prompt_tokens)
 
 
 class CompletionRequest(SamplingFields):
