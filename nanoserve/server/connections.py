@@ -15,7 +15,6 @@ import asyncio
 import logging
 import resource
 import time
-import types
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
@@ -149,8 +148,6 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
     """uvicorn's `http=` protocol class enforcing `limits.timeout_headers`, `limits.timeout_body` (for
     the request body, and for a response the client leaves unread) and `limits.max_connections`."""
 
-    refusals = types.SimpleNamespace(quiet_until=0.0)
-
     class LimitedConnection(HttpToolsProtocol):
         _header_deadline: asyncio.TimerHandle | None = None
         _body_deadline: asyncio.TimerHandle | None = None
@@ -160,13 +157,14 @@ def connection_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
         _body_chunks = 0                 # chunks of the current request's body read so far
         _dropping = False                # refused mid-body: whatever else arrives is dropped unread
         _linger: asyncio.TimerHandle | None = None
+        _over_cap_quiet_until = 0.0      # of the class: the over-cap warning's next time, for every connection
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             if len(self.connections) > limits.max_connections:
                 now = time.monotonic()
-                if now >= refusals.quiet_until:   # a flood of connections made one line each
-                    refusals.quiet_until = now + OVER_CAP_LOG_EVERY_S
+                if now >= LimitedConnection._over_cap_quiet_until:   # a flood of connections made one line each
+                    LimitedConnection._over_cap_quiet_until = now + OVER_CAP_LOG_EVERY_S
                     logger.warning("%d open connections (--max-connections %d): refusing new requests but /health "
                                    "(logged at most every %.0f s)", len(self.connections), limits.max_connections,
                                    OVER_CAP_LOG_EVERY_S)

@@ -125,7 +125,8 @@ class ServerMetrics:
             r = CollectorRegistry()   # never scraped: the values go to this process's files
         self.prompt_tokens = Counter("nanoserve:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("nanoserve:generation_tokens", "Tokens generated", registry=r)
-        self.request_success = Counter("nanoserve:request_success", "Finished choices by finish reason (abort: ended unfinished)",
+        self.request_success = Counter("nanoserve:request_success",
+                                       "Finished choices by finish reason (abort: ended unfinished)",
                                        ["finished_reason"], registry=r)
         self.ttft = Histogram("nanoserve:time_to_first_token_seconds", "Arrival to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
@@ -187,7 +188,7 @@ class RequestTimer:
         self.num_delivered = 0   # tokens the response took in
         self.num_produced = 0    # the engine's count, once the request has ended: more if its client went away
         self.finish_reasons: list[str] = []
-        self.num_aborted = 0
+        self.num_choices = 0     # the engine's, once the request has ended: those without a finish reason aborted
         self.timing: tuple[float, float] | None = None   # (queued, first run to first token), from the engine
         self.logged = False
 
@@ -220,7 +221,7 @@ class RequestTimer:
         self.num_produced = num_tokens
         if len(finish_reasons) > len(self.finish_reasons):
             self.finish_reasons = finish_reasons
-        self.num_aborted = max(0, num_choices - len(self.finish_reasons))
+        self.num_choices = num_choices
 
     def done(self) -> None:
         """Record the request's metrics and its log line; idempotent."""
@@ -233,8 +234,9 @@ class RequestTimer:
         m.generation_tokens.inc(generated)
         for reason in self.finish_reasons:
             m.request_success.labels(reason).inc()
-        if self.num_aborted:
-            m.request_success.labels("abort").inc(self.num_aborted)
+        aborted = self.num_choices - len(self.finish_reasons)
+        if aborted > 0:
+            m.request_success.labels("abort").inc(aborted)
         if self.first is not None:
             m.ttft.observe(self.first - self.arrival)
             if self.num_delivered > 1:
