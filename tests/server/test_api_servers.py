@@ -348,12 +348,17 @@ def test_a_temporary_folder_too_deep_for_a_socket_path_still_serves_and_is_left_
     try:
         if count == "2":
             started(proc)
-        reply = httpx.post(f"{proc.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
-        assert reply.status_code == 200, reply.text
-        assert proc.stop() == 0, proc.log_tail()
-        assert list(temp.iterdir()) == []
+        serves_and_leaves_clean(proc, temp)
     finally:
         proc.stop()
+
+
+def serves_and_leaves_clean(proc: ServerProcess, temp: Path) -> None:
+    """`proc` answers a completion, stops with exit 0, and leaves nothing in its temporary folder."""
+    reply = httpx.post(f"{proc.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert proc.stop() == 0, proc.log_tail()
+    assert list(temp.iterdir()) == []
 
 
 def test_a_killed_servers_socket_folder_is_removed_by_the_next_server(server_model, tmp_path):
@@ -377,9 +382,6 @@ def test_a_killed_servers_socket_folder_is_removed_by_the_next_server(server_mod
     try:
         now = list(temp.iterdir())
         assert len(now) == 1 and now != left
-        reply = httpx.post(f"{following.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
-        assert reply.status_code == 200, reply.text
-        assert following.stop() == 0, following.log_tail()
-        assert list(temp.iterdir()) == []
+        serves_and_leaves_clean(following, temp)
     finally:
         following.stop()
