@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [served-asc] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab] [v-store-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [served-asc] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [tiles-ab] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab] [v-store-ab]
 # carry .whl (scripts/device_wheels.sh) for the parts that import the engine or the server; served also needs .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -106,6 +106,14 @@ d.decode_config = lambda *a, **k: {**tiles(*a, **k), 'BLOCK_AHEAD': $ahead}" --b
          done
          python3 bench/decode_step.py --batch-sizes 1,16,64,256 --contexts 1024 --kv-cache-dtype fp8 2>&1 \
            | tee -a "$out/ahead-steps.log" | grep -vE "it/s|Capturing" ;;
+    tiles-ab) # decode tiles over an fp8 cache (V along tokens): the kernel sweep with 256-key tiles, then the 256-sequence
+         # workload with the default tiles against NANOSERVE_DECODE_TILES_FP8's candidates, one process each
+         python3 bench/attention_kernels.py --v-layout --group 2 2>&1 | tee "$out/tiles-g2.log" | tail -30
+         for tiles in default 256,4,2 256,8,2; do
+           echo "fp8 decode tiles: $tiles" | tee -a "$out/tiles-ab.log"
+           NANOSERVE_DECODE_TILES_FP8=${tiles/default/} python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype fp8 2>&1 \
+             | tee -a "$out/tiles-ab.log" | grep -E "^throughput|Error"
+         done ;;
     split-rule-ab) # fp8 splits by batch: 1,024 keys wherever keys apply (the default), against 1,024 from 192 sequences
          # and SMALL keys below (the ragged sweep at batch 128 had 256-key splits at 2.44 TB/s against 2.28); the workload
          for small in default 256 512; do

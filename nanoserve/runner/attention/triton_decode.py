@@ -240,6 +240,23 @@ def decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = 
                   head_dim: int = 128, v_tokens_contiguous: bool = True) -> dict:
     """The decode kernel's tiles. v_tokens_contiguous: an fp8 cache's V lies as the engine lays it
     out (kv_layout.py), or (False) row by row as K."""
+    tiles = _default_tiles(device, fp8, dtype, head_dim, v_tokens_contiguous)
+    return {**tiles, **tiles_asked(fp8)} if device.type == "cuda" else tiles
+
+
+@functools.lru_cache(maxsize=None)
+def tiles_asked(fp8: bool) -> dict:
+    """Decode tiles over a cache of this kind as NANOSERVE_DECODE_TILES_FP8 / _BF16 asks ("BLOCK_N,warps,stages";
+    read once), for A/B runs of the workload; none asked: the defaults."""
+    value = os.environ.get("NANOSERVE_DECODE_TILES_FP8" if fp8 else "NANOSERVE_DECODE_TILES_BF16")
+    if not value:
+        return {}
+    block_n, warps, stages = (int(part) for part in value.split(","))
+    return dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+
+
+def _default_tiles(device: torch.device, fp8: bool, dtype: torch.dtype, head_dim: int,
+                   v_tokens_contiguous: bool) -> dict:
     if device.type != "cuda":   # interpreter: small tiles keep masked work (and CPU time) low; the loop is the GPU's
         return dict(BLOCK_N=16, num_warps=1, num_stages=1, BLOCK_AHEAD=fp8)
     if fp8 and (dtype.itemsize > 2 or head_dim > 128):
