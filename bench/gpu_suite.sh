@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [served-asc] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [tiles-ab] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab] [v-store-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [served-asc] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [tiles-ab] [prefill-fp8-ab] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab] [v-store-ab]
 # carry .whl (scripts/device_wheels.sh) for the parts that import the engine or the server; served also needs .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -113,6 +113,17 @@ d.decode_config = lambda *a, **k: {**tiles(*a, **k), 'BLOCK_AHEAD': $ahead}" --b
            echo "fp8 decode tiles: $tiles" | tee -a "$out/tiles-ab.log"
            NANOSERVE_DECODE_TILES_FP8=${tiles/default/} python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype fp8 2>&1 \
              | tee -a "$out/tiles-ab.log" | grep -E "^throughput|Error"
+         done ;;
+    prefill-fp8-ab) # TTFT of one prompt over an fp8 cache: the 64 x 64 tiles on 4 warps used before, then the default
+         for old in True False; do
+           echo "fp8 prefill on the old 64 x 64 tiles: $old" | tee -a "$out/prefill-fp8-ab.log"
+           python3 -c "import runpy, sys
+import nanoserve.runner.attention.triton_prefill as p
+if $old:
+    p._prefill_config = lambda *a: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+sys.argv = ['prefill', '--kv-cache-dtype', 'fp8']
+sys.path.insert(0, 'bench'); runpy.run_path('bench/prefill.py', run_name='__main__')" 2>&1 \
+             | tee -a "$out/prefill-fp8-ab.log" | grep -vE "it/s|Capturing|Warning|warn"
          done ;;
     split-rule-ab) # fp8 splits by batch: 1,024 keys wherever keys apply (the default), against 1,024 from 192 sequences
          # and SMALL keys below (the ragged sweep at batch 128 had 256-key splits at 2.44 TB/s against 2.28); the workload

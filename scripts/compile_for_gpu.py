@@ -101,7 +101,7 @@ def variants(target: GPUTarget):
                 yield (f"decode {cache[1:]} new v", _decode_kernel, io,
                        dict(shared, PACKED_Q=False, BLOCK_H=16, HEADS_FAST=on, PREFETCH_LINES=0, NEW_V=True,
                             **tiles), options)
-            tiles = _prefill_config(128, torch.bfloat16, CUDA, fp8)
+            tiles = _prefill_config(128, torch.bfloat16, CUDA)
             options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
             yield (f"prefill {cache[1:]} flags {'on' if on else 'off'}", _prefill_kernel, io,
                    dict(GROUP=2, BLOCK_Q=tiles["BLOCK_M"] // 2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None,

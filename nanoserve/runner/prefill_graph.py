@@ -204,7 +204,7 @@ class PrefillGraphs:
         self.max_seqs = min(config.max_num_seqs, MAX_GRAPH_SEQS)
         hf = model.config
         block_q = prefill_block_q(hf.num_attention_heads, hf.num_key_value_heads, head_dim_of(hf), config.dtype,
-                                  self.device, config.kv_cache_dtype == "fp8")
+                                  self.device)
         self.buffers = PrefillBuffers(self.max_tokens, -(-config.max_model_len // config.block_size), self.device,
                                       self.max_seqs, block_q, config.max_model_len, config.block_size)
         self.prompt_seqs = min(self.max_seqs, PROMPT_GRAPH_SEQS)

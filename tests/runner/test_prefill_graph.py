@@ -43,7 +43,7 @@ SEQS = 6   # the buffers' sequences: a step of fewer leaves some empty
 def make_buffers(runner) -> PrefillBuffers:
     hf = runner.model.config
     block_q = prefill_block_q(hf.num_attention_heads, hf.num_key_value_heads, head_dim_of(hf), torch.float32,
-                              runner.device, False)
+                              runner.device)
     return PrefillBuffers(128, 128 // runner.block_size, runner.device, SEQS, block_q, 128, runner.block_size)
 
 

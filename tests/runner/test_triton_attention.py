@@ -352,7 +352,7 @@ def test_prefill_over_a_staged_tile_list_gives_the_same_bits_as_over_the_grid() 
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
                                                 dtype=torch.float32, seed=80)
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-    block_q = prefill_block_q(4, 2, 64, torch.float32, q.device, False)
+    block_q = prefill_block_q(4, 2, 64, torch.float32, q.device)
     tiles = np.empty(sum(n for n, _ in specs) // block_q + len(specs), dtype=np.int32)
     prefill_tiles([n for n, _ in specs], block_q, tiles)
     real = tiles[tiles >= 0]

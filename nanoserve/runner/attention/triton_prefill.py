@@ -139,10 +139,9 @@ def _tile_rows(block_m: int, group: int) -> tuple[int, int]:
     return block_m, block_m // group
 
 
-def prefill_block_q(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                    fp8: bool) -> int:
+def prefill_block_q(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
     """Query tokens per program (BLOCK_Q) of the default tiles, which `prefill_tiles` counts in."""
-    return _tile_rows(_prefill_config(head_dim, dtype, device, fp8)["BLOCK_M"], q_heads // kv_heads)[1]
+    return _tile_rows(_prefill_config(head_dim, dtype, device)["BLOCK_M"], q_heads // kv_heads)[1]
 
 
 def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> None:
@@ -160,18 +159,18 @@ def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> N
     out[count:] = -1
 
 
-def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, fp8: bool) -> dict:
+def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
     if device.type != "cuda":   # interpreter: small tiles keep masked work (and CPU time) low
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     if head_dim <= 64:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    if fp8 or dtype.itemsize > 2 or head_dim > 128:
-        # not swept for an fp8 cache or past dim 128; 128 x 128 tiles of float32 (or of dim 256)
-        # overflow shared memory or spill
+    if dtype.itemsize > 2 or head_dim > 128:
+        # not swept past dim 128; 128 x 128 tiles of float32 (or of dim 256) overflow shared memory or spill
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
     # bench/attention_kernels.py --prefill-sweep on an H200 (bf16, dim 128, group 2), TFLOP/s for
     # prompts of 1x1k / 4x1k / 1x4k / 1x16k: 106 / 178 / 234 / 328, against 103 / 173 / 215 / 282
-    # for the 64 x 64 tiles on 4 warps used before
+    # for the 64 x 64 tiles on 4 warps used before. Over an fp8 cache with V along tokens (--v-layout,
+    # one H100): 94.2 / 151.1 / 191.0 for 1x1k / 4x1k / 1x4k, against 82.2 / 141.3 / 168.1 on 64 x 64
     return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
 
 
@@ -195,7 +194,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
     # launching the last query tiles first helped no default config (the prefill sweep): off unless asked
-    cfg = {"LAST_TILES_FIRST": False, **_prefill_config(head_dim, q.dtype, q.device, fp8), **(config or {})}
+    cfg = {"LAST_TILES_FIRST": False, **_prefill_config(head_dim, q.dtype, q.device), **(config or {})}
     v_tokens = tokens_contiguous(v_cache)
     if v_tokens:   # such V is read a whole tile at a time, in tiles within one block (kv_layout.py)
         cfg["BLOCK_N"] = min(cfg["BLOCK_N"], block_size)
