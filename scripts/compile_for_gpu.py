@@ -31,7 +31,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nanoserve.runner.attention.triton_decode import _decode_kernel, _merge_splits_kernel, decode_config  # noqa: E402
+from nanoserve.runner.attention.decode_tiles import decode_config  # noqa: E402
+from nanoserve.runner.attention.triton_decode import _decode_kernel, _merge_splits_kernel  # noqa: E402
 from nanoserve.runner.attention.triton_prefill import _prefill_config, _prefill_kernel  # noqa: E402
 from nanoserve.runner.layers.rms_norm_kernel import _rms_norm_kernel  # noqa: E402
 from nanoserve.runner.layers.small_gemm import _skinny_kernel, skinny_config  # noqa: E402

@@ -121,7 +121,7 @@ def test_triton_decode_over_fp8_forced_splits(dtype, block_size, head_dim, group
 @pytest.mark.parametrize("group,magnitude,seed", [(2, 1.0, 21), (4, 300.0, 22)])
 def test_triton_decode_widening_fp8_to_bf16_for_a_bf16_query(group, magnitude, seed):
     """The bf16 widening that bench/attention_kernels.py --fp8-sweep weighs against the default f16."""
-    from nanoserve.runner.attention.triton_decode import decode_config
+    from nanoserve.runner.attention.decode_tiles import decode_config
 
     config = dict(decode_config(torch.device("cuda"), fp8=True), FP8_VIA_F16=False)
     check_fp8(decode_specs(random.Random(seed), batch=29, max_len=3000), dtype=torch.bfloat16,

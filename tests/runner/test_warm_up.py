@@ -9,7 +9,7 @@ import torch
 
 import nanoserve.runner.attention.decode_splits as decode_splits
 from nanoserve.runner.attention.decode_splits import decode_split_count, engine_split_keys, split_span
-from nanoserve.runner.attention.triton_decode import decode_config
+from nanoserve.runner.attention.decode_tiles import decode_config
 from nanoserve.runner.attention.triton_kernels import DECODE_ROPE_MAX_ROWS, MIXED_MIN_DECODE_ROWS, eager_step_shapes
 from nanoserve.runner.inputs import build_inputs
 from nanoserve.runner.warm_up import warm_up_work

@@ -8,7 +8,7 @@ tile on one warp: 2,038 instructions a tile, compiled by Triton 3.6 for sm90), w
 side load in 16-byte rows (1,267 instructions a tile; `scripts/compile_for_gpu.py --byte-loads`
 counts them, and a CPU test keeps it at none). Read from memory, a 128-key tile of such V
 is one whole 128-byte line per dim, which is why the decode kernel takes 128-key tiles over it
-(triton_decode.decode_config; BENCHMARKS.md, "V along tokens"). K keeps a token's heads side
+(decode_tiles.decode_config; BENCHMARKS.md, "V along tokens"). K keeps a token's heads side
 by side (its dot contracts over dims), and a 16-bit cache keeps V that way too: 16-bit tiles
 transpose in the load itself.
 

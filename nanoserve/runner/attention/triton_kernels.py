@@ -12,7 +12,8 @@ import triton.language as tl
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.kv_layout import tokens_contiguous
 from nanoserve.runner.attention.decode_splits import decode_split_count, engine_split_keys, split_span
-from nanoserve.runner.attention.triton_decode import decode_config, paged_decode
+from nanoserve.runner.attention.decode_tiles import decode_config
+from nanoserve.runner.attention.triton_decode import paged_decode
 from nanoserve.runner.attention.triton_fp8 import to_fp8
 from nanoserve.runner.attention.triton_paged import store_kv_rows
 from nanoserve.runner.attention.triton_prefill import paged_prefill
