@@ -30,3 +30,10 @@ def test_the_interpreters_small_tiles_ignore_the_switch(asked):
     asked(NANOSERVE_DECODE_TILES_BF16="128,4,2")
     assert decode_config(CPU)["BLOCK_N"] == 16
     assert decode_config(CUDA)["BLOCK_N"] == 128
+
+
+def test_a_register_cap_may_follow_the_tiles(asked):
+    asked(NANOSERVE_DECODE_TILES_FP8="128,4,2,128")
+    tiles = decode_config(CUDA, fp8=True)
+    assert (tiles["BLOCK_N"], tiles["num_warps"], tiles["num_stages"], tiles["maxnreg"]) == (128, 4, 2, 128)
+    assert "maxnreg" not in decode_config(CUDA, fp8=False)

@@ -19,13 +19,14 @@ def decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = 
 
 @functools.lru_cache(maxsize=None)
 def tiles_asked(fp8: bool) -> dict:
-    """Decode tiles over a cache of this kind as NANOSERVE_DECODE_TILES_FP8 / _BF16 asks ("BLOCK_N,warps,stages";
-    read once), for A/B runs of the workload; none asked: the defaults."""
+    """Decode tiles over a cache of this kind as NANOSERVE_DECODE_TILES_FP8 / _BF16 asks ("BLOCK_N,warps,stages"
+    and optionally ",maxnreg", a cap on registers a thread; read once), for A/B runs of the workload; none
+    asked: the defaults."""
     value = os.environ.get("NANOSERVE_DECODE_TILES_FP8" if fp8 else "NANOSERVE_DECODE_TILES_BF16")
     if not value:
         return {}
-    block_n, warps, stages = (int(part) for part in value.split(","))
-    return dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    block_n, warps, stages, *cap = (int(part) for part in value.split(","))
+    return dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, **({"maxnreg": cap[0]} if cap else {}))
 
 
 def _default_tiles(device: torch.device, fp8: bool, dtype: torch.dtype, head_dim: int,
