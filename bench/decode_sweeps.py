@@ -158,9 +158,11 @@ def v_layout_sweep(q_heads: int) -> None:
     print(f"{'V BLOCK_N warps stages':>34} " + " ".join(f"{c[0]:>12}" for c in shapes))
     for layout, v, tiles in (("rows", rows, ((64, 1, 2),)),
                              ("tokens", tokens, ((64, 1, 2), (64, 2, 3), (128, 2, 2), (128, 4, 2), (128, 4, 3),
-                                                 (128, 8, 2), (256, 4, 2), (256, 8, 2)))):
+                                                 (128, 8, 2), (256, 4, 2), (256, 8, 2), (128, 4, 2, 128),
+                                                 (128, 4, 3, 128), (128, 4, 2, 96)))):
         caches.v = v
-        for block_n, warps, stages in tiles:
-            cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, BLOCK_AHEAD=True)
-            tile_line(f"{layout} {block_n:4d} {warps} {stages}", caches, cases, cfg)
+        for block_n, warps, stages, *cap in tiles:   # cap: registers a thread (maxnreg)
+            cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, BLOCK_AHEAD=True,
+                       **({"maxnreg": cap[0]} if cap else {}))
+            tile_line(f"{layout} {block_n:4d} {warps} {stages}{f' r{cap[0]}' if cap else ''}", caches, cases, cfg)
     print("! = differs from the row-by-row default by more than 2e-2")

@@ -106,10 +106,11 @@ d.decode_config = lambda *a, **k: {**tiles(*a, **k), 'BLOCK_AHEAD': $ahead}" --b
          done
          python3 bench/decode_step.py --batch-sizes 1,16,64,256 --contexts 1024 --kv-cache-dtype fp8 2>&1 \
            | tee -a "$out/ahead-steps.log" | grep -vE "it/s|Capturing" ;;
-    tiles-ab) # decode tiles over an fp8 cache (V along tokens): the kernel sweep with 256-key tiles, then the 256-sequence
-         # workload with the default tiles against NANOSERVE_DECODE_TILES_FP8's candidates, one process each
+    tiles-ab) # decode tiles over an fp8 cache (V along tokens): the kernel sweep with 256-key tiles and register caps, then
+         # the 256-sequence workload with the default tiles against NANOSERVE_DECODE_TILES_FP8's candidates (TILES="default
+         # 128,4,2,128" to choose), one process each
          python3 bench/attention_kernels.py --v-layout --group 2 2>&1 | tee "$out/tiles-g2.log" | tail -30
-         for tiles in default 256,4,2 256,8,2; do
+         for tiles in ${TILES:-default 256,4,2 256,8,2}; do
            echo "fp8 decode tiles: $tiles" | tee -a "$out/tiles-ab.log"
            NANOSERVE_DECODE_TILES_FP8=${tiles/default/} python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype fp8 2>&1 \
              | tee -a "$out/tiles-ab.log" | grep -E "^throughput|Error"
