@@ -200,11 +200,9 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     # the server sets it for front ends that share a port (server/api_servers.py); inherited, it put
     # prometheus_client in its multiprocess mode: files left in that folder, a traceback where it is none
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    from nanoserve.server.app import HTTPOptions, serve  # the web stack loads only for `serve`
+    # torch-free: a bad flag, file or model is refused before the web stack and torch load (seconds)
     from nanoserve.generation_defaults import generation_overrides, sampling_defaults
     from nanoserve.server.tool_parsers import TOOL_PARSERS
-    from nanoserve.server.connections import raise_open_file_limit
-    from nanoserve.server.state import ServerSettings
     from nanoserve.server.tls import tls_files
     from nanoserve.model_source import resolve_model
 
@@ -255,6 +253,10 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         sampling_defaults(kwargs["model"], args.generation_config, overrides)
     except ValueError as exc:
         parser.error(str(exc))
+    from nanoserve.server.app import HTTPOptions, serve  # the web stack loads only for `serve`
+    from nanoserve.server.connections import raise_open_file_limit
+    from nanoserve.server.state import ServerSettings
+
     names = args.served_model_name or [args.model or os.path.basename(DEFAULT_MODEL)]
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                               allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,

@@ -173,6 +173,22 @@ def test_help_answers_in_under_a_second_without_importing_torch(command):
     assert float(seconds) < 1.0
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["serve", "/no/such/folder"], "does not exist"),
+    (["serve", "--port", "70000"], "--port must be in 0-65535"),
+    (["serve", "--api-key", " "], "is empty, blank or not ASCII"),
+    (["serve", "--enable-auto-tool-choice"], "needs --tool-call-parser"),
+])
+def test_a_bad_model_or_flag_is_refused_before_torch_loads(argv, says):
+    # a typo in a deployment's command line is answered at once, not after seconds of imports
+    code = ("import sys; from nanoserve.cli import main\n"
+            f"try: main({argv!r})\nexcept SystemExit as e: assert e.code == 2, e.code\n"
+            "print([m for m in ('torch', 'transformers') if m in sys.modules])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert says in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+
+
 def test_help_shows_the_defaults():
     serve_help = run_cli("serve", "--help", timeout=60).stdout
     for text in ("(default: 8000)", "(default: 0.0.0.0)", "(default: 1024)", "(default: 33554432)",
