@@ -57,6 +57,8 @@ def resolve_model(name: str, revision: str | None = None, download_dir: str | No
         if revision is not None:   # a folder has no revisions: the flag was meant for a Hub id
             logger.warning("--revision %s is ignored: %s is a local folder, served as it is", revision, name)
         return name
+    if _is_a_path(name):   # no Hub id looks so: refused as the folder it meant, without asking the Hub
+        raise ValueError(_no_folder(name))
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
@@ -72,9 +74,7 @@ def resolve_model(name: str, revision: str | None = None, download_dir: str | No
         folder = snapshot_download(name, revision=revision, cache_dir=download_dir,
                                    allow_patterns=weight_files(folder) if indexed else ["*.safetensors"])
     except HFValidationError:
-        raise ValueError(f"Model folder {name!r} does not exist; pass a Hugging Face model folder (config.json, "
-                         "*.safetensors, tokenizer files), a Hub repository id such as Qwen/Qwen3-0.6B, or "
-                         "nothing for the bundled model") from None
+        raise ValueError(_no_folder(name)) from None
     except GatedRepoError:
         raise ValueError(f"{neither}: the repository is gated. Accept its terms on huggingface.co, then pass "
                          "--hf-token or set HF_TOKEN") from None
@@ -92,3 +92,16 @@ def resolve_model(name: str, revision: str | None = None, download_dir: str | No
         raise ValueError(f"The Hub repository {name!r} has no *.safetensors weights (nanoserve does not read "
                          ".bin or GGUF checkpoints); convert it, or pick a repository that has them")
     return folder
+
+
+def _is_a_path(name: str) -> bool:
+    """Whether `name` can only mean a local path: a Hub id is `name` or `owner/name`, never absolute,
+    relative to `.` or `~`, nor an existing file."""
+    return (name.startswith(("/", "./", "../", "~")) or name in (".", "..") or name.count("/") > 1
+            or os.path.exists(name))
+
+
+def _no_folder(name: str) -> str:
+    what = "is a file, not a model folder" if os.path.isfile(name) else "does not exist"
+    return (f"Model folder {name!r} {what}; pass a Hugging Face model folder (config.json, *.safetensors, "
+            "tokenizer files), a Hub repository id such as Qwen/Qwen3-0.6B, or nothing for the bundled model")

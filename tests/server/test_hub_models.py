@@ -89,6 +89,8 @@ def test_a_sharded_repository_fetches_the_files_its_index_names_and_no_other_cop
     (REPO_ID, ("--revision", "v9"), {}, "it has no revision 'v9' (--revision)"),
     (REPO_ID, (), {"HF_HUB_OFFLINE": "1"}, "it is not in the Hub's cache"),
     ("/no/such/folder", (), {}, "Model folder '/no/such/folder' does not exist"),
+    ("./no-such-folder", (), {}, "Model folder './no-such-folder' does not exist"),
+    ("README.md", (), {}, "Model folder 'README.md' is a file, not a model folder"),
     ("acme/index-without-map", (), {}, "model.safetensors.index.json is not a safetensors index"),
     ("acme/index-not-json", (), {}, "model.safetensors.index.json is not a safetensors index"),
     ("acme/index-outside", (), {}, "model.safetensors.index.json is not a safetensors index"),
@@ -99,6 +101,8 @@ def test_a_model_that_cannot_be_fetched_is_refused_before_anything_loads(hub, tm
     assert done.returncode == 2, done.stderr
     assert refusal in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and "Loading weights" not in done.stderr
+    if model.startswith(("/", ".")) or os.path.exists(os.path.join(REPO, model)):   # a path: the Hub is not asked
+        assert "Fetching" not in done.stderr, done.stderr
 
 
 def test_a_revision_given_with_a_local_folder_is_said_to_be_ignored(caplog):
