@@ -64,15 +64,29 @@ def compile_one(kernel, pointers: dict[str, str], constexprs: dict, options: dic
     return triton.compile(source, target=target, options=options)
 
 
-def byte_loads(compiled) -> int:
-    """Global and shared-memory loads of one byte in the compiled kernel's SASS (cuobjdump, as
-    shipped with Triton)."""
+def _cuobjdump(compiled, flag: str) -> str:
+    """cuobjdump's output (as shipped with Triton) for the compiled kernel's cubin."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        sass = subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
-    return len(re.findall(r"\b(?:LDG|LDS)(?:\.E)?\.U8\b", sass))
+        return subprocess.run([tool, flag, cubin.name], capture_output=True, text=True, check=True).stdout
+
+
+def byte_loads(compiled) -> int:
+    """Global and shared-memory loads of one byte in the compiled kernel's SASS."""
+    return len(re.findall(r"\b(?:LDG|LDS)(?:\.E)?\.U8\b", _cuobjdump(compiled, "-sass")))
+
+
+def resources(compiled, num_warps: int) -> str:
+    """Registers a thread, stack bytes, shared memory, and the programs an SM that these allow on
+    Hopper (65,536 registers, 228 KB of shared memory, 64 warps an SM)."""
+    usage = _cuobjdump(compiled, "--dump-resource-usage")
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    shared = compiled.metadata.shared
+    fits = min(64 // num_warps, 65536 // (regs * 32 * num_warps), 228 * 1024 // max(shared, 1))
+    return f"{regs} registers, {stack} bytes of stack, {shared // 1024} KB shared: {fits} programs an SM"
 
 
 def variants(target: GPUTarget):
@@ -141,6 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
     parser.add_argument("--only", default="", help="comma-separated words: only variants whose name starts with one")
     parser.add_argument("--byte-loads", action="store_true", help="also count each variant's one-byte loads (SASS)")
+    parser.add_argument("--resources", action="store_true",
+                        help="also print each variant's registers, stack, shared memory and programs an SM")
+    parser.add_argument("--maxnreg", type=int, help="compile with this cap on registers a thread")
     args = parser.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
     only = tuple(word for word in args.only.split(",") if word)
@@ -149,9 +166,12 @@ def main(argv: list[str] | None = None) -> None:
         if only and not name.startswith(only):
             continue
         started = time.perf_counter()
+        if args.maxnreg:
+            options = dict(options, maxnreg=args.maxnreg)
         compiled = compile_one(kernel, pointers, constexprs, options, target)
         loads = f", {byte_loads(compiled)} one-byte loads" if args.byte_loads else ""
-        print(f"sm{args.arch} {name}: compiled in {time.perf_counter() - started:.1f} s{loads}", flush=True)
+        used = f"; {resources(compiled, options['num_warps'])}" if args.resources else ""
+        print(f"sm{args.arch} {name}: compiled in {time.perf_counter() - started:.1f} s{loads}{used}", flush=True)
         count += 1
     print(f"{count} kernels compiled for sm{args.arch}")
 
