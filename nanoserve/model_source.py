@@ -97,7 +97,7 @@ def resolve_model(name: str, revision: str | None = None, download_dir: str | No
 def _is_a_path(name: str) -> bool:
     """Whether `name` can only mean a local path: a Hub id is `name` or `owner/name`, never absolute,
     relative to `.` or `~`, nor an existing file."""
-    return (name.startswith(("/", "./", "../", "~")) or name in (".", "..") or name.count("/") > 1
+    return (name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
             or os.path.exists(name))
 
 
