@@ -337,12 +337,17 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
+    from nanoserve.model_source import resolve_model
+
+    kwargs = engine_kwargs(args, args.model)
+    # the model first, before torch loads: a wrong path is refused at once
+    kwargs["model"] = resolve_model(kwargs["model"], args.revision, args.download_dir, args.trust_remote_code)
     from nanoserve.engine.llm import LLM
     from nanoserve.sampling_params import SamplingParams
 
     # every flag is checked before the weights load: SamplingParams here, EngineConfig first thing in LLM
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    with LLM(**engine_kwargs(args, args.model)) as llm:
+    with LLM(**kwargs) as llm:
         print(llm.generate(args.prompt, params, use_tqdm=False)[0].text)
 
 

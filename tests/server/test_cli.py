@@ -178,6 +178,7 @@ def test_help_answers_in_under_a_second_without_importing_torch(command):
     (["serve", "--port", "70000"], "--port must be in 0-65535"),
     (["serve", "--api-key", " "], "is empty, blank or not ASCII"),
     (["serve", "--enable-auto-tool-choice"], "needs --tool-call-parser"),
+    (["generate", "--model", "./no/such/folder", "hi"], "does not exist"),
 ])
 def test_a_bad_model_or_flag_is_refused_before_torch_loads(argv, says):
     # a typo in a deployment's command line is answered at once, not after seconds of imports
