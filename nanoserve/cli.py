@@ -205,6 +205,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from nanoserve.server.tool_parsers import TOOL_PARSERS
     from nanoserve.server.tls import tls_files
     from nanoserve.model_source import resolve_model
+    from nanoserve.engine.early_start import EarlyEngineProcess
 
     if args.max_queue_len < 1:
         parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
@@ -253,6 +254,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         sampling_defaults(kwargs["model"], args.generation_config, overrides)
     except ValueError as exc:
         parser.error(str(exc))
+    # the engine core's process imports torch and the model code while this one imports the web stack
+    early = EarlyEngineProcess() if args.api_server_count == 1 else None
     from nanoserve.server.app import HTTPOptions, serve  # the web stack loads only for `serve`
     from nanoserve.server.connections import raise_open_file_limit
     from nanoserve.server.state import ServerSettings
@@ -282,7 +285,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     threads = cpu_compute_threads(args.tensor_parallel_size, reserved=args.api_server_count)
     options = HTTPOptions(args.host, args.port, args.max_queue_len, args.shutdown_timeout, args.log_level, tls,
                           args.uvicorn_log_level, not args.disable_uvicorn_access_log, args.uds)
-    serve(EngineConfig(**kwargs, cpu_threads=threads), settings, options, args.api_server_count)
+    serve(EngineConfig(**kwargs, cpu_threads=threads), settings, options, args.api_server_count, early)
 
 
 def _check_seconds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

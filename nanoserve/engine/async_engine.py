@@ -27,6 +27,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.admission import Admission, QueueFullError, SharedCounts
 from nanoserve.engine.bad_words import with_bad_words_token_ids
 from nanoserve.engine.core import EngineCore, run_engine_process
+from nanoserve.engine.early_start import EarlyEngineProcess
 from nanoserve.engine.ipc_dir import remove_socket_dir, socket_dir
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.messages import (AbortRequests, AddRequest, EngineDied, EngineOutputs, EngineReady, EngineStats,
@@ -87,7 +88,7 @@ class AsyncEngine:
     """
 
     def __init__(self, config: EngineConfig, max_queue_len: int | None = None, engine: LLMEngine | None = None,
-                 log_level: str = "INFO", link: CoreLink | None = None) -> None:
+                 log_level: str = "INFO", link: CoreLink | None = None, early: EarlyEngineProcess | None = None) -> None:
         self.config = engine.config if engine is not None else config
         self.tokenizer = (engine.tokenizer if engine is not None
                           else load_tokenizer(self.config.tokenizer, self.config.trust_remote_code))
@@ -113,6 +114,7 @@ class AsyncEngine:
         self._inputs = self._context.socket(zmq.PUSH)
         self._outputs = self._context.socket(zmq.PULL)
         self._process: multiprocessing.process.BaseProcess | None = None
+        self._early = early   # the core's process, started before this one loaded, waiting for its arguments
         self._core_watch: int | None = None   # a pidfd of a core started by another process
         self._thread: threading.Thread | None = None
         self._reader: asyncio.Task | None = None
@@ -160,11 +162,13 @@ class AsyncEngine:
             self._thread.start()
             self._engine = None  # the thread owns it now
         else:
-            spawn = multiprocessing.get_context("spawn")  # a CUDA context cannot be forked
-            self._process = spawn.Process(target=run_engine_process, name="nanoserve-engine",
-                                          args=(self.config, [input_address], [output_address], os.getpid(),
-                                                self.log_level))
-            self._process.start()
+            args = (self.config, [input_address], [output_address], os.getpid(), self.log_level)
+            if self._early is not None:
+                self._process = self._early.run(*args)
+            else:
+                spawn = multiprocessing.get_context("spawn")  # a CUDA context cannot be forked
+                self._process = spawn.Process(target=run_engine_process, name="nanoserve-engine", args=args)
+                self._process.start()
             loop.add_reader(self._process.sentinel, self._process_exited)
         self.ready = await self._ready
         return self.ready

@@ -23,6 +23,7 @@ from starlette.middleware.cors import CORSMiddleware
 from nanoserve import __version__
 from nanoserve.config import EngineConfig
 from nanoserve.engine.async_engine import AsyncEngine, EngineDeadError
+from nanoserve.engine.early_start import EarlyEngineProcess
 from nanoserve.lifetime import freeze_startup_heap
 from nanoserve.server import chat, completions, info, invocations, responses
 from nanoserve.server.backlog import BudgetMiddleware
@@ -315,14 +316,14 @@ class HTTPOptions:
 
 
 def serve(config: EngineConfig, settings: ServerSettings, options: HTTPOptions = HTTPOptions(),
-          api_server_count: int = 1) -> None:
+          api_server_count: int = 1, early: EarlyEngineProcess | None = None) -> None:
     """Serve until SIGINT/SIGTERM; exit non-zero if the engine died or the drain was cut short.
 
     The port is taken first; the engine core then loads the model in its own process while
     connections wait in the port's backlog. On SIGTERM uvicorn stops accepting connections and
     waits up to `options.shutdown_timeout` seconds for requests in flight, streams included, to
     finish. With `api_server_count` > 1 that many front-end processes share the port and the core
-    (server/api_servers.py).
+    (server/api_servers.py). `early`: the core's process, started before the server loaded (one front end).
     """
     sock = bind_socket(options.host, options.port, options.uds)
     logger.info("Serving %s as %s on %s once the engine is ready (device %s, dtype %s%s)",
@@ -334,7 +335,8 @@ def serve(config: EngineConfig, settings: ServerSettings, options: HTTPOptions =
             from nanoserve.server.api_servers import run_api_servers
             code = run_api_servers(config, settings, options, sock, api_server_count)
         else:
-            engine = AsyncEngine(config, max_queue_len=options.max_queue_len, log_level=options.log_level.upper())
+            engine = AsyncEngine(config, max_queue_len=options.max_queue_len, log_level=options.log_level.upper(),
+                                 early=early)
             code = run_front_end(engine, settings, options, sock)
     finally:
         if options.uds is not None:
