@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import math
 import os
 import sys
+from collections.abc import Callable
 
 from nanoserve import __version__
 from nanoserve.defaults import DEFAULT_MODEL, ENGINE_HEARTBEAT_S, LOG_FORMAT, MAX_API_SERVERS
 from nanoserve.engine_flags import add_engine_flags, engine_kwargs
+from nanoserve.lifetime import sigint_deferred
 from nanoserve.vllm_flags import add_vllm_serve_flags, check_vllm_serve_flags, log_requests
 
 
@@ -196,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def _serve_setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Callable[[], None]:
+    """Check `serve`'s flags and model, load the server and the engine's config; the call that serves."""
     # the server sets it for front ends that share a port (server/api_servers.py); inherited, it put
     # prometheus_client in its multiprocess mode: files left in that folder, a traceback where it is none
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
@@ -285,7 +289,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     threads = cpu_compute_threads(args.tensor_parallel_size, reserved=args.api_server_count)
     options = HTTPOptions(args.host, args.port, args.max_queue_len, args.shutdown_timeout, args.log_level, tls,
                           args.uvicorn_log_level, not args.disable_uvicorn_access_log, args.uds)
-    serve(EngineConfig(**kwargs, cpu_threads=threads), settings, options, args.api_server_count, early)
+    config = EngineConfig(**kwargs, cpu_threads=threads)
+    return functools.partial(serve, config, settings, options, args.api_server_count, early)
 
 
 def _check_seconds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -355,7 +360,12 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
+    try:
+        with sigint_deferred():   # Ctrl-C while the parser's modules load: "interrupted", not a traceback
+            parser = build_parser()
+    except KeyboardInterrupt:
+        print("nanoserve: interrupted", file=sys.stderr)
+        sys.exit(130)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] in (["bench", "-h"], ["bench", "--help"]):
         bench = parser._subparsers._group_actions[0].choices["bench"]  # noqa: SLF001 - argparse keeps it there
@@ -367,7 +377,9 @@ def main(argv: list[str] | None = None) -> None:
                         format=LOG_FORMAT)
     try:
         if args.command == "serve":
-            _serve(args, parser)
+            with sigint_deferred():   # the checks, imports and config; serving handles Ctrl-C itself
+                start = _serve_setup(args, parser)
+            start()
         elif args.command == "bench":
             _bench(args)
         else:

@@ -1,13 +1,18 @@
-"""Child processes (the engine core, tensor-parallel workers) that end with their parent, and the heap a
-long-lived process keeps from its startup."""
+"""Child processes (the engine core, tensor-parallel workers) that end with their parent, signals while
+processes start, and the heap a long-lived process keeps from its startup."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
+import multiprocessing
+import multiprocessing.process
+import multiprocessing.resource_tracker
 import os
 import signal
 import sys
+from collections.abc import Iterator
 
 _PR_SET_PDEATHSIG = 1
 
@@ -41,3 +46,39 @@ def freeze_startup_heap() -> None:
     22-38 ms, none over 20 ms, and 40-47 ms. What startup built lives as long as the process anyway."""
     gc.collect()
     gc.freeze()
+
+
+def start_ignoring_sigint(process: multiprocessing.process.BaseProcess) -> None:
+    """Start `process` with SIGINT ignored, as it stays until it sets a handler of its own (a front
+    end's uvicorn does once it serves; the core ignores it throughout). Ctrl-C reaches every process
+    of the group, and a child still importing died of it, failing a stop the supervisor forwards to
+    it anyway. A SIGINT to this process meanwhile waits, blocked, for its handler here; the child
+    starts with it blocked too, and unblocks it first thing."""
+    # started first, so that starting the child does not start it: it unblocks SIGINT in this process
+    multiprocessing.resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)   # a child keeps an ignored signal ignored
+    try:
+        process.start()
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Hold Ctrl-C until the block ends, then raise KeyboardInterrupt. A KeyboardInterrupt raised inside
+    `import torch` (or transformers) can be swallowed by an import guard, so the server went on to serve,
+    or leave a module half-imported, so the next import failed with a traceback. Where SIGINT is ignored
+    (a background job), it stays ignored."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt

@@ -12,7 +12,7 @@ import multiprocessing.connection
 import multiprocessing.process
 import os
 
-from nanoserve.lifetime import die_with_parent, ignore_stop_signals
+from nanoserve.lifetime import die_with_parent, ignore_stop_signals, start_ignoring_sigint
 
 
 class EarlyEngineProcess:
@@ -24,7 +24,7 @@ class EarlyEngineProcess:
         spawn = multiprocessing.get_context("spawn")   # a CUDA context cannot be forked
         receive, self._send = spawn.Pipe(duplex=False)
         self.process = spawn.Process(target=_wait_then_run, args=(receive, os.getpid()), name="nanoserve-engine")
-        self.process.start()
+        start_ignoring_sigint(self.process)   # Ctrl-C is the server's to handle; the core stops when it is told
         receive.close()   # the child's copy is the one that reads; ours would keep the pipe open
         # multiprocessing joins its children at exit: a server that exits before `run` (a flag refused,
         # a port in use) first ends the wait, so the process exits and the join returns

@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
-import multiprocessing.resource_tracker
 import os
 import signal
 import socket
@@ -30,7 +29,7 @@ from nanoserve.engine.async_engine import AsyncEngine, CoreLink, exit_reason
 from nanoserve.engine.ipc_dir import remove_socket_dir, socket_dir
 from nanoserve.engine.core import run_engine_process
 from nanoserve.engine.messages import Shutdown, input_encoder
-from nanoserve.lifetime import die_with_parent
+from nanoserve.lifetime import die_with_parent, start_ignoring_sigint
 from nanoserve.server.app import FORCE_NOW_SIGNAL, FORCE_SOON_SIGNAL, HTTPOptions, run_front_end
 from nanoserve.server.state import ServerSettings
 
@@ -59,14 +58,14 @@ def run_api_servers(config: EngineConfig, settings: ServerSettings, options: HTT
                                [link.output_address for link in links], os.getpid(), level))
     supervisor = _Supervisor(core, control)   # from here a SIGTERM or SIGINT is a stop, whatever has started
     try:
-        _start_ignoring_sigint(core)
+        start_ignoring_sigint(core)
         for link in links:
             # one line of engine statistics for the server, not one per front end
             own = dataclasses.replace(settings, metrics_dir=metrics_dir, log_stats=settings.log_stats and link.index == 0)
             front_end = spawn.Process(target=_front_end_main, name=f"nanoserve-api-{link.index}",
                                       args=(config, own, options, sock, dataclasses.replace(link, core_pid=core.pid),
                                             os.getpid()))
-            _start_ignoring_sigint(front_end)
+            start_ignoring_sigint(front_end)
             supervisor.front_ends.append(front_end)
         sock.close()   # the front ends hold their own copies
         code = supervisor.run()
@@ -82,27 +81,10 @@ def run_api_servers(config: EngineConfig, settings: ServerSettings, options: HTT
         remove_socket_dir(workdir)
 
 
-def _start_ignoring_sigint(process: multiprocessing.process.BaseProcess) -> None:
-    """Start `process` with SIGINT ignored, as it stays until it sets a handler of its own (a front
-    end's uvicorn does once it serves; the core ignores it throughout). Ctrl-C reaches every process
-    of the group, and a child still importing died of it, failing a stop the supervisor forwards to
-    it anyway. A SIGINT to this process meanwhile waits, blocked, for its handler here; the child
-    starts with it blocked too, and unblocks it first thing."""
-    # started first, so that starting the child does not start it: it unblocks SIGINT in this process
-    multiprocessing.resource_tracker.ensure_running()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)   # a child keeps an ignored signal ignored
-    try:
-        process.start()
-    finally:
-        signal.signal(signal.SIGINT, handler)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
 def _front_end_main(config: EngineConfig, settings: ServerSettings, options: HTTPOptions, sock: socket.socket,
                     link: CoreLink, parent_pid: int) -> None:
     die_with_parent(parent_pid)
-    # started with SIGINT ignored and blocked (_start_ignoring_sigint): one that came meanwhile is
+    # started with SIGINT ignored and blocked (start_ignoring_sigint): one that came meanwhile is
     # dropped, and uvicorn's handler takes the next once it serves
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     logging.basicConfig(level=options.log_level.upper(), format=LOG_FORMAT.replace("%(name)s", f"[api {link.index}] %(name)s"))
