@@ -350,8 +350,9 @@ def _generate(args: argparse.Namespace) -> None:
     kwargs = engine_kwargs(args, args.model)
     # the model first, before torch loads: a wrong path is refused at once
     kwargs["model"] = resolve_model(kwargs["model"], args.revision, args.download_dir, args.trust_remote_code)
-    from nanoserve.engine.llm import LLM
-    from nanoserve.sampling_params import SamplingParams
+    with sigint_deferred():   # Ctrl-C inside torch's import could be swallowed or leave it half-imported
+        from nanoserve.engine.llm import LLM
+        from nanoserve.sampling_params import SamplingParams
 
     # every flag is checked before the weights load: SamplingParams here, EngineConfig first thing in LLM
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
