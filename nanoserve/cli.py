@@ -361,22 +361,18 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     try:
         with sigint_deferred():   # Ctrl-C while the parser's modules load: "interrupted", not a traceback
             parser = build_parser()
-    except KeyboardInterrupt:
-        print("nanoserve: interrupted", file=sys.stderr)
-        sys.exit(130)
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] in (["bench", "-h"], ["bench", "--help"]):
-        bench = parser._subparsers._group_actions[0].choices["bench"]  # noqa: SLF001 - argparse keeps it there
-        bench.print_help()
-        print("\nEach benchmark has its own flags: nanoserve bench throughput --help, nanoserve bench serving --help")
-        return
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
-                        format=LOG_FORMAT)
-    try:
+        if argv[:2] in (["bench", "-h"], ["bench", "--help"]):
+            bench = parser._subparsers._group_actions[0].choices["bench"]  # noqa: SLF001 - argparse keeps it there
+            bench.print_help()
+            print("\nEach benchmark has its own flags: nanoserve bench throughput --help, nanoserve bench serving --help")
+            return
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                            format=LOG_FORMAT)
         if args.command == "serve":
             with sigint_deferred():   # the checks, imports and config; serving handles Ctrl-C itself
                 start = _serve_setup(args, parser)
@@ -386,9 +382,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             _generate(args)
     except ValueError as exc:  # a bad flag value, caught by EngineConfig or SamplingParams
-        parser.exit(2, f"nanoserve: error: {exc}\n")
-    except KeyboardInterrupt:  # Ctrl-C before serving began (loading), or during generate or a benchmark
-        parser.exit(130, "nanoserve: interrupted\n")
+        print(f"nanoserve: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C while loading (serve: before serving began), during generate or a benchmark
+        print("nanoserve: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ def test_ctrl_c_inside_the_block_is_raised_once_the_block_ends():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_an_ignored_sigint_stays_ignored(monkeypatch):
+def test_an_ignored_sigint_stays_ignored():
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         with sigint_deferred():
