@@ -9,6 +9,7 @@ import torch
 from attention_common import BLOCK, DTYPE, HEAD_DIM, KV_HEADS, Caches, graph_time_us
 
 from nanoserve.runner.attention.decode_splits import FP8_SPLIT_KEYS, longest_first
+from nanoserve.runner.attention.decode_tiles import tile_config
 from nanoserve.runner.attention.fp8 import FP8_DTYPE
 from nanoserve.runner.attention.kv_layout import v_cache_copy
 from nanoserve.runner.attention.triton_decode import paged_decode
@@ -162,7 +163,6 @@ def v_layout_sweep(q_heads: int) -> None:
                                                  (128, 4, 3, 128), (128, 4, 2, 96)))):
         caches.v = v
         for block_n, warps, stages, *cap in tiles:   # cap: registers a thread (maxnreg)
-            cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, BLOCK_AHEAD=True,
-                       **({"maxnreg": cap[0]} if cap else {}))
+            cfg = dict(tile_config(block_n, warps, stages, *cap), BLOCK_AHEAD=True)
             tile_line(f"{layout} {block_n:4d} {warps} {stages}{f' r{cap[0]}' if cap else ''}", caches, cases, cfg)
     print("! = differs from the row-by-row default by more than 2e-2")

@@ -25,8 +25,12 @@ def tiles_asked(fp8: bool) -> dict:
     value = os.environ.get("NANOSERVE_DECODE_TILES_FP8" if fp8 else "NANOSERVE_DECODE_TILES_BF16")
     if not value:
         return {}
-    block_n, warps, stages, *cap = (int(part) for part in value.split(","))
-    return dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, **({"maxnreg": cap[0]} if cap else {}))
+    return tile_config(*(int(part) for part in value.split(",")))
+
+
+def tile_config(block_n: int, warps: int, stages: int, maxnreg: int | None = None) -> dict:
+    """paged_decode's config keys for these tiles; maxnreg caps registers a thread."""
+    return dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
 def _default_tiles(device: torch.device, fp8: bool, dtype: torch.dtype, head_dim: int,
