@@ -23,10 +23,10 @@ import time
 from random import Random
 
 from nanoserve import EngineConfig, SamplingParams
-from nanoserve.sampling_params import StructuredOutputsParams
 from nanoserve.benchmarks.compile_watch import describe, triton_compiles
 from nanoserve.benchmarks.config_file import config_from_file
 from nanoserve.engine.llm import LLM
+from nanoserve.structured_outputs_params import StructuredOutputsParams
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ from nanoserve.engine.grammar_time import MatcherClock
 from nanoserve.engine.reasoning_gate import ReasoningGate
 from nanoserve.engine.schema_support import unenforced_keyword
 from nanoserve.runner.batch import TokenMask
-from nanoserve.sampling_params import StructuredOutputsParams
+from nanoserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ sees only the tokens after the reasoning's end. The end token itself is not part
 
 from __future__ import annotations
 
-from nanoserve.sampling_params import StructuredOutputsParams
+from nanoserve.structured_outputs_params import StructuredOutputsParams
 
 UNDECIDED, REASONING, ANSWERING = range(3)
 

@@ -8,9 +8,10 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from nanoserve.sampling_params import MAX_INT, MAX_SPEC_DEPTH, json_depth
+from nanoserve.sampling_params import MAX_INT
 from nanoserve.server.protocol import (FIRST_ERROR, MAX_CONTENT_PARTS, MAX_DOCUMENTS, MAX_MESSAGES,
                                        MAX_TOOL_CALLS_PER_MESSAGE, MAX_TOOLS, Items, SamplingFields, Strict)
+from nanoserve.structured_outputs_params import MAX_SPEC_DEPTH, json_depth
 
 
 class TextPart(Strict):

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from nanoserve.sampling_params import StructuredOutputsParams
+from nanoserve.structured_outputs_params import StructuredOutputsParams
 
 _START_TIMEOUT_S = 300.0  # importing xgrammar (and torch) and building the tokenizer info; not the spec's time
 _VERDICTS = 4096  # specs whose verdict the front end remembers

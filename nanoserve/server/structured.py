@@ -16,11 +16,12 @@ from starlette.requests import Request
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.engine.grammar import tokenizer_info
-from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.compile_workers import CompilersBusy, CompileTimeout, CompileWorkers
 from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import SamplingFields
 from nanoserve.server.wire import unless_disconnected
+from nanoserve.structured_outputs_params import StructuredOutputsParams
 
 
 def requested_spec(req: SamplingFields) -> tuple[str, StructuredOutputsParams] | None:

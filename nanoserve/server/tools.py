@@ -14,12 +14,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 from nanoserve.engine.schema_support import NAMED_SCHEMAS
-from nanoserve.sampling_params import MAX_SPEC_CHARS, StructuredOutputsParams
 from nanoserve.server.errors import APIError
 from nanoserve.server.chat_protocol import ChatCompletionRequest, Tool
 from nanoserve.server.structured import requested_spec
 from nanoserve.server.tool_parsers import TOOL_PARSERS, ToolParser
 from nanoserve.server.tool_parsers.base import new_call_id
+from nanoserve.structured_outputs_params import MAX_SPEC_CHARS, StructuredOutputsParams
 
 ANY_ARGUMENTS = {"type": "object"}
 # OpenAI: "Omitting parameters defines a function with an empty parameter list"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.sampling_params import StructuredOutputsParams
+from nanoserve.structured_outputs_params import StructuredOutputsParams
 from tests.conftest import random_prompts
 
 VOCAB = 384

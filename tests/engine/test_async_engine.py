@@ -211,7 +211,7 @@ def test_a_requests_prompts_reach_the_core_in_one_message_with_one_params(qwen3_
 
 
 def test_a_schema_with_integers_past_64_bits_reaches_the_grammar_compiler():
-    from nanoserve.sampling_params import StructuredOutputsParams
+    from nanoserve.structured_outputs_params import StructuredOutputsParams
 
     spec = StructuredOutputsParams(json={"type": "string", "x-big": 10**30, "maxLength": 3})
     assert spec.json == '{"type": "string", "x-big": 1000000000000000000000000000000, "maxLength": 3}'

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from nanoserve.benchmarks.synthetic_tokenizer import EOS, synthetic_tokenizer
 from nanoserve.engine.grammar import GrammarManager
-from nanoserve.sampling_params import StructuredOutputsParams
+from nanoserve.structured_outputs_params import StructuredOutputsParams
 
 
 def test_every_id_is_a_token_and_json_text_round_trips(tmp_path):

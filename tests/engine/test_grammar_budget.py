@@ -11,7 +11,8 @@ import pytest
 
 from nanoserve.config import DEFAULT_MODEL, EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured_outputs_params import StructuredOutputsParams
 
 WORDS = 400   # 12-letter words: ~5 KiB of regex, ~0.9 MB compiled for the bundled tokenizer
 BUDGET = 2 << 20   # two such grammars at a time

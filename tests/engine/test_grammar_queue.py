@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 from nanoserve.engine.grammar_queue import GrammarBudget, GrammarQueue
 from nanoserve.engine.sequence import Sequence
-from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured_outputs_params import StructuredOutputsParams
 
 MB = 1 << 20
 

@@ -8,7 +8,8 @@ import pytest
 from nanoserve.config import DEFAULT_MODEL, EngineConfig
 from nanoserve.engine.grammar_state import GrammarStateGuard
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured_outputs_params import StructuredOutputsParams
 
 LIMIT = 2_000_000
 PER_TOKEN = 100_000   # what the fake probe charges per token a live matcher has accepted

@@ -8,7 +8,8 @@ import pytest
 from nanoserve.config import DEFAULT_MODEL, EngineConfig
 from nanoserve.engine.grammar_time import MatcherClock
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured_outputs_params import StructuredOutputsParams
 from tests.engine.test_grammar_state import run
 
 # parses a run of letters and spaces in ever more ways: xgrammar's Earley parser slows with each token

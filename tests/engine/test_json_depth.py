@@ -9,7 +9,7 @@ import random
 import re
 import time
 
-from nanoserve.sampling_params import JSON_STRING, json_depth
+from nanoserve.structured_outputs_params import JSON_STRING, json_depth
 
 
 def walked_depth(text: str) -> int:

@@ -12,7 +12,8 @@ from nanoserve.config import DEFAULT_MODEL, EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.runner.batch import PENDING_TOKEN
 from nanoserve.runner.model_runner import ModelRunner
-from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured_outputs_params import StructuredOutputsParams
 
 
 def checked_forward(forward):

@@ -9,7 +9,7 @@ import pytest
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import DEFAULT_MODEL
 from nanoserve.engine.reasoning_gate import ReasoningGate
-from nanoserve.sampling_params import StructuredOutputsParams
+from nanoserve.structured_outputs_params import StructuredOutputsParams
 
 PROMPTS = ["The function returns", "A list is"]
 DIGITS = r"[0-9]{3}"

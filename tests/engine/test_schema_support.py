@@ -13,7 +13,7 @@ from xgrammar.testing import _is_grammar_accept_string
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import DEFAULT_MODEL
 from nanoserve.engine.schema_support import unenforced_keyword
-from nanoserve.sampling_params import StructuredOutputsParams
+from nanoserve.structured_outputs_params import StructuredOutputsParams
 
 # (schema, a text that breaks it, what the refusal names)
 UNENFORCED = [

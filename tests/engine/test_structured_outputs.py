@@ -14,7 +14,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.config import DEFAULT_MODEL
 from nanoserve.engine.grammar import GrammarManager, compile_spec
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.sampling_params import MAX_SPEC_CHARS, StructuredOutputsParams
+from nanoserve.structured_outputs_params import MAX_SPEC_CHARS, StructuredOutputsParams
 
 REGEX = r"(ab|cd)[0-9]{2,4}(-[a-z]{1,12}){2,3}"
 PROMPTS = ["The function returns", "A list is", "In Python, a class"]

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from nanoserve.sampling_params import StructuredOutputsParams
 from nanoserve.server.compile_workers import CompileWorkers
+from nanoserve.structured_outputs_params import StructuredOutputsParams
 
 
 class Counted(CompileWorkers):
