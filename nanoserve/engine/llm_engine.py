@@ -18,6 +18,7 @@ from nanoserve.engine.messages import EngineStats, StepOutput
 from nanoserve.engine.reasoning_gate import reasoning_gate
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.token_rules import banned_tokens, finish_reason
 from nanoserve.engine.tokenizer import eos_token_ids, load_tokenizer
 from nanoserve.runner.batch import PENDING_TOKEN, SequenceWork
 from nanoserve.runner.model_runner import ModelRunner, PendingSample, StepLogits
@@ -43,7 +44,7 @@ class InFlightStep:
     pending: PendingSample | None = None
     sequences: list[Sequence] = field(default_factory=list)
     constrained: list[int] = field(default_factory=list)  # rows whose sequence has a grammar
-    bans: dict[int, tuple[int, ...]] = field(default_factory=dict)  # constrained rows' bans (see LLMEngine._banned)
+    bans: dict[int, tuple[int, ...]] = field(default_factory=dict)  # constrained rows' bans (token_rules.banned_tokens)
     rows: list[SequenceWork] = field(default_factory=list)  # the sampling rows' work, in row order (if listening)
     # rows whose bans depend on the tokens before them (bad words of several tokens): recomputed
     # when sampling, which waits for the previous launch's tokens as a grammar's rows do
@@ -226,22 +227,6 @@ class LLMEngine:
                            bm.prefix_queried_tokens, bm.prefix_hit_tokens, self.scheduler.num_preemptions,
                            self.num_generated_tokens, self.num_computed_tokens)
 
-    @staticmethod
-    def _banned(seq: Sequence, end: int | None = None) -> tuple[int, ...]:
-        """Stop tokens cannot be sampled before min_tokens outputs, nor a token that completes a
-        bad word. `end`: how many of the sequence's tokens come before the one sampled (all)."""
-        end = len(seq.token_ids) if end is None else end
-        min_tokens = seq.params.min_tokens
-        stops = tuple(seq.stop_token_ids) if min_tokens and end - seq.num_prompt_tokens < min_tokens else ()
-        words = seq.bad_words.banned(seq.token_ids, seq.num_prompt_tokens, end) if seq.bad_words is not None else ()
-        allowed = seq.params.allowed_token_ids
-        # an allow list wholly banned stands, as a grammar does (all -inf, the sampler drew token 0
-        # outside it): min_tokens gives way first, then the bad words
-        for ban in (stops + words, words):
-            if not ban or allowed is None or len(allowed) > len(ban) or not set(allowed) <= set(ban):
-                return ban
-        return ()
-
     def step(self) -> list[StepOutput]:
         """Run one scheduled batch; report the tokens each request gained and who finished.
 
@@ -270,7 +255,7 @@ class LLMEngine:
         for row in launched.listening:
             # every token before this row's is known now: its bad words' bans are exact
             seq, w = launched.sequences[row], launched.rows[row]
-            ban = self._banned(seq, w.start + w.num_new)
+            ban = banned_tokens(seq, w.start + w.num_new)
             if seq.grammar is None:
                 w.banned_token_ids = ban   # read by the runner's sampler, which has not run yet
             elif ban:
@@ -309,13 +294,13 @@ class LLMEngine:
         # a grammar's row bans through its mask (the grammar may allow nothing but a stop token)
         work = [SequenceWork(seq.token_ids, seq.num_prompt_tokens, seq.num_computed_tokens, n, seq.block_table,
                              seq.params if seq.num_computed_tokens + n == seq.num_tokens else None,
-                             self._banned(seq) if seq.grammar is None else (), seq.pending_row,
+                             banned_tokens(seq) if seq.grammar is None else (), seq.pending_row,
                              self._prompt_logprobs(seq), seq.seq_id)
                 for seq, n in zip(step.seqs, step.num_new_tokens)]
         sampling = [seq for seq, w in zip(step.seqs, work) if w.params is not None]
         constrained = ([row for row, seq in enumerate(sampling) if seq.grammar is not None]
                        if self._grammars is not None else [])
-        bans = {row: ban for row in constrained if (ban := self._banned(sampling[row]))}
+        bans = {row: ban for row in constrained if (ban := banned_tokens(sampling[row]))}
         listening = [row for row, seq in enumerate(sampling) if seq.bad_words is not None and seq.bad_words.needs_history]
         # the rows' work is kept only for the listening rows' bans: no second pass over a plain step
         rows = [w for w in work if w.params is not None] if listening else []
@@ -380,7 +365,7 @@ class LLMEngine:
             self.block_manager.commit(seq, position + 1)
             if seq.request_id in self.pending_forks:
                 self._start_forks(seq)
-            reason = self._finish_reason(seq, token, position + 1 - seq.num_prompt_tokens)
+            reason = finish_reason(seq, token, position + 1 - seq.num_prompt_tokens)
             if reason is None and id(seq) in complete:
                 reason = "stop"  # the grammar is complete (it ends on a stop token even with ignore_eos)
             if reason is not None:
@@ -399,12 +384,3 @@ class LLMEngine:
                 output.timing = (seq.scheduled_at - seq.added_at, time.monotonic() - seq.scheduled_at)
             outputs.append(output)
         return outputs
-
-    @staticmethod
-    def _finish_reason(seq: Sequence, token: int, num_output: int) -> str | None:
-        if token in seq.stop_token_ids and num_output >= seq.params.min_tokens:
-            return "stop"
-        # max_tokens was capped at what the context leaves, so this also ends at max_model_len
-        if num_output >= seq.max_tokens:
-            return "length"
-        return None
