@@ -259,7 +259,7 @@ def _serve_setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> C
     except ValueError as exc:
         parser.error(str(exc))
     # the engine core's process imports torch and the model code while this one imports the web stack
-    early = EarlyEngineProcess() if args.api_server_count == 1 else None
+    early = EarlyEngineProcess()
     from nanoserve.server.app import HTTPOptions, serve  # the web stack loads only for `serve`
     from nanoserve.server.connections import raise_open_file_limit
     from nanoserve.server.state import ServerSettings

@@ -323,7 +323,7 @@ def serve(config: EngineConfig, settings: ServerSettings, options: HTTPOptions =
     connections wait in the port's backlog. On SIGTERM uvicorn stops accepting connections and
     waits up to `options.shutdown_timeout` seconds for requests in flight, streams included, to
     finish. With `api_server_count` > 1 that many front-end processes share the port and the core
-    (server/api_servers.py). `early`: the core's process, started before the server loaded (one front end).
+    (server/api_servers.py). `early`: the core's process, started before the server loaded.
     """
     sock = bind_socket(options.host, options.port, options.uds)
     logger.info("Serving %s as %s on %s once the engine is ready (device %s, dtype %s%s)",
@@ -333,7 +333,7 @@ def serve(config: EngineConfig, settings: ServerSettings, options: HTTPOptions =
     try:
         if api_server_count > 1:
             from nanoserve.server.api_servers import run_api_servers
-            code = run_api_servers(config, settings, options, sock, api_server_count)
+            code = run_api_servers(config, settings, options, sock, api_server_count, early)
         else:
             engine = AsyncEngine(config, max_queue_len=options.max_queue_len, log_level=options.log_level.upper(),
                                  early=early)

@@ -304,12 +304,14 @@ def test_cors_request_id_usage_access_log_stream_interval_and_metrics_flags(serv
                                                    stream_options={"include_usage": False}))
         assert chat[-1].usage is not None and chat[-1].usage.completion_tokens == 3
 
-        # --stream-interval 4: the first token at once, then events of at least 4 tokens
+        # --stream-interval 4: the first token at once, then events of at least 4 tokens. The first
+        # event is not held for 4; a reader that wakes late (a loaded machine) may find the next
+        # step's token beside it (test_request_stream.py pins the first token alone)
         ask = dict(model="tiny", prompt="Once upon a time", max_tokens=23, temperature=0.0,
                    extra_body={"ignore_eos": True, "return_token_ids": True})
         events = [c for c in client.completions.create(**ask, stream=True) if c.choices]
         sizes = [len(c.choices[0].token_ids) for c in events if c.choices[0].token_ids]
-        assert sizes[0] == 1 and sum(sizes) == 23 and all(size >= 4 for size in sizes[1:-1]), sizes
+        assert sizes[0] < 4 and sum(sizes) == 23 and all(size >= 4 for size in sizes[1:-1]), sizes
         assert "".join(c.choices[0].text for c in events) == client.completions.create(**ask).choices[0].text
 
         # /metrics under vLLM's names, as autoscalers and routers read them
