@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
@@ -60,7 +60,12 @@ def load_weights(model: nn.Module, folder: str, packed_modules: dict[str, tuple[
     loaded_names: set[str] = set()
     loaded_shards: set[tuple[str, object]] = set()   # (packed parameter, shard): each must come
     for path in tqdm(files, desc="Loading weights", disable=not show_progress):
-        with safe_open(path, framework="pt") as f:
+        try:
+            opened = safe_open(path, framework="pt")
+        except SafetensorError as exc:   # a cut download, or not safetensors at all: its header does not fit
+            raise ValueError(f"{path} is not a whole safetensors file ({exc}): the download may be incomplete "
+                             "or the file corrupt") from None
+        with opened as f:
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
                     continue

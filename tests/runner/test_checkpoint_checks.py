@@ -48,3 +48,16 @@ def test_a_tensor_of_the_wrong_shape_is_named(tmp_path):
     name = "model.layers.1.self_attn.k_proj.weight"
     with pytest.raises(ValueError, match=f"{name.replace('.', '[.]')}' has 3 rows"):
         LLM(copy_without(tmp_path / "model", reshape={name: (3, 64)}), device="cpu")
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.0001])
+def test_a_weights_file_cut_short_is_refused_by_its_path_without_a_traceback(tmp_path, keep):
+    # a download cut off mid-file (or one that is not safetensors at all) raised the reader's own
+    # SafetensorError, "header too large", with neither the file's name nor what to do
+    folder = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL, folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:max(1, int(len(data) * keep))])
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a whole safetensors file .*incomplete"):
+        LLM(str(folder), device="cpu")
