@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,8 +15,10 @@ from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, FP8_FLASH_ATT
                                 DEFAULT_MAX_LOGPROBS, KV_CACHE_DTYPES, MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES,
                                 MAX_LOGPROBS_CEILING, SCHEDULING_POLICIES)
 from nanoserve.model_source import resolve_model
-from nanoserve.positions import context_limit
+from nanoserve.positions import context_limit, sliding_window
 from nanoserve.sampling_params import SEED_RANGE
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -124,8 +127,19 @@ class EngineConfig:
             set_("async_scheduling", device != "cpu")
 
         limit = context_limit(self.hf_config)
-        if self.max_model_len is None:
+        window = sliding_window(self.hf_config)
+        if self.max_model_len is None and window is not None and window < limit:
+            # attention within the window is exact; past it the model's sliding window is not computed (as
+            # vLLM's --disable-sliding-window, which also caps the context at the window)
+            logger.warning("max_model_len defaults to %d, the model's sliding-window attention span: longer "
+                           "contexts are not supported", window)
+            set_("max_model_len", window)
+        elif self.max_model_len is None:
             set_("max_model_len", limit)
+        elif window is not None and self.max_model_len > window:
+            # within the window, sliding-window attention is plain causal attention: these kernels compute that
+            raise ValueError(f"max_model_len ({self.max_model_len}) is past the model's sliding-window attention "
+                             f"span ({window} tokens), which is not supported: pass max_model_len <= {window}")
         elif self.max_model_len > limit:
             raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's context ({limit}: "
                              "max_position_embeddings, stretched by a linear or yarn rope_scaling where it has one)")

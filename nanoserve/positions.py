@@ -28,3 +28,14 @@ def context_limit(config: PretrainedConfig) -> int:
         return limit
     base = params.get("original_max_position_embeddings") if params["rope_type"] == "yarn" else None
     return max(limit, int((base or limit) * factor))
+
+
+def sliding_window(config: PretrainedConfig) -> int | None:
+    """The window of the model's sliding-window attention, None where no layer has one: as the
+    config's layer_types say where it has them (Qwen2 keeps full attention below max_window_layers),
+    else wherever one is set."""
+    window = getattr(config, "sliding_window", None)
+    if not window or not getattr(config, "use_sliding_window", True):
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    return window if layer_types is None or "sliding_attention" in layer_types else None

@@ -84,6 +84,9 @@ def add_vllm_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="1 only: the model runs whole on each of --tensor-parallel-size GPUs' shards")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="1 only: one model replica a server (run servers side by side for more)")
+    p.add_argument("--disable-sliding-window", action="store_true",
+                   help="taken for vLLM's command lines: a model's sliding-window attention is computed as full "
+                        "attention within the window, and the context (max_model_len) is capped at the window")
     p.add_argument("--guided-decoding-backend", default="auto", choices=GUIDED_DECODING_BACKENDS,
                    help="structured outputs: xgrammar is the backend here, whichever is named")
     p.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,

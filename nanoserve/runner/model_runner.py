@@ -83,7 +83,7 @@ class ModelRunner:
                 torch.set_num_threads(threads)
         self.block_size = config.block_size
         hf = config.hf_config
-        cls = model_class(hf, config.max_model_len)
+        cls = model_class(hf)
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)

@@ -39,6 +39,24 @@ def test_a_sliding_window_no_layer_uses_is_no_refusal(tmp_path):
     assert ours == hf_greedy(folder, prompts, 8)
 
 
+def test_a_sliding_window_caps_the_default_context_and_answers_as_transformers_within_it(tmp_path, caplog):
+    # Mistral 7B v0.1 attends over 4,096 tokens of its 32,768 positions: serving it without
+    # --max-model-len was refused; now the context defaults to the window, where attention is exact
+    folder = _random_model(tmp_path / "model", "mistral", num_key_value_heads=1, sliding_window=64)
+    with pytest.raises(ValueError, match=r"max_model_len \(65\) is past the model's sliding-window attention span "
+                                         r"\(64 tokens\).*max_model_len <= 64"):
+        LLM(folder, device="cpu", max_model_len=65)
+    prompts = random_prompts(3, 384, 40, 56)
+    with caplog.at_level("WARNING", logger="nanoserve.config"), LLM(folder, device="cpu") as llm:
+        assert llm.engine.config.max_model_len == 64
+        ours = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
+        with pytest.raises(ValueError, match="64"):   # a prompt as long as the window leaves no room
+            llm.generate([random_prompts(1, 384, 64, 65)[0]], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert "max_model_len defaults to 64" in caplog.text
+    assert ours == hf_greedy(folder, prompts, 8)
+
+
 def test_without_generation_config_the_models_config_names_its_end_token(tmp_path):
     folder = _random_model(tmp_path / "model", "llama")
     os.remove(os.path.join(folder, "generation_config.json"))

@@ -15,8 +15,8 @@ from tests.server.conftest import ServerProcess, openai_client, serve_refusal
 
 DEPLOYMENT_FLAGS = ("--max-logprobs", "30", "--response-role", "bot", "--tokenizer-mode", "hf", "-pp", "1",
                     "--data-parallel-size", "1", "--swap-space", "4", "--disable-custom-all-reduce",
-                    "--guided-decoding-backend", "xgrammar", "--enable-prompt-tokens-details",
-                    "--no-enable-log-requests", "--return-tokens-as-token-ids")
+                    "--disable-sliding-window", "--guided-decoding-backend", "xgrammar",
+                    "--enable-prompt-tokens-details", "--no-enable-log-requests", "--return-tokens-as-token-ids")
 
 
 def test_a_vllm_command_line_serves_with_its_flags_in_effect(server_model, tmp_path):
