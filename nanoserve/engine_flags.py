@@ -7,18 +7,47 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MAX_LOGPROBS, DEFAULT_MODEL, KV_CACHE_DTYPES,
                                 MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES, MAX_LOGPROBS_CEILING, SCHEDULING_POLICIES)
+
+
+# vLLM's human-readable sizes: a lower-case suffix counts in thousands (25.6k), an upper-case one in 1,024s (16K)
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_int(value: str) -> int:
+    """An integer flag as vLLM reads it: 8192, 25.6k (25,600) or 16K (16,384)."""
+    text = value.strip()
+    match = _HUMAN_INT.fullmatch(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"invalid int value: {value!r} (give a number such as 4096, 32k or 32K)")
+    number, suffix = match.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}: a fraction takes a lower-case suffix "
+                                         f"(thousands, such as {number}k), not a binary one")
+    return int(number) * _BINARY.get(suffix, 1)
+
+
+def human_int_or_auto(value: str) -> int | None:
+    """human_int, or None (the model's own) for auto and -1."""
+    return None if value.strip().lower() in ("auto", "-1") else human_int(value)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The engine's flags on a subcommand's parser; `engine_kwargs` turns them into EngineConfig fields."""
     p.add_argument("--dtype", default="auto", help="auto (the model's, float32 on the CPU), float32, float16, bfloat16")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-model-len", type=human_int_or_auto, default=None,
+                   help="context length, as 4096, 32k (32,000) or 32K (32,768); auto or -1: the model's (the default)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default: 8192 on CUDA, 2048 on the CPU)")
+    p.add_argument("--max-num-batched-tokens", type=human_int, default=None,
+                   help="token budget of one step, as 8192 or 8K (default: 8192 on CUDA, 2048 on the CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block, a power of two (default: 256 on CUDA, 16 on the CPU)")
     p.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")

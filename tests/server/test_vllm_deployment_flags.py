@@ -68,6 +68,21 @@ def test_the_engine_flags_take_vllms_spellings():
             EngineConfig(model=DEFAULT_MODEL, device="cpu", max_logprobs=bad)
 
 
+@pytest.mark.parametrize("given, max_model_len, batched", [
+    (["--max-model-len", "1k", "--max-num-batched-tokens", "4K"], 1000, 4096),
+    (["--max-model-len", "1.5k", "--max-num-batched-tokens", "2048"], 1500, 2048),
+    (["--max-model-len", "1K"], 1024, None),
+    (["--max-model-len", "auto"], None, None),
+    (["--max-model-len", "-1"], None, None),
+])
+def test_sizes_are_read_as_vllm_writes_them(given, max_model_len, batched):
+    # vLLM's human-readable sizes: k counts thousands, K counts 1,024s; auto / -1: the model's context
+    args = build_parser().parse_args(["serve", "--device", "cpu", *given])
+    assert (args.max_model_len, args.max_num_batched_tokens) == (max_model_len, batched)
+    config = EngineConfig(**engine_kwargs(args, DEFAULT_MODEL))
+    assert config.max_model_len == (max_model_len or EngineConfig(model=DEFAULT_MODEL, device="cpu").max_model_len)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["-pp", "2"], "--pipeline-parallel-size 2 is not offered"),
     (["--data-parallel-size", "4"], "--data-parallel-size 4 is not offered"),
@@ -81,6 +96,9 @@ def test_the_engine_flags_take_vllms_spellings():
     (["--kv-cache-dtype", "fp8_e5m2"], "invalid choice: 'fp8_e5m2'"),
     (["--max-logprobs", "-1"], "the whole vocabulary, is not offered"),
     (["--max-logprobs", "2000"], "max_logprobs must be an integer in 0-1024"),
+    (["--max-model-len", "1.5K"], "a fraction takes a lower-case suffix"),
+    (["--max-model-len", "32kb"], "invalid int value: '32kb'"),
+    (["--max-num-batched-tokens", "-1"], "invalid int value: '-1'"),
 ])
 def test_what_this_server_cannot_do_is_refused_before_the_model_loads(monkeypatch, capsys, flags, message):
     assert message in serve_refusal(monkeypatch, capsys, *flags)
