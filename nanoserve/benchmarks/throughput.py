@@ -26,6 +26,7 @@ from nanoserve import EngineConfig, SamplingParams
 from nanoserve.benchmarks.compile_watch import describe, triton_compiles
 from nanoserve.benchmarks.config_file import config_from_file
 from nanoserve.engine.llm import LLM
+from nanoserve.engine_flags import human_int
 from nanoserve.structured_outputs_params import StructuredOutputsParams
 
 
@@ -39,9 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--min-output-len", type=int, default=100)
     parser.add_argument("--max-output-len", type=int, default=1024)
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-model-len", type=human_int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=512)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--max-num-batched-tokens", type=human_int, default=16384)
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--top-k", type=int, default=-1, help="-1: off (Qwen3's generation config asks for 20)")
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0: off (Qwen3's generation config asks for 0.95)")
