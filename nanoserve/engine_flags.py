@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from decimal import Decimal
 
 from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MAX_LOGPROBS, DEFAULT_MODEL, KV_CACHE_DTYPES,
                                 MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES, MAX_LOGPROBS_CEILING, SCHEDULING_POLICIES)
 
 
 # vLLM's human-readable sizes: a lower-case suffix counts in thousands (25.6k), an upper-case one in 1,024s (16K)
-_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+_HUMAN_INT = re.compile(r"(\d{1,20}(?:\.\d{1,20})?)([kmgtKMGT]?)")   # 20 digits: past any size
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -27,7 +28,7 @@ def human_int(value: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid int value: {value!r} (give a number such as 4096, 32k or 32K)")
     number, suffix = match.groups()
     if suffix in _DECIMAL:
-        return int(float(number) * _DECIMAL[suffix])
+        return int(Decimal(number) * _DECIMAL[suffix])   # exact: 1.001k is 1,001, not float's 1,000
     if "." in number:
         raise argparse.ArgumentTypeError(f"invalid int value: {value!r}: a fraction takes a lower-case suffix "
                                          f"(thousands, such as {number}k), not a binary one")

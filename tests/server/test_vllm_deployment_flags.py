@@ -71,6 +71,7 @@ def test_the_engine_flags_take_vllms_spellings():
 @pytest.mark.parametrize("given, max_model_len, batched", [
     (["--max-model-len", "1k", "--max-num-batched-tokens", "4K"], 1000, 4096),
     (["--max-model-len", "1.5k", "--max-num-batched-tokens", "2048"], 1500, 2048),
+    (["--max-model-len", "1.001k"], 1001, None),   # exact: float arithmetic gave 1,000
     (["--max-model-len", "1K"], 1024, None),
     (["--max-model-len", "auto"], None, None),
     (["--max-model-len", "-1"], None, None),
@@ -99,6 +100,7 @@ def test_sizes_are_read_as_vllm_writes_them(given, max_model_len, batched):
     (["--max-model-len", "1.5K"], "a fraction takes a lower-case suffix"),
     (["--max-model-len", "32kb"], "invalid int value: '32kb'"),
     (["--max-num-batched-tokens", "-1"], "invalid int value: '-1'"),
+    (["--max-model-len", "9" * 400 + "k"], "invalid int value"),   # float infinity: an OverflowError traceback
 ])
 def test_what_this_server_cannot_do_is_refused_before_the_model_loads(monkeypatch, capsys, flags, message):
     assert message in serve_refusal(monkeypatch, capsys, *flags)
