@@ -13,7 +13,7 @@ from transformers import AutoConfig, PretrainedConfig
 from nanoserve.attention_support import attention_refusal
 from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, FP8_FLASH_ATTN_REFUSAL,  # noqa: F401 - re-exported
                                 DEFAULT_MAX_LOGPROBS, KV_CACHE_DTYPES, MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES,
-                                MAX_LOGPROBS_CEILING, SCHEDULING_POLICIES)
+                                MAX_LOGPROBS_CEILING, MAX_NUM_SEQS, SCHEDULING_POLICIES)
 from nanoserve.model_source import resolve_model
 from nanoserve.positions import context_limit, sliding_window
 from nanoserve.sampling_params import SEED_RANGE
@@ -152,6 +152,9 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_model_len ({self.max_model_len}) unless chunked prefill is enabled")
+        if self.max_num_seqs > MAX_NUM_SEQS:
+            raise ValueError(f"max_num_seqs ({self.max_num_seqs}) is more than {MAX_NUM_SEQS} sequences a step; "
+                             "lower --max-num-seqs")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"need 1 <= max_num_seqs ({self.max_num_seqs}) <= "
                              f"max_num_batched_tokens ({self.max_num_batched_tokens}): every running "

@@ -22,6 +22,9 @@ FP8_FLASH_ATTN_REFUSAL = ("kv_cache_dtype='fp8' needs the triton attention backe
 # a core that has nothing to say still says so this often (the front end's liveness); idle, it
 # looks up from its input socket once a second, so two heartbeats can be up to 2 s apart
 ENGINE_HEARTBEAT_S = 1.0
+# --max-num-seqs: the memory profile builds a step of this many sequences, and the step's buffers hold
+# one block-table row each; 10**12 looped at startup for good
+MAX_NUM_SEQS = 65536
 MAX_API_SERVERS = 64   # --api-server-count: front-end processes, each with a model's tokenizer in memory
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"   # the server's and the engine process's
 # bytes of compiled grammars that the engine's sequences may hold at once, by xgrammar's count of

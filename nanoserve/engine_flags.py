@@ -46,7 +46,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--max-model-len", type=human_int_or_auto, default=None,
                    help="context length, as 4096, 32k (32,000) or 32K (32,768); auto or -1: the model's (the default)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch (at most 65,536)")
     p.add_argument("--max-num-batched-tokens", type=human_int, default=None,
                    help="token budget of one step, as 8192 or 8K (default: 8192 on CUDA, 2048 on the CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")

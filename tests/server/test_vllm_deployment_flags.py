@@ -101,6 +101,7 @@ def test_sizes_are_read_as_vllm_writes_them(given, max_model_len, batched):
     (["--max-model-len", "32kb"], "invalid int value: '32kb'"),
     (["--max-num-batched-tokens", "-1"], "invalid int value: '-1'"),
     (["--max-model-len", "9" * 400 + "k"], "invalid int value"),   # float infinity: an OverflowError traceback
+    (["--max-num-seqs", "1000000000000", "--max-num-batched-tokens", "1t"], "more than 65536 sequences a step"),
 ])
 def test_what_this_server_cannot_do_is_refused_before_the_model_loads(monkeypatch, capsys, flags, message):
     assert message in serve_refusal(monkeypatch, capsys, *flags)
