@@ -27,7 +27,6 @@ from nanoserve.config import EngineConfig
 from nanoserve.defaults import LOG_FORMAT
 from nanoserve.engine.async_engine import AsyncEngine, CoreLink, exit_reason
 from nanoserve.engine.ipc_dir import remove_socket_dir, socket_dir
-from nanoserve.engine.core import run_engine_process
 from nanoserve.engine.early_start import EarlyEngineProcess
 from nanoserve.engine.messages import Shutdown, input_encoder
 from nanoserve.lifetime import die_with_parent, start_ignoring_sigint
@@ -40,10 +39,10 @@ _CORE_STOP_S = 30.0   # for the core to stop once every front end has gone
 
 
 def run_api_servers(config: EngineConfig, settings: ServerSettings, options: HTTPOptions, sock: socket.socket,
-                    count: int, early: EarlyEngineProcess | None = None) -> int:
-    """Start the core and `count` front ends on the bound `sock`; supervise them until all have
-    exited. The exit code: 0 after a clean stop, 1 if any process failed or died unasked. `early`:
-    the core's process, started before the server loaded (engine/early_start.py)."""
+                    count: int, early: EarlyEngineProcess) -> int:
+    """Run the core in `early`, the process started before the server loaded (engine/early_start.py),
+    and start `count` front ends on the bound `sock`; supervise them until all have exited. The exit
+    code: 0 after a clean stop, 1 if any process failed or died unasked."""
     workdir = socket_dir(f"output-{count - 1}")
     metrics_dir = os.path.join(workdir, "metrics")
     os.mkdir(metrics_dir)
@@ -55,14 +54,10 @@ def run_api_servers(config: EngineConfig, settings: ServerSettings, options: HTT
              for i in range(count)]
     level = options.log_level.upper()
     control = f"ipc://{workdir}/control"   # this process's own line to the core, to stop it
-    core_args = (config, [control, *(link.input_address for link in links)],
-                 [link.output_address for link in links], os.getpid(), level)
-    core = early.run(*core_args) if early is not None else \
-        spawn.Process(target=run_engine_process, name="nanoserve-engine", args=core_args)
+    core = early.run(config, [control, *(link.input_address for link in links)],
+                     [link.output_address for link in links], os.getpid(), level)
     supervisor = _Supervisor(core, control)   # from here a SIGTERM or SIGINT is a stop, whatever has started
     try:
-        if early is None:
-            start_ignoring_sigint(core)
         for link in links:
             # one line of engine statistics for the server, not one per front end
             own = dataclasses.replace(settings, metrics_dir=metrics_dir, log_stats=settings.log_stats and link.index == 0)

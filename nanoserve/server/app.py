@@ -315,8 +315,8 @@ class HTTPOptions:
         return f"{scheme}+unix://{self.uds}" if self.uds else f"{scheme}://{self.host}:{self.port}"
 
 
-def serve(config: EngineConfig, settings: ServerSettings, options: HTTPOptions = HTTPOptions(),
-          api_server_count: int = 1, early: EarlyEngineProcess | None = None) -> None:
+def serve(config: EngineConfig, settings: ServerSettings, options: HTTPOptions, api_server_count: int,
+          early: EarlyEngineProcess) -> None:
     """Serve until SIGINT/SIGTERM; exit non-zero if the engine died or the drain was cut short.
 
     The port is taken first; the engine core then loads the model in its own process while
