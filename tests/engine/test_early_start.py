@@ -6,15 +6,7 @@ import time
 
 import pytest
 
-from tests.server.conftest import REPO
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+from tests.server.conftest import REPO, alive
 
 
 def test_a_server_that_exits_before_its_engine_is_needed_leaves_no_engine_process():
@@ -26,7 +18,7 @@ def test_a_server_that_exits_before_its_engine_is_needed_leaves_no_engine_proces
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 1 and "refused" in result.stderr and "Traceback" not in result.stderr, result.stderr
     pid = int(result.stdout.split()[0])
-    assert not _alive(pid)
+    assert not alive(pid)
 
 
 @pytest.mark.parametrize("delay", [0.3, 1.0, 2.0])
