@@ -66,6 +66,9 @@ class EngineConfig:
     device: str | None = None
     dtype: Any = None
     max_model_len: int | None = None
+    # vLLM's: a model's sliding-window attention is left out (full attention), and the context
+    # (max_model_len) capped at the window, within which the two are the same
+    disable_sliding_window: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
@@ -127,19 +130,20 @@ class EngineConfig:
             set_("async_scheduling", device != "cpu")
 
         limit = context_limit(self.hf_config)
-        window = sliding_window(self.hf_config)
-        if self.max_model_len is None and window is not None and window < limit:
-            # attention within the window is exact; past it the model's sliding window is not computed (as
-            # vLLM's --disable-sliding-window, which also caps the context at the window)
-            logger.warning("max_model_len defaults to %d, the model's sliding-window attention span: longer "
-                           "contexts are not supported", window)
-            set_("max_model_len", window)
-        elif self.max_model_len is None:
+        # the attention kernels compute a sliding window (positions.layer_windows); disabled, as in vLLM,
+        # the layers attend in full, which within the window is the same attention
+        window = sliding_window(self.hf_config) if self.disable_sliding_window else None
+        if window is not None and window < limit:
+            limit = window
+            if self.max_model_len is None:
+                logger.info("max_model_len defaults to %d, the model's sliding-window attention span "
+                            "(--disable-sliding-window)", window)
+        if self.max_model_len is None:
             set_("max_model_len", limit)
         elif window is not None and self.max_model_len > window:
-            # within the window, sliding-window attention is plain causal attention: these kernels compute that
             raise ValueError(f"max_model_len ({self.max_model_len}) is past the model's sliding-window attention "
-                             f"span ({window} tokens), which is not supported: pass max_model_len <= {window}")
+                             f"span ({window} tokens), to which disable_sliding_window caps the context: pass "
+                             f"max_model_len <= {window}, or leave the window on")
         elif self.max_model_len > limit:
             raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's context ({limit}: "
                              "max_position_embeddings, stretched by a linear or yarn rope_scaling where it has one)")

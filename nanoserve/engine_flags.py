@@ -114,6 +114,8 @@ def engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
     return dict(
         model=model or DEFAULT_MODEL, revision=args.revision, download_dir=args.download_dir, device=args.device,
         dtype=args.dtype, max_model_len=args.max_model_len,
+        # a vLLM serve flag (vllm_flags.py): `generate` has no such flag
+        disable_sliding_window=getattr(args, "disable_sliding_window", False),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
         num_kvcache_blocks=args.num_kvcache_blocks, enable_prefix_caching=_prefix_caching(args),

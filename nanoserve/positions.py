@@ -39,3 +39,19 @@ def sliding_window(config: PretrainedConfig) -> int | None:
         return None
     layer_types = getattr(config, "layer_types", None)
     return window if layer_types is None or "sliding_attention" in layer_types else None
+
+
+def layer_windows(config: PretrainedConfig, max_model_len: int | None = None) -> list[int | None]:
+    """Each layer's sliding window, None where it attends in full. A query at position p attends the
+    keys k with p - window < k <= p (transformers' sliding_window_overlay). Where the config has
+    layer_types (Qwen2 makes them from max_window_layers: sliding from that layer on) they say which
+    layers slide, else every layer does. A window of max_model_len or more slides past no key within
+    the context: it is left out (so, capped at the window, --disable-sliding-window is full attention)."""
+    window = sliding_window(config)
+    layers = config.num_hidden_layers
+    if window is None or (max_model_len is not None and window >= max_model_len):
+        return [None] * layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return [window] * layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types[:layers]]

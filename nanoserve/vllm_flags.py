@@ -10,6 +10,8 @@ and refused by name where it asks for something this server cannot do:
 - `--enable-prompt-tokens-details`: usage carries `prompt_tokens_details` (cached tokens) always here;
 - `--swap-space`: a preempted request is recomputed, as in vLLM's V1 engine: nothing is swapped;
 - `--disable-custom-all-reduce`: tensor parallelism reduces through NCCL (gloo on the CPU) only;
+- `--disable-sliding-window`: as in vLLM, a sliding window is left out (full attention) and the context
+  capped at it;
 - `--pipeline-parallel-size`, `--data-parallel-size`: 1 (one model replica over
   `--tensor-parallel-size` GPUs); more is refused;
 - `--guided-decoding-backend`: auto or xgrammar, the structured-output backend here;
@@ -85,8 +87,8 @@ def add_vllm_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="1 only: one model replica a server (run servers side by side for more)")
     p.add_argument("--disable-sliding-window", action="store_true",
-                   help="taken for vLLM's command lines: a model's sliding-window attention is computed as full "
-                        "attention within the window, and the context (max_model_len) is capped at the window")
+                   help="as in vLLM: a model's sliding-window attention is computed as full attention, and the "
+                        "context (max_model_len) is capped at the window, within which the two are the same")
     p.add_argument("--guided-decoding-backend", default="auto", choices=GUIDED_DECODING_BACKENDS,
                    help="structured outputs: xgrammar is the backend here, whichever is named")
     p.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,

@@ -8,7 +8,7 @@ shows here, before a device run.
 
 Each kernel is compiled with the tiles the engine picks on that GPU, over a bf16 and an fp8
 cache, with its flags all off and all on (splits, launch order, mixed steps' packed rows, PDL, an fp8
-cache's V along tokens, the first tile's L2 prefetch), and the skinny GEMM's row paths.
+cache's V along tokens, the first tile's L2 prefetch, a sliding window), and the skinny GEMM's row paths.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def variants(target: GPUTarget):
             # strides of 1 are specialized at launch: the lengths', and V's along tokens or dims
             unit = dict(stride_sl=1, **({"stride_vt": 1} if fp8 and on else {"stride_vd": 1}))
             shared = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None, KV_FP8=fp8, FP8_VIA_F16=fp8,
-                          V_TOKENS_CONTIGUOUS=fp8 and on, NEW_V=False, SECTOR=32, E4M3_DOTS=0, **flags, **unit)
+                          V_TOKENS_CONTIGUOUS=fp8 and on, NEW_V=False, SECTOR=32, E4M3_DOTS=0, WINDOW=0, **flags, **unit)
             tiles = decode_config(CUDA, fp8, v_tokens_contiguous=on)
             options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
             yield (f"decode {cache[1:]} flags {'on' if on else 'off'}", _decode_kernel, io,
@@ -115,22 +115,29 @@ def variants(target: GPUTarget):
             if on and fp8:   # both dots on e4m3 operands, the keys as the warp-group MMA's rows
                 yield (f"decode {cache[1:]} e4m3 dots", _decode_kernel, io,
                        dict(shared, BLOCK_H=16, HEADS_FAST=on, PREFETCH_LINES=0, **tiles, E4M3_DOTS=2), options)
+            if on:   # a sliding-window layer's (Mistral's 4,096 keys)
+                yield (f"decode {cache[1:]} window", _decode_kernel, io,
+                       dict(shared, BLOCK_H=16, HEADS_FAST=on, PREFETCH_LINES=(1 if fp8 else 2), **tiles, WINDOW=4096),
+                       options)
             if on and fp8:   # a larger decode-only step's: each row's new v stored by the kernel, sector by sector
                 yield (f"decode {cache[1:]} new v", _decode_kernel, io,
                        dict(shared, PACKED_Q=False, BLOCK_H=16, HEADS_FAST=on, PREFETCH_LINES=0, NEW_V=True,
                             **tiles), options)
             tiles = _prefill_config(128, torch.bfloat16, CUDA)
             options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
-            yield (f"prefill {cache[1:]} flags {'on' if on else 'off'}", _prefill_kernel, io,
-                   dict(GROUP=2, BLOCK_Q=tiles["BLOCK_M"] // 2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None,
-                        KV_FP8=fp8, LAST_TILES_FIRST=on, SKIP_DECODE_ROWS=on, TILED=on, V_TOKENS_CONTIGUOUS=fp8 and on,
-                        USE_PDL=flags["USE_PDL"], stride_qsl=1, **unit, **tiles), options)
-    for packed in (False, True):
-        yield (f"merge packed {packed}", _merge_splits_kernel,
+            prefill = dict(GROUP=2, BLOCK_Q=tiles["BLOCK_M"] // 2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None,
+                           KV_FP8=fp8, LAST_TILES_FIRST=on, SKIP_DECODE_ROWS=on, TILED=on,
+                           V_TOKENS_CONTIGUOUS=fp8 and on, USE_PDL=flags["USE_PDL"], WINDOW=0, stride_qsl=1, **unit,
+                           **tiles)
+            yield f"prefill {cache[1:]} flags {'on' if on else 'off'}", _prefill_kernel, io, prefill, options
+            if on:
+                yield f"prefill {cache[1:]} window", _prefill_kernel, io, dict(prefill, WINDOW=4096), options
+    for packed, window in ((False, 0), (True, 0), (True, 4096)):
+        yield (f"merge packed {packed}{' window' if window else ''}", _merge_splits_kernel,
                dict(part_acc_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", seq_lens_ptr="*i32",
                     query_start_ptr="*i32"),
                dict(Q_HEADS=16, BLOCK_HEADS=4, HEAD_DIM=128, SPLITS_POW2=4, BLOCK_N=64, PACKED_Q=packed,
-                    USE_PDL=target.arch >= 90), dict(num_warps=4, num_stages=1))
+                    USE_PDL=target.arch >= 90, WINDOW=window), dict(num_warps=4, num_stages=1))
     # the skinny GEMM's CUDA-core rows (plain, normed, gated) and one tl.dot bucket, 0.6B's qkv and down
     # (16 rows of `down` split K: its last split sums the partials)
     bf16 = {name: "*bf16" for name in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "sum_ptr", "res_ptr", "gamma_ptr",

@@ -16,10 +16,9 @@ from tests.conftest import _random_model, hf_greedy, random_prompts
     ("qwen3", dict(hidden_act="relu"), "hidden_act 'relu'"),
     ("llama", dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
                                  "original_max_position_embeddings": 32}), "longrope"),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), "sliding-window"),
     ("llama", dict(attention_bias=True), "attention_bias=true"),
     ("llama", dict(mlp_bias=True), "mlp_bias=true"),
-], ids=["llama-gelu", "qwen3-relu", "llama-longrope", "qwen2-sliding-layer", "llama-o-bias", "llama-mlp-bias"])
+], ids=["llama-gelu", "qwen3-relu", "llama-longrope", "llama-o-bias", "llama-mlp-bias"])
 def test_what_would_answer_wrongly_is_refused_by_name(tmp_path, arch, overrides, refusal):
     # each loaded and answered with SiLU, the short rope factors or full attention: not what it is
     folder = _random_model(tmp_path / "model", arch, **overrides)
@@ -39,21 +38,50 @@ def test_a_sliding_window_no_layer_uses_is_no_refusal(tmp_path):
     assert ours == hf_greedy(folder, prompts, 8)
 
 
-def test_a_sliding_window_caps_the_default_context_and_answers_as_transformers_within_it(tmp_path, caplog):
-    # Mistral 7B v0.1 attends over 4,096 tokens of its 32,768 positions: serving it without
-    # --max-model-len was refused; now the context defaults to the window, where attention is exact
+@pytest.mark.parametrize("backend", ["torch", "triton"])   # triton: the kernels under the interpreter
+def test_a_sliding_window_answers_as_transformers_past_the_window(tmp_path, backend):
+    # Mistral 7B v0.1 attends over 4,096 tokens of its 32,768 positions: the context was capped at the
+    # window; now it is the model's, and past the window each query attends its last 64 keys only.
+    # Prompts of 90-130 tokens in chunks of 48 (history past the window), then decode up to ~150
     folder = _random_model(tmp_path / "model", "mistral", num_key_value_heads=1, sliding_window=64)
+    prompts = random_prompts(3, 384, 90, 130, seed=1)
+    with LLM(folder, device="cpu", attention_backend=backend, max_num_batched_tokens=48, max_num_seqs=4) as llm:
+        assert llm.engine.config.max_model_len == 512
+        ours = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)]
+    assert ours == hf_greedy(folder, prompts, 20)
+
+
+def test_qwen2s_sliding_layers_answer_as_transformers_past_the_window(tmp_path):
+    # max_window_layers 1: layer 0 attends in full, layer 1 over its last 16 keys (transformers' layer_types)
+    folder = _random_model(tmp_path / "model", "qwen2", use_sliding_window=True, sliding_window=16,
+                           max_window_layers=1)
+    prompts = random_prompts(2, 384, 30, 50, seed=2)
+    with LLM(folder, device="cpu", max_model_len=128) as llm:
+        assert [layer.self_attn.window for layer in llm.engine.runner.model.model.layers] == [None, 16]
+        ours = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)]
+    assert ours == hf_greedy(folder, prompts, 12)
+
+
+def test_disable_sliding_window_caps_the_context_at_the_window_as_vllm_does(tmp_path):
+    from nanoserve.cli import build_parser
+    from nanoserve.engine_flags import engine_kwargs
+    folder = _random_model(tmp_path / "model", "mistral", num_key_value_heads=1, sliding_window=64)
+    args = build_parser().parse_args(["serve", folder, "--device", "cpu", "--disable-sliding-window"])
+    assert engine_kwargs(args, folder)["disable_sliding_window"] is True   # vLLM's flag reaches the config
     with pytest.raises(ValueError, match=r"max_model_len \(65\) is past the model's sliding-window attention span "
                                          r"\(64 tokens\).*max_model_len <= 64"):
-        LLM(folder, device="cpu", max_model_len=65)
+        LLM(folder, device="cpu", max_model_len=65, disable_sliding_window=True)
     prompts = random_prompts(3, 384, 40, 56)
-    with caplog.at_level("WARNING", logger="nanoserve.config"), LLM(folder, device="cpu") as llm:
+    with LLM(folder, device="cpu", disable_sliding_window=True) as llm:
         assert llm.engine.config.max_model_len == 64
+        # within the window, full attention is the window's: the layers compute no window
+        assert all(layer.self_attn.window is None for layer in llm.engine.runner.model.model.layers)
         ours = [o.outputs[0].token_ids for o in llm.generate(
             prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
         with pytest.raises(ValueError, match="64"):   # a prompt as long as the window leaves no room
             llm.generate([random_prompts(1, 384, 64, 65)[0]], SamplingParams(max_tokens=1), use_tqdm=False)
-    assert "max_model_len defaults to 64" in caplog.text
     assert ours == hf_greedy(folder, prompts, 8)
 
 

@@ -1,8 +1,9 @@
 """Attention backends behind one interface:
-forward(q, k, v, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0), the scales applying
-only to an fp8 cache (attention/fp8.py). A backend with `fuses_kv_store` also offers
-attend_qkv (from the packed q/k/v projection: q/k norm, rotary, the K/V store and attention) and
-attend (forward without the store).
+forward(q, k, v, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None), the scales
+applying only to an fp8 cache (attention/fp8.py), and window, a layer's sliding window, keeping the
+keys k of a query at position p with p - window < k <= p (transformers' convention; None: all).
+A backend with `fuses_kv_store` also offers attend_qkv (from the packed q/k/v projection: q/k norm,
+rotary, the K/V store and attention) and attend (forward without the store), which take the window too.
 
 torch (reference, CPU), triton (our kernels, CUDA or the Triton interpreter), flash_attn (when
 the package imports). Kernel modules import lazily: importing this package loads no Triton.

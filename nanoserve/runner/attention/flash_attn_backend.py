@@ -37,16 +37,19 @@ class FlashAttnBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None) -> torch.Tensor:
         if k_cache.shape[1] != self.block_size:
             raise ValueError(f"cache block size {k_cache.shape[1]} != backend's {self.block_size}")
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        # flash-attn's window is inclusive, keys [p - left, p + right]: p - window < k <= p is (window - 1, 0),
+        # as transformers passes it (modeling_flash_attention_utils.py)
+        window_size = (window - 1, 0) if window is not None else (-1, -1)
         if meta.decode_only:
             # flash needs contiguous seq lens: the runner's are (no copy then); views get one
             out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache,
                                      cache_seqlens=meta.seq_lens.contiguous(),
                                      block_table=meta.block_tables,
-                                     softmax_scale=scale, causal=True)
+                                     softmax_scale=scale, causal=True, window_size=window_size)
             return out.squeeze(1)
         cu_seqlens_k = F.pad(torch.cumsum(meta.seq_lens, 0, dtype=torch.int32), (1, 0))
         # causal with fewer queries than keys aligns the queries to the end, as our positions do
@@ -54,4 +57,4 @@ class FlashAttnBackend:
                             cu_seqlens_q=meta.query_start_loc.contiguous(),
                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=meta.max_query_len,
                             max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True,
-                            block_table=meta.block_tables)
+                            window_size=window_size, block_table=meta.block_tables)

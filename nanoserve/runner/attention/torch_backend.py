@@ -39,8 +39,10 @@ def read_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
-    """Causal attention of packed queries [tokens, heads, dim] over keys read from the cache."""
+                    v_scale: float = 1.0, window: int | None = None) -> torch.Tensor:
+    """Causal attention of packed queries [tokens, heads, dim] over keys read from the cache; with a
+    sliding window, the query at position p attends keys k with p - window < k <= p, as
+    transformers' sliding_window_overlay (masking_utils.py: kv_idx > q_idx - sliding_window)."""
     out = torch.zeros_like(q)
     group = q.shape[1] // k_cache.shape[2]
     hi = 0
@@ -53,7 +55,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         # query j sits at position kv_len - q_len + j and sees keys up to and including it
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        k_pos = torch.arange(kv_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos[:, None]
+        if window is not None:
+            mask &= k_pos > q_pos[:, None] - window
         o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1), keys.transpose(0, 1),
                                            values.transpose(0, 1), attn_mask=mask, scale=scale)
         out[lo:hi] = o.transpose(0, 1)
@@ -69,6 +74,6 @@ class TorchBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        return paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window)

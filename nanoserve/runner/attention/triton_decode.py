@@ -16,6 +16,12 @@ cache's length is handled by any split count. Splits past a sequence's end read 
 nothing: the merge counts a sequence's splits from its length. A padding row (seq_len 0) comes
 out as zeros.
 
+A sliding window (WINDOW keys: the query at position p = seq_len - 1 sees keys k with
+p - k < WINDOW, transformers' convention) reads keys [max(0, seq_len - WINDOW), seq_len): the
+splits divide the tiles from the one holding the window's first key, so that no split lies wholly
+before the window, and the merge counts them the same way. WINDOW 0 (no window) compiles the code
+of a model without one.
+
 An fp8 cache (attention/fp8.py) is widened to q's dtype tile by tile; its scales cost nothing
 per key: k_scale folds into the softmax scale and v_scale into the output.
 """
@@ -59,10 +65,20 @@ def _query_row(query_start_ptr, seq, PACKED_Q: tl.constexpr):
 
 
 @triton.jit
-def _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N: tl.constexpr):
-    """(the sequence's tiles of BLOCK_N keys, tiles per split): split_tiles where given, else the
-    tiles divided evenly over num_splits; at least 1."""
-    tiles = tl.cdiv(seq_len, BLOCK_N)
+def _window_first_tile(seq_len, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where the tile of the window's first key (seq_len - WINDOW, or 0) starts: the splits' origin."""
+    return tl.maximum(seq_len - WINDOW, 0) // BLOCK_N * BLOCK_N
+
+
+@triton.jit
+def _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """(the sequence's tiles of BLOCK_N keys, from its first or with a window from its window's
+    first tile, tiles per split): split_tiles where given, else the tiles divided evenly over
+    num_splits; at least 1."""
+    if WINDOW > 0:
+        tiles = tl.cdiv(seq_len - _window_first_tile(seq_len, WINDOW, BLOCK_N), BLOCK_N)
+    else:
+        tiles = tl.cdiv(seq_len, BLOCK_N)
     per = tl.where(split_tiles > 0, split_tiles, tl.cdiv(tiles, num_splits))
     return tiles, tl.maximum(per, 1)
 
@@ -70,7 +86,8 @@ def _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N: tl.constexpr):
 @triton.jit
 def _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8: tl.constexpr, PRECISION: tl.constexpr):
     """One tile of keys (masked ones left out) folded into (m, l, acc); every tile holds at least
-    one key of its split, so m stays finite."""
+    one key of its split (a window's first tile too: it holds the window's first key), so m stays
+    finite."""
     if KV_FP8:
         k, v = k.to(q.dtype), v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
@@ -128,7 +145,7 @@ def _decode_kernel(
     ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, HEADS_FAST: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_AHEAD: tl.constexpr = False, V_TOKENS_CONTIGUOUS: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
     ROPE: tl.constexpr = False, NORM: tl.constexpr = False, Q_HEADS: tl.constexpr = 0,
-    NEW_V: tl.constexpr = False, SECTOR: tl.constexpr = 32, E4M3_DOTS: tl.constexpr = 0,
+    NEW_V: tl.constexpr = False, SECTOR: tl.constexpr = 32, E4M3_DOTS: tl.constexpr = 0, WINDOW: tl.constexpr = 0,
 ):
     # lengths, order, query starts and block tables are staged by the host, never written by a
     # kernel of the step: they may be read before waiting on the kernel ahead (PDL); q and the cache may not
@@ -142,8 +159,11 @@ def _decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq * stride_sl)
     # splits start on tile bounds; the last one ends at seq_len, however long the context
-    tiles, per_split = _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N)
+    tiles, per_split = _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N, WINDOW)
     start = tl.multiple_of(split * per_split * BLOCK_N, BLOCK_N)
+    if WINDOW > 0:   # the splits start from the window's first tile; keys before `lo` are masked in it
+        lo = tl.maximum(seq_len - WINDOW, 0)
+        start = tl.multiple_of(_window_first_tile(seq_len, WINDOW, BLOCK_N) + start, BLOCK_N)
     end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + per_split * BLOCK_N, seq_len))
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if PREFETCH_LINES > 0:
@@ -204,6 +224,8 @@ def _decode_kernel(
         block = tl.load(table + start // BLOCK_SIZE, mask=start < end, other=0).to(tl.int64)
         for n0 in range(start, end, BLOCK_N):
             mask_n = n0 + offs_t < end
+            if WINDOW > 0:
+                mask_n = mask_n & (n0 + offs_t >= lo)
             block_next = tl.load(table + (n0 + BLOCK_N) // BLOCK_SIZE, mask=n0 + BLOCK_N < end,
                                  other=0).to(tl.int64)
             k, v = load_kv_block_tile(k_cache_ptr, v_cache_ptr, block, n0 % BLOCK_SIZE, mask_n, kv_head, offs_d,
@@ -220,6 +242,8 @@ def _decode_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
+            if WINDOW > 0:
+                mask_n = mask_n & (offs_n >= lo)
             k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
                                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                                 BLOCK_SIZE)
@@ -256,6 +280,7 @@ def _merge_splits_kernel(
     part_acc_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, query_start_ptr, num_splits, split_tiles, stride_sl,
     stride_ot, stride_oh, Q_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     SPLITS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, PACKED_Q: tl.constexpr, USE_PDL: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ):
     # one program merges BLOCK_HEADS heads of a sequence: a program per head was thousands of
     # programs of a few hundred bytes each at large batches (8B, fp8 splits: 28 us a layer)
@@ -268,7 +293,8 @@ def _merge_splits_kernel(
     offs_s = tl.arange(0, SPLITS_POW2)
     offs_d = tl.arange(0, HEAD_DIM)
     # the splits that hold keys, as the decode kernel divided the context
-    tiles, per_split = _split_tiles(tl.load(seq_lens_ptr + seq * stride_sl), num_splits, split_tiles, BLOCK_N)
+    tiles, per_split = _split_tiles(tl.load(seq_lens_ptr + seq * stride_sl), num_splits, split_tiles, BLOCK_N,
+                                    WINDOW)
     if tiles > 0 and tiles <= per_split:   # one split with keys: it wrote the output itself
         return
     mask_h = offs_h < Q_HEADS
@@ -315,7 +341,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  v_scale: float = 1.0, seq_order: torch.Tensor | None = None,
                  split_keys: int | None = None, query_start_loc: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, rope: NewTokenRope | None = None,
-                 new_v: torch.Tensor | None = None) -> torch.Tensor:
+                 new_v: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Attention of one query per sequence, q [batch, q_heads, dim], over its paged keys.
 
     max_seq_len only sizes the split count (pass max_model_len when capturing a graph);
@@ -335,6 +361,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     new_v (a decode-only step over an fp8 cache whose V lies along tokens): each row's new v,
     [batch, kv_heads, head_dim], not yet in the cache (qkv_rope_store(store_v=False) stored its k);
     the kernel stores it, a whole sector a dim (triton_paged.store_v_sectors), before reading.
+    window: a sliding window's span: each row attends its last `window` keys only (None: all).
     """
     _, q_heads, head_dim = q.shape
     batch = q.shape[0] if query_start_loc is None else seq_lens.shape[0]
@@ -351,6 +378,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"seq_order must be a contiguous int32 permutation of the {batch} rows")
     if rope is not None:
         check_rope(rope, q, kv_heads, query_start_loc)
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window spans at least one key, got {window}")
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
     v_tokens = tokens_contiguous(v_cache)
@@ -395,7 +424,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
         ORDERED=seq_order is not None, PACKED_Q=packed, HEADS_FAST=heads_fast, V_TOKENS_CONTIGUOUS=v_tokens,
-        PREFETCH_LINES=prefetch_lines(q.device, head_dim, k_cache.element_size()), **cfg, **pdl_launch(q.device),
+        WINDOW=window or 0, PREFETCH_LINES=prefetch_lines(q.device, head_dim, k_cache.element_size()), **cfg,
+        **pdl_launch(q.device),
     )
     if split:
         splits_pow2 = triton.next_power_of_2(num_splits)
@@ -403,7 +433,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _merge_splits_kernel[(batch, triton.cdiv(q_heads, heads))](
             part_acc, part_lse, out, seq_lens, query_start_loc if packed else seq_lens, num_splits, split_tiles,
             seq_lens.stride(0), out.stride(0), out.stride(1), Q_HEADS=q_heads, BLOCK_HEADS=heads, HEAD_DIM=head_dim,
-            SPLITS_POW2=splits_pow2, BLOCK_N=cfg["BLOCK_N"], PACKED_Q=packed, num_warps=4,
+            SPLITS_POW2=splits_pow2, BLOCK_N=cfg["BLOCK_N"], PACKED_Q=packed, WINDOW=window or 0, num_warps=4,
             **pdl_launch(q.device),
         )
     return out

@@ -127,35 +127,35 @@ class TritonBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None) -> torch.Tensor:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        return self.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window)
 
     def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
                    head_dim: int, rope: NewTokenRope, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-                   v_scale: float = 1.0) -> torch.Tensor:
+                   v_scale: float = 1.0, window: int | None = None) -> torch.Tensor:
         """Attention of the packed projection [tokens, (num_heads + 2 num_kv_heads) * head_dim]:
         q/k normed (rope's weights) and rotated, k/v stored at meta.slot_mapping, then attended."""
         if meta.decode_only and qkv.shape[0] <= DECODE_ROPE_MAX_ROWS:
             # a decode row's position is its last key's (seq_len - 1) and its slot that key's
             q = qkv[:, :num_heads * head_dim].unflatten(1, (num_heads, head_dim))
-            return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, rope)
+            return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, rope)
         decode_stores_v = meta.decode_only and DECODE_STORES_V and is_fp8(v_cache) and tokens_contiguous(v_cache)
         q = qkv_rope_store(positions, qkv, num_heads, num_kv_heads, head_dim, rope.cos, rope.sin,
                            rope.q_weight, rope.k_weight, rope.eps, k_cache, v_cache, meta.slot_mapping,
                            k_scale, v_scale, store_v=not decode_stores_v)
         if decode_stores_v:
             new_v = qkv[:, (num_heads + num_kv_heads) * head_dim:].unflatten(1, (num_kv_heads, head_dim))
-            return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, new_v=new_v)
-        return self.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+            return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, new_v=new_v)
+        return self.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-               v_scale: float = 1.0) -> torch.Tensor:
+               v_scale: float = 1.0, window: int | None = None) -> torch.Tensor:
         """Attention over keys already in the cache (the new tokens' included)."""
         if meta.decode_only:
-            return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+            return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window)
         # a mixed step: its decode rows through the decode kernel, which pads a row's query group
         # to 16, where the prefill kernel pads it to a 128-row tile (and its softmax with it)
         # (a captured step says at capture, and its staged prefill tiles leave decode rows out)
@@ -164,17 +164,20 @@ class TritonBackend:
         out = paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                             meta.block_tables, scale, meta.max_query_len,
                             num_query_tokens=meta.num_query_tokens,
-                            k_scale=k_scale, v_scale=v_scale, skip_decode_rows=mixed, tiles=meta.prefill_tiles)
+                            k_scale=k_scale, v_scale=v_scale, skip_decode_rows=mixed, tiles=meta.prefill_tiles,
+                            window=window)
         if mixed:
             paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
-                         k_scale=k_scale, v_scale=v_scale, query_start_loc=meta.query_start_loc, out=out)
+                         k_scale=k_scale, v_scale=v_scale, query_start_loc=meta.query_start_loc, out=out,
+                         window=window)
         return out
 
     @staticmethod
     def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, k_scale: float, v_scale: float, rope: NewTokenRope | None = None,
-                new_v: torch.Tensor | None = None) -> torch.Tensor:
+                scale: float, k_scale: float, v_scale: float, window: int | None,
+                rope: NewTokenRope | None = None, new_v: torch.Tensor | None = None) -> torch.Tensor:
         return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
                             k_scale=k_scale, v_scale=v_scale, seq_order=meta.decode_order, rope=rope, new_v=new_v,
+                            window=window,
                             split_keys=engine_split_keys(q.shape[0], k_cache.shape[2], meta.max_seq_len, q.device,
                                                          is_fp8(k_cache)))

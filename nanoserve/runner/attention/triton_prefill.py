@@ -4,6 +4,11 @@ The keys of every sequence are read from the paged cache, so prefix-cache hits a
 of a chunked prefill need no special case: query j of a sequence with q_len queries and seq_len
 keys sits at position seq_len - q_len + j and sees keys 0..that position.
 
+A sliding window (WINDOW keys, transformers' convention) keeps keys k with position - k < WINDOW:
+whole key tiles before the window of a query tile's first row are not read, and the tiles that
+only some rows' windows reach are masked. WINDOW 0 (no window) compiles the code of a model
+without one.
+
 One program per (sequence, tile of queries, kv head). A tile's rows are (token, head) pairs of
 the kv head's query group, so each K/V tile is loaded once for the whole group (GQA). An fp8
 cache is read as in triton_decode.
@@ -65,7 +70,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, LAST_TILES_FIRST: tl.constexpr,
     SKIP_DECODE_ROWS: tl.constexpr, TILED: tl.constexpr, USE_PDL: tl.constexpr,
-    V_TOKENS_CONTIGUOUS: tl.constexpr = False,
+    V_TOKENS_CONTIGUOUS: tl.constexpr = False, WINDOW: tl.constexpr = 0,
 ):
     pdl_prologue(USE_PDL)
     if TILED:   # (sequence, tile) from the host's list; -1 past its end
@@ -99,16 +104,40 @@ def _prefill_kernel(
                 + offs_d[None, :], mask=mask_m[:, None], other=0.0)
     q_pos = history + tok
 
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    if WINDOW > 0:
+        # a row's window may begin tiles after the first one read (a query tile longer than the
+        # window): a finite start keeps its running max finite over tiles it sees nothing of
+        m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    else:
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # keys up to the tile's last query position; every row sees key 0, so m turns finite
+    # keys up to the tile's last query position; every row sees key 0 (with a window, its own key),
+    # so m turns finite
     end = history + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+    if WINDOW > 0:   # rows past the query (unstored) attend as its last row: their window holds keys too
+        q_pos = tl.minimum(q_pos, end - 1)
     # whole key tiles that every row of this tile sees (up to its first query's position) need
     # no causal mask; only the tiles along the diagonal do
     unmasked_end = tl.minimum((history + q_tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N, end)
-    for n0 in range(0, unmasked_end, BLOCK_N):
+    if WINDOW > 0:
+        # a row at position p sees keys past p - WINDOW. No row sees the tiles before the first row's
+        # window: they are skipped; from win_end on every row's window holds every key (up to the
+        # diagonal); between them a tile is masked by the window alone (all of it precedes every row)
+        first = tl.maximum(history + q_tile * BLOCK_Q - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        win_end = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(end - WINDOW, 0), BLOCK_N) * BLOCK_N, first),
+                             unmasked_end)
+        for n0 in range(first, win_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            qk, v = _tile_scores(q, k_cache_ptr, v_cache_ptr, table, n0, offs_n, offs_n < win_end, kv_head, offs_d,
+                                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
+                                 scale_log2, BLOCK_SIZE, BLOCK_N, PRECISION, KV_FP8, V_TOKENS_CONTIGUOUS)
+            qk = tl.where(offs_n[None, :] > q_pos[:, None] - WINDOW, qk, float("-inf"))
+            m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
+    else:
+        win_end = 0
+    for n0 in range(win_end, unmasked_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         qk, v = _tile_scores(q, k_cache_ptr, v_cache_ptr, table, n0, offs_n, offs_n < unmasked_end, kv_head, offs_d,
                              stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, scale_log2,
@@ -119,7 +148,11 @@ def _prefill_kernel(
         qk, v = _tile_scores(q, k_cache_ptr, v_cache_ptr, table, n0, offs_n, offs_n < end, kv_head, offs_d,
                              stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, scale_log2,
                              BLOCK_SIZE, BLOCK_N, PRECISION, KV_FP8, V_TOKENS_CONTIGUOUS)
-        qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
+        if WINDOW > 0:
+            seen = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - WINDOW)
+        else:
+            seen = offs_n[None, :] <= q_pos[:, None]
+        qk = tl.where(seen, qk, float("-inf"))
         m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
 
     o = acc / l[:, None]
@@ -179,7 +212,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, scale: float, max_query_len: int,
                   num_query_tokens: int | None = None, k_scale: float = 1.0,
                   v_scale: float = 1.0, config: dict | None = None,
-                  skip_decode_rows: bool = False, tiles: torch.Tensor | None = None) -> torch.Tensor:
+                  skip_decode_rows: bool = False, tiles: torch.Tensor | None = None,
+                  window: int | None = None) -> torch.Tensor:
     """Causal attention of packed queries q [tokens, q_heads, dim] over their paged keys.
 
     Rows past num_query_tokens (query_start_loc[-1], when the caller pads the batch) are zeroed.
@@ -187,7 +221,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     skip_decode_rows: sequences of one query are left unwritten, for paged_decode to fill (a mixed step).
     tiles: the programs to run, from `prefill_tiles` with `prefill_block_q`'s tiles (no config
     then); decode rows have none, as with skip_decode_rows.
+    window: a sliding window's span: the query at position p attends keys p - window < k <= p (None: all).
     """
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window spans at least one key, got {window}")
     check_shapes(q, k_cache, v_cache, block_tables)
     num_tokens, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -219,7 +256,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), KV_FP8=fp8, SKIP_DECODE_ROWS=skip_decode_rows,
-        TILED=tiles is not None, V_TOKENS_CONTIGUOUS=v_tokens,
+        TILED=tiles is not None, V_TOKENS_CONTIGUOUS=v_tokens, WINDOW=window or 0,
         **cfg, **pdl_launch(q.device),
     )
     return out

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoserve.positions import context_limit
+from nanoserve.positions import context_limit, layer_windows
 from nanoserve.runner.batch import AttentionMetadata
 from nanoserve.runner.layers.linear import PackedLinear, RowParallelLinear
 from nanoserve.runner.layers.norm import RMSNorm
@@ -28,9 +28,11 @@ class Attention(nn.Module):
     """Self-attention over this rank's heads (all of them without tensor parallelism)."""
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool,
-                 rotary: RotaryTables, ops: LayerOps, tp: TensorParallel = SINGLE) -> None:
+                 rotary: RotaryTables, ops: LayerOps, tp: TensorParallel = SINGLE, window: int | None = None) -> None:
         super().__init__()
         self.ops = ops
+        # sliding-window attention: a query at position p attends keys p - window < k <= p (None: all)
+        self.window = window
         self.eps = config.rms_norm_eps
         self.head_dim = d = head_dim_of(config)
         first_head, self.num_heads = tp.split_heads(config.num_attention_heads)
@@ -61,12 +63,13 @@ class Attention(nn.Module):
             # q/k norm, rotary and the K/V store inside the backend's kernels; attention then reads the cache
             rope = NewTokenRope(self.rotary.cos, self.rotary.sin, *(norms or (None, None, 0.0)))
             o = self.backend.attend_qkv(positions, qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope,
-                                        self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
+                                        self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale,
+                                        self.window)
         else:
             q, k, v = self.ops.qkv_rope(positions, qkv, self.num_heads, self.num_kv_heads,
                                         self.head_dim, self.rotary.cos, self.rotary.sin, *norms)
             o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
-                                     self.k_scale, self.v_scale)
+                                     self.k_scale, self.v_scale, self.window)
         return self.o_proj(o.flatten(1))
 
 
@@ -87,9 +90,9 @@ class GatedMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool,
-                 rotary: RotaryTables, ops: LayerOps, tp: TensorParallel = SINGLE) -> None:
+                 rotary: RotaryTables, ops: LayerOps, tp: TensorParallel = SINGLE, window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, qkv_bias, qk_norm, rotary, ops, tp)
+        self.self_attn = Attention(config, qkv_bias, qk_norm, rotary, ops, tp, window)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -107,12 +110,13 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, ops: LayerOps,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, windows: list[int | None] | None = None) -> None:
         super().__init__()
         rotary = RotaryTables(config, head_dim_of(config), context_limit(config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm, rotary, ops, tp)
-                                    for _ in range(config.num_hidden_layers))
+        windows = layer_windows(config) if windows is None else windows
+        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm, rotary, ops, tp, window)
+                                    for window in windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -131,11 +135,13 @@ class DecoderForCausalLM(nn.Module):
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
-    def __init__(self, config: PretrainedConfig, ops: LayerOps = EAGER_OPS, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, config: PretrainedConfig, ops: LayerOps = EAGER_OPS, tp: TensorParallel = SINGLE,
+                 windows: list[int | None] | None = None) -> None:
+        """windows: each layer's sliding window (positions.layer_windows; None: the config's)."""
         super().__init__()
         self.config = config
         # attention_bias (a bias on o_proj too) is refused by registry.model_class
-        self.model = DecoderModel(config, self.qkv_bias, self.qk_norm, ops, tp)
+        self.model = DecoderModel(config, self.qkv_bias, self.qk_norm, ops, tp, windows)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -15,8 +15,7 @@ MODELS: dict[str, type[DecoderForCausalLM]] = {
 
 
 def model_class(config: PretrainedConfig) -> type[DecoderForCausalLM]:
-    """The class for the config's architecture; refuses what these layers would compute wrongly
-    (a sliding window past max_model_len is refused with the config, config.py)."""
+    """The class for the config's architecture; refuses what these layers would compute wrongly."""
     arch = (getattr(config, "architectures", None) or ["<none>"])[0]
     if arch not in MODELS:
         raise ValueError(f"Unknown architecture {arch!r}; supported: {', '.join(sorted(MODELS))}")
