@@ -111,6 +111,19 @@ def _attend_tile_e4m3(q8, k, v, mask_n, m, l, acc, row_scale_log2):
 
 
 @triton.jit
+def _fold_tile(q, k, v, mask_n, m, l, acc, scale_log2, row_scale, KV_FP8: tl.constexpr, E4M3_DOTS: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """One tile folded into (m, l, acc) by the kernel's dots: widened (the default), or on e4m3 operands."""
+    if KV_FP8 and E4M3_DOTS == 2:
+        m, l, acc = _attend_tile_e4m3_keys(q, k, v, mask_n, m, l, acc, row_scale)
+    elif KV_FP8 and E4M3_DOTS:
+        m, l, acc = _attend_tile_e4m3(q, k, v, mask_n, m, l, acc, row_scale)
+    else:
+        m, l, acc = _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8, PRECISION)
+    return m, l, acc
+
+
+@triton.jit
 def _attend_tile_e4m3_keys(q8, k, v, mask_n, m, l, acc_t, row_scale_log2):
     """_attend_tile_e4m3 transposed: the keys are the dots' rows, so a warp group's 64-row MMA is
     filled by keys, not by a GQA group padded with empty heads. Scores [BLOCK_N, heads];
@@ -204,10 +217,12 @@ def _decode_kernel(
         q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-30) * (1.0 / _FP8_MAX)
         row_scale = q_scale * scale_log2
         q = to_fp8(q, 1.0 / q_scale[:, None], k_cache_ptr.dtype.element_ty)
-    elif KV_FP8 and FP8_VIA_F16:
-        # e4m3 widens to f16 in one instruction per pair (to bf16 it takes several); a bf16 q
-        # loses no mantissa in f16, and attention queries stay far inside f16's range
-        q = q.to(tl.float16)
+    else:
+        row_scale = scale_log2   # unread: the widened dots take scale_log2
+        if KV_FP8 and FP8_VIA_F16:
+            # e4m3 widens to f16 in one instruction per pair (to bf16 it takes several); a bf16 q
+            # loses no mantissa in f16, and attention queries stay far inside f16's range
+            q = q.to(tl.float16)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -231,12 +246,7 @@ def _decode_kernel(
             k, v = load_kv_block_tile(k_cache_ptr, v_cache_ptr, block, n0 % BLOCK_SIZE, mask_n, kv_head, offs_d,
                                       stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                                       BLOCK_N, V_TOKENS_CONTIGUOUS)
-            if KV_FP8 and E4M3_DOTS == 2:
-                m, l, acc = _attend_tile_e4m3_keys(q, k, v, mask_n, m, l, acc, row_scale)
-            elif KV_FP8 and E4M3_DOTS:
-                m, l, acc = _attend_tile_e4m3(q, k, v, mask_n, m, l, acc, row_scale)
-            else:
-                m, l, acc = _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8, PRECISION)
+            m, l, acc = _fold_tile(q, k, v, mask_n, m, l, acc, scale_log2, row_scale, KV_FP8, E4M3_DOTS, PRECISION)
             block = block_next
     else:
         for n0 in range(start, end, BLOCK_N):
@@ -247,12 +257,7 @@ def _decode_kernel(
             k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
                                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                                 BLOCK_SIZE)
-            if KV_FP8 and E4M3_DOTS == 2:
-                m, l, acc = _attend_tile_e4m3_keys(q, k, v, mask_n, m, l, acc, row_scale)
-            elif KV_FP8 and E4M3_DOTS:
-                m, l, acc = _attend_tile_e4m3(q, k, v, mask_n, m, l, acc, row_scale)
-            else:
-                m, l, acc = _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8, PRECISION)
+            m, l, acc = _fold_tile(q, k, v, mask_n, m, l, acc, scale_log2, row_scale, KV_FP8, E4M3_DOTS, PRECISION)
 
     if KV_FP8 and E4M3_DOTS == 2:
         acc = tl.trans(acc)
