@@ -16,14 +16,34 @@ from tests.conftest import _random_model, hf_greedy, random_prompts
     ("qwen3", dict(hidden_act="relu"), "hidden_act 'relu'"),
     ("llama", dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
                                  "original_max_position_embeddings": 32}), "longrope"),
-    ("llama", dict(attention_bias=True), "attention_bias=true"),
-    ("llama", dict(mlp_bias=True), "mlp_bias=true"),
-], ids=["llama-gelu", "qwen3-relu", "llama-longrope", "llama-o-bias", "llama-mlp-bias"])
+], ids=["llama-gelu", "qwen3-relu", "llama-longrope"])
 def test_what_would_answer_wrongly_is_refused_by_name(tmp_path, arch, overrides, refusal):
     # each loaded and answered with SiLU, the short rope factors or full attention: not what it is
     folder = _random_model(tmp_path / "model", arch, **overrides)
     with pytest.raises(ValueError, match=refusal):
         LLM(folder, device="cpu", max_model_len=64)
+
+
+# the flags as each family's transformers modeling reads them: Llama's attention_bias puts a bias on q, k, v
+# and o, its mlp_bias on gate, up and down; Qwen3 reads attention_bias; Mistral reads neither
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", dict(attention_bias=True, mlp_bias=True)),
+    ("llama", dict(mlp_bias=True)),
+    ("qwen3", dict(attention_bias=True)),
+    ("mistral", dict(attention_bias=True, mlp_bias=True)),
+], ids=["llama-both", "llama-mlp", "qwen3-attention", "mistral-ignores-both"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])   # triton: the kernels under the interpreter
+def test_biases_answer_as_transformers(tmp_path, arch, overrides, backend):
+    folder = _random_model(tmp_path / "model", arch, **overrides)
+    prompts = random_prompts(3, 384, 10, 40, seed=3)
+    with LLM(folder, device="cpu", attention_backend=backend, max_model_len=128) as llm:
+        layer = llm.engine.runner.model.model.layers[0]
+        want = dict(overrides) if arch != "mistral" else {}
+        assert (layer.self_attn.o_proj.bias is not None) == want.get("attention_bias", False)
+        assert (layer.mlp.down_proj.bias is not None) == want.get("mlp_bias", False)
+        ours = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)]
+    assert ours == hf_greedy(folder, prompts, 12)
 
 
 def test_a_sliding_window_no_layer_uses_is_no_refusal(tmp_path):

@@ -34,6 +34,17 @@ def test_two_ranks_match_hf_through_chunks_and_preemption(random_model, async_sc
     assert len(workers) == 1 and not workers[0].is_alive()  # close() ended the worker
 
 
+def test_two_ranks_add_the_o_and_down_biases_once(tmp_path):
+    # o_proj and down_proj sum the ranks' partial products: their bias, whole on each rank, goes in after the sum
+    from tests.conftest import _random_model
+    folder = _random_model(tmp_path / "model", "llama", attention_bias=True, mlp_bias=True)
+    prompts = random_prompts(3, 384, 10, 40, seed=23)
+    with LLM(folder, dtype="float32", device="cpu", tensor_parallel_size=2, max_model_len=128) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12,
+                                                                         ignore_eos=True), use_tqdm=False)]
+    assert got == hf_greedy(folder, prompts, 12)
+
+
 def test_prompt_logprobs_with_two_ranks_equal_one_rank(qwen3_model):
     prompts = random_prompts(3, 384, 20, 50, seed=22)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)

@@ -114,12 +114,13 @@ class PackedLinear(nn.Linear):
 
 
 class RowParallelLinear(nn.Linear):
-    """y = x W^T over this rank's slice of the input features, summed over ranks (no bias)."""
+    """y = x W^T (+ bias) over this rank's slice of the input features, summed over ranks; the bias,
+    whole on every rank, is added once, after the sum."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel = SINGLE, bias: bool = False) -> None:
         self.tp = tp
         self.first, local = tp.split(in_features)
-        super().__init__(local, out_features, bias=False)
+        super().__init__(local, out_features, bias=bias)
         self.weight.weight_loader = self.load
         self.skinny_rows: frozenset[int] = frozenset()
         self.blas_lt_rows: frozenset[int] = frozenset()
@@ -134,11 +135,19 @@ class RowParallelLinear(nn.Linear):
         param.data.copy_(loaded[:, self.first:self.first + param.shape[1]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(project(x, self.weight, None, self.skinny_rows, self.blas_lt_rows))
+        return self._reduce(project(x, self.weight, self._local_bias(), self.skinny_rows, self.blas_lt_rows))
 
     def forward_gated(self, gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """forward(act(gate_up)), act being silu(gate) * up: in one kernel in the gated row buckets."""
         if _skinny_takes(gate_up, self.gated_rows):
             from nanoserve.runner.layers.small_gemm import skinny_linear
-            return self.tp.all_reduce(skinny_linear(gate_up, self.weight, gated=True))
+            return self._reduce(skinny_linear(gate_up, self.weight, self._local_bias(), gated=True))
         return self.forward(act(gate_up))
+
+    def _local_bias(self) -> torch.Tensor | None:
+        """The bias for this rank's product: all of it on one rank; with several it waits for the sum."""
+        return self.bias if self.tp.size == 1 else None
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(partial)
+        return out + self.bias if self.bias is not None and self.tp.size > 1 else out

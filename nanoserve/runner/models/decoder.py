@@ -6,6 +6,8 @@ config fields; each family file picks its switches.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -20,6 +22,13 @@ from nanoserve.runner.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.runner.parallel import SINGLE, TensorParallel
 
 
+class Biases(NamedTuple):
+    """Which projections carry a bias: q/k/v, o, and the MLP's gate/up and down."""
+    qkv: bool = False
+    o: bool = False
+    mlp: bool = False
+
+
 def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -27,7 +36,7 @@ def head_dim_of(config: PretrainedConfig) -> int:
 class Attention(nn.Module):
     """Self-attention over this rank's heads (all of them without tensor parallelism)."""
 
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool,
+    def __init__(self, config: PretrainedConfig, biases: Biases, qk_norm: bool,
                  rotary: RotaryTables, ops: LayerOps, tp: TensorParallel = SINGLE, window: int | None = None) -> None:
         super().__init__()
         self.ops = ops
@@ -42,8 +51,8 @@ class Attention(nn.Module):
         self.scale = d ** -0.5
         q = (config.num_attention_heads * d, first_head * d, self.q_size)
         kv = (config.num_key_value_heads * d, first_kv * d, self.kv_size)
-        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q, "k": kv, "v": kv}, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp)
+        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q, "k": kv, "v": kv}, bias=biases.qkv)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp, bias=biases.o)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -74,13 +83,14 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, ops: LayerOps, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: LayerOps, tp: TensorParallel = SINGLE,
+                 bias: bool = False) -> None:
         super().__init__()
         self.ops = ops
         first, local = tp.split(intermediate_size)
         part = (intermediate_size, first, local)
-        self.gate_up_proj = PackedLinear(hidden_size, {"gate": part, "up": part})
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
+        self.gate_up_proj = PackedLinear(hidden_size, {"gate": part, "up": part}, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, bias=bias)
         self.down_proj.takes_gated_input = True
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -89,11 +99,11 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool,
+    def __init__(self, config: PretrainedConfig, biases: Biases, qk_norm: bool,
                  rotary: RotaryTables, ops: LayerOps, tp: TensorParallel = SINGLE, window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, qkv_bias, qk_norm, rotary, ops, tp, window)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops, tp)
+        self.self_attn = Attention(config, biases, qk_norm, rotary, ops, tp, window)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops, tp, biases.mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         # each norm feeds one packed projection, which may fold the norm (and the residual add) in
@@ -109,13 +119,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, ops: LayerOps,
+    def __init__(self, config: PretrainedConfig, biases: Biases, qk_norm: bool, ops: LayerOps,
                  tp: TensorParallel = SINGLE, windows: list[int | None] | None = None) -> None:
         super().__init__()
         rotary = RotaryTables(config, head_dim_of(config), context_limit(config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         windows = layer_windows(config) if windows is None else windows
-        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm, rotary, ops, tp, window)
+        self.layers = nn.ModuleList(DecoderLayer(config, biases, qk_norm, rotary, ops, tp, window)
                                     for window in windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -131,6 +141,10 @@ class DecoderForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    # which config flags add biases, as the family's transformers modeling reads them: `attention_bias`
+    # (q, k, v and o) and `mlp_bias` (gate, up and down); the others ignore them
+    attention_bias_flag = False
+    mlp_bias_flag = False
     # checkpoint name fragment -> (our packed parameter fragment, shard)
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
@@ -140,11 +154,16 @@ class DecoderForCausalLM(nn.Module):
         """windows: each layer's sliding window (positions.layer_windows; None: the config's)."""
         super().__init__()
         self.config = config
-        # attention_bias (a bias on o_proj too) is refused by registry.model_class
-        self.model = DecoderModel(config, self.qkv_bias, self.qk_norm, ops, tp, windows)
+        self.model = DecoderModel(config, self.biases(config), self.qk_norm, ops, tp, windows)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def biases(cls, config: PretrainedConfig) -> Biases:
+        attention = cls.attention_bias_flag and bool(getattr(config, "attention_bias", False))
+        return Biases(qkv=cls.qkv_bias or attention, o=attention,
+                      mlp=cls.mlp_bias_flag and bool(getattr(config, "mlp_bias", False)))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)

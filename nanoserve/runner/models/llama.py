@@ -4,7 +4,8 @@ from nanoserve.runner.models.decoder import DecoderForCausalLM
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
-    pass
+    attention_bias_flag = True
+    mlp_bias_flag = True
 
 
 class MistralForCausalLM(DecoderForCausalLM):

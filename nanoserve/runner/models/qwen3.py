@@ -5,3 +5,4 @@ from nanoserve.runner.models.decoder import DecoderForCausalLM
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
     qk_norm = True
+    attention_bias_flag = True

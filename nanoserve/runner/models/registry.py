@@ -23,9 +23,5 @@ def model_class(config: PretrainedConfig) -> type[DecoderForCausalLM]:
     if activation not in ("silu", "swish"):
         # the MLP's kernels are SiLU's: another activation would load and answer wrongly
         raise ValueError(f"{arch} with hidden_act {activation!r} is not supported: only silu")
-    for flag in ("attention_bias", "mlp_bias"):
-        if getattr(config, flag, False):
-            # transformers adds biases to o_proj (and the MLP's projections), which these layers do not have
-            raise ValueError(f"{arch} with {flag}=true is not supported")
     return MODELS[arch]
 
