@@ -11,6 +11,12 @@ from nanoserve import LLM, SamplingParams
 from tests.conftest import _random_model, hf_greedy, random_prompts
 
 
+def greedy(llm: LLM, prompts: list, max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens, as hf_greedy gives transformers'."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
 @pytest.mark.parametrize("arch, overrides, refusal", [
     ("llama", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     ("qwen3", dict(hidden_act="relu"), "hidden_act 'relu'"),
@@ -41,8 +47,7 @@ def test_biases_answer_as_transformers(tmp_path, arch, overrides, backend):
         want = dict(overrides) if arch != "mistral" else {}
         assert (layer.self_attn.o_proj.bias is not None) == want.get("attention_bias", False)
         assert (layer.mlp.down_proj.bias is not None) == want.get("mlp_bias", False)
-        ours = [o.outputs[0].token_ids for o in llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)]
+        ours = greedy(llm, prompts, 12)
     assert ours == hf_greedy(folder, prompts, 12)
 
 
@@ -52,9 +57,7 @@ def test_a_sliding_window_no_layer_uses_is_no_refusal(tmp_path):
                            max_window_layers=2)
     prompts = random_prompts(2, 384, 40, 60)
     with LLM(folder, device="cpu", max_model_len=128) as llm:
-        ours = [o.outputs[0].token_ids for o in llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-            use_tqdm=False)]
+        ours = greedy(llm, prompts, 8)
     assert ours == hf_greedy(folder, prompts, 8)
 
 
@@ -67,8 +70,7 @@ def test_a_sliding_window_answers_as_transformers_past_the_window(tmp_path, back
     prompts = random_prompts(3, 384, 90, 130, seed=1)
     with LLM(folder, device="cpu", attention_backend=backend, max_num_batched_tokens=48, max_num_seqs=4) as llm:
         assert llm.engine.config.max_model_len == 512
-        ours = [o.outputs[0].token_ids for o in llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)]
+        ours = greedy(llm, prompts, 20)
     assert ours == hf_greedy(folder, prompts, 20)
 
 
@@ -79,8 +81,7 @@ def test_qwen2s_sliding_layers_answer_as_transformers_past_the_window(tmp_path):
     prompts = random_prompts(2, 384, 30, 50, seed=2)
     with LLM(folder, device="cpu", max_model_len=128) as llm:
         assert [layer.self_attn.window for layer in llm.engine.runner.model.model.layers] == [None, 16]
-        ours = [o.outputs[0].token_ids for o in llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)]
+        ours = greedy(llm, prompts, 12)
     assert ours == hf_greedy(folder, prompts, 12)
 
 
@@ -98,8 +99,7 @@ def test_disable_sliding_window_caps_the_context_at_the_window_as_vllm_does(tmp_
         assert llm.engine.config.max_model_len == 64
         # within the window, full attention is the window's: the layers compute no window
         assert all(layer.self_attn.window is None for layer in llm.engine.runner.model.model.layers)
-        ours = [o.outputs[0].token_ids for o in llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
+        ours = greedy(llm, prompts, 8)
         with pytest.raises(ValueError, match="64"):   # a prompt as long as the window leaves no room
             llm.generate([random_prompts(1, 384, 64, 65)[0]], SamplingParams(max_tokens=1), use_tqdm=False)
     assert ours == hf_greedy(folder, prompts, 8)
@@ -134,8 +134,7 @@ def test_a_static_rope_scaling_stretches_the_context_as_vllm_derives_it(tmp_path
     prompts = random_prompts(2, 384, 150, 200)
     with LLM(folder, device="cpu", num_kvcache_blocks=64, block_size=16) as llm:
         assert llm.engine.config.max_model_len == 256
-        ours = [o.outputs[0].token_ids for o in llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
+        ours = greedy(llm, prompts, 8)
     assert ours == hf_greedy(folder, prompts, 8)
     with pytest.raises(ValueError, match="larger than the model's context"):
         LLM(folder, device="cpu", max_model_len=257)
