@@ -23,7 +23,7 @@ def decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = 
 @functools.lru_cache(maxsize=None)
 def e4m3_dots_asked() -> int:
     """NANOSERVE_DECODE_E4M3_DOTS (read once): 0 widens an fp8 cache's tiles to f16 (the default);
-    1 and 2 run both dots on e4m3 operands (triton_decode._attend_tile_e4m3 and _keys), for A/B runs."""
+    1 and 2 run both dots on e4m3 operands (decode_dots.attend_tile_e4m3 and its _keys form), for A/B runs."""
     return int(os.environ.get("NANOSERVE_DECODE_E4M3_DOTS", "0"))
 
 

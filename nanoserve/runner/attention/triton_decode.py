@@ -37,21 +37,16 @@ import triton.language as tl
 
 from nanoserve.runner.attention.decode_splits import decode_split_count, split_span
 from nanoserve.runner.attention.decode_tiles import decode_config
-from nanoserve.runner.attention.fp8 import FP8_MAX, is_fp8
+from nanoserve.runner.attention.decode_dots import P_SCALE, fold_tile, quantize_query
+from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.kv_layout import tokens_contiguous
 from nanoserve.runner.attention.triton_paged import (
-    check_new_v, check_shapes, dot_precision, load_kv_block_tile, load_kv_tile, online_softmax_step, prefetch_kv_tile,
+    check_new_v, check_shapes, dot_precision, load_kv_block_tile, load_kv_tile, prefetch_kv_tile,
     softmax_scale_log2, store_v_sectors,
 )
-from nanoserve.runner.attention.triton_fp8 import to_fp8
 from nanoserve.runner.attention.triton_rope_store import check_rope, rope_kernel_args, rope_new_token
 from nanoserve.runner.layers.rotary import NewTokenRope
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
-
-
-_FP8_MAX = tl.constexpr(FP8_MAX)
-# probabilities (at most 1) times 256 keep e4m3's relative precision down to 2**-14 and stay under 448
-P_SCALE = tl.constexpr(256.0)
 
 
 @triton.jit
@@ -81,61 +76,6 @@ def _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N: tl.constexpr, WINDOW
         tiles = tl.cdiv(seq_len, BLOCK_N)
     per = tl.where(split_tiles > 0, split_tiles, tl.cdiv(tiles, num_splits))
     return tiles, tl.maximum(per, 1)
-
-
-@triton.jit
-def _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8: tl.constexpr, PRECISION: tl.constexpr):
-    """One tile of keys (masked ones left out) folded into (m, l, acc); every tile holds at least
-    one key of its split (a window's first tile too: it holds the window's first key), so m stays
-    finite."""
-    if KV_FP8:
-        k, v = k.to(q.dtype), v.to(q.dtype)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-    qk = tl.where(mask_n[None, :], qk, float("-inf"))
-    return online_softmax_step(qk, v, m, l, acc, PRECISION)
-
-
-@triton.jit
-def _attend_tile_e4m3(q8, k, v, mask_n, m, l, acc, row_scale_log2):
-    """_attend_tile with both dots on e4m3 operands, as the tensor cores take them: q8 is the query
-    quantized per row (row_scale_log2 = its scale times the softmax's), and the probabilities go to
-    e4m3 times P_SCALE, so that the smallest that count stay normal numbers."""
-    qk = tl.dot(q8, tl.trans(k)) * row_scale_log2[:, None]
-    qk = tl.where(mask_n[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m, tl.max(qk, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(to_fp8(p, P_SCALE, k.dtype), v)
-    return m_new, l, acc
-
-
-@triton.jit
-def _fold_tile(q, k, v, mask_n, m, l, acc, scale_log2, row_scale, KV_FP8: tl.constexpr, E4M3_DOTS: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """One tile folded into (m, l, acc) by the kernel's dots: widened (the default), or on e4m3 operands."""
-    if KV_FP8 and E4M3_DOTS == 2:
-        m, l, acc = _attend_tile_e4m3_keys(q, k, v, mask_n, m, l, acc, row_scale)
-    elif KV_FP8 and E4M3_DOTS:
-        m, l, acc = _attend_tile_e4m3(q, k, v, mask_n, m, l, acc, row_scale)
-    else:
-        m, l, acc = _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8, PRECISION)
-    return m, l, acc
-
-
-@triton.jit
-def _attend_tile_e4m3_keys(q8, k, v, mask_n, m, l, acc_t, row_scale_log2):
-    """_attend_tile_e4m3 transposed: the keys are the dots' rows, so a warp group's 64-row MMA is
-    filled by keys, not by a GQA group padded with empty heads. Scores [BLOCK_N, heads];
-    acc_t [HEAD_DIM, heads]."""
-    s_t = tl.dot(k, tl.trans(q8)) * row_scale_log2[None, :]
-    s_t = tl.where(mask_n[:, None], s_t, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s_t, 0))
-    alpha = tl.exp2(m - m_new)
-    p_t = tl.exp2(s_t - m_new[None, :])
-    l = l * alpha + tl.sum(p_t, 0)
-    acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), to_fp8(p_t, P_SCALE, k.dtype))
-    return m_new, l, acc_t
 
 
 # Ints that change from step to step are not specialized: Triton would otherwise compile a new
@@ -213,10 +153,7 @@ def _decode_kernel(
                             stride_vb, stride_vh, stride_vd, BLOCK_SIZE, SECTOR)
             tl.debug_barrier()   # its sectors are seen by every thread of the program below
     if KV_FP8 and E4M3_DOTS:
-        # the query row's own scale puts its largest element at e4m3's largest
-        q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-30) * (1.0 / _FP8_MAX)
-        row_scale = q_scale * scale_log2
-        q = to_fp8(q, 1.0 / q_scale[:, None], k_cache_ptr.dtype.element_ty)
+        q, row_scale = quantize_query(q, scale_log2, k_cache_ptr.dtype.element_ty)
     else:
         row_scale = scale_log2   # unread: the widened dots take scale_log2
         if KV_FP8 and FP8_VIA_F16:
@@ -246,7 +183,7 @@ def _decode_kernel(
             k, v = load_kv_block_tile(k_cache_ptr, v_cache_ptr, block, n0 % BLOCK_SIZE, mask_n, kv_head, offs_d,
                                       stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                                       BLOCK_N, V_TOKENS_CONTIGUOUS)
-            m, l, acc = _fold_tile(q, k, v, mask_n, m, l, acc, scale_log2, row_scale, KV_FP8, E4M3_DOTS, PRECISION)
+            m, l, acc = fold_tile(q, k, v, mask_n, m, l, acc, scale_log2, row_scale, KV_FP8, E4M3_DOTS, PRECISION)
             block = block_next
     else:
         for n0 in range(start, end, BLOCK_N):
@@ -257,7 +194,7 @@ def _decode_kernel(
             k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
                                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                                 BLOCK_SIZE)
-            m, l, acc = _fold_tile(q, k, v, mask_n, m, l, acc, scale_log2, row_scale, KV_FP8, E4M3_DOTS, PRECISION)
+            m, l, acc = fold_tile(q, k, v, mask_n, m, l, acc, scale_log2, row_scale, KV_FP8, E4M3_DOTS, PRECISION)
 
     if KV_FP8 and E4M3_DOTS == 2:
         acc = tl.trans(acc)
