@@ -1,0 +1,24 @@
+"""Sliding-window attention on the GPU: the Triton kernels under CUDA graphs, past the window, give
+transformers' greedy tokens (tests/engine/test_model_configs.py checks the same under the interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from tests.conftest import _random_model, hf_greedy, random_prompts
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_a_sliding_window_answers_as_transformers_past_the_window_on_the_gpu(tmp_path, enforce_eager):
+    # prompts of 90-130 tokens in chunks of 48 (history past the 64-token window), then decode to ~150
+    folder = _random_model(tmp_path / "model", "mistral", num_key_value_heads=1, sliding_window=64)
+    prompts = random_prompts(3, 384, 90, 130, seed=1)
+    with LLM(folder, device="cuda", dtype="float32", attention_backend="triton", max_num_batched_tokens=48,
+             max_num_seqs=4, enforce_eager=enforce_eager) as llm:
+        assert (llm.engine.runner.graphs is None) == enforce_eager
+        ours = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)]
+    assert ours == hf_greedy(folder, prompts, 20)
