@@ -28,8 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from attention_common import (DTYPE, HEAD_DIM, KV_HEADS, Caches, copy_bandwidth,  # noqa: E402
                               graph_time_us)
-from decode_sweeps import (ahead_sweep, e4m3_dots_sweep, launch_order_sweep, ragged_sweep,  # noqa: E402
-                           v_layout_sweep)
+from decode_sweeps import ahead_sweep, launch_order_sweep, ragged_sweep, v_layout_sweep  # noqa: E402
 
 from nanoserve.runner.attention.decode_splits import num_decode_splits  # noqa: E402
 from nanoserve.runner.attention.fp8 import FP8_DTYPE  # noqa: E402
@@ -235,8 +234,6 @@ def main() -> None:
                         help="only weigh reading each tile's block a tile ahead against per key (no table)")
     parser.add_argument("--v-layout", action="store_true",
                         help="only weigh an fp8 cache's V row by row against along tokens, with its prefill (no table)")
-    parser.add_argument("--e4m3-dots", action="store_true",
-                        help="fp8 decode with both dots on e4m3 operands against the default's f16 widening")
     parser.add_argument("--group", type=int, default=2, help="q heads per kv head (Qwen3-0.6B 2, 8B 4)")
     args = parser.parse_args()
     global Q_HEADS
@@ -259,9 +256,6 @@ def main() -> None:
     if args.v_layout:
         v_layout_sweep(Q_HEADS)
         prefill_layouts()
-        return
-    if args.e4m3_dots:
-        e4m3_dots_sweep(Q_HEADS)
         return
     fp8 = args.kv_cache_dtype == "fp8"
     flash = flash_attn_with_kvcache is not None and not fp8   # flash-attn reads no fp8 cache

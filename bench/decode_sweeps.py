@@ -167,27 +167,3 @@ def v_layout_sweep(q_heads: int) -> None:
             tile_line(f"{layout} {block_n:4d} {warps} {stages}{f' r{cap[0]}' if cap else ''}", caches, cases, cfg)
     print("! = differs from the row-by-row default by more than 2e-2")
 
-
-def e4m3_dots_sweep(q_heads: int) -> None:
-    """An fp8 cache (V along tokens) read by the default kernel, which widens each tile to f16 for
-    16-row tensor-core dots, against both dots on e4m3 operands (the query quantized a row at a
-    time, the probabilities times 256): Hopper's warp-group MMA with the GQA group's heads padded
-    to 64 rows (1) or with the keys as rows (2). TB/s of K+V read; the `!` marks stand for the
-    query's and probabilities' rounding, which test_fp8_kv_cache bounds."""
-    shapes = decode_shapes(LAYOUT_CASES, q_heads)
-    caches = Caches(256 * 2048, FP8_DTYPE)
-    cases = decode_cases(shapes, caches, fp8_ragged_split=True, split_keys=FP8_SPLIT_KEYS)
-    print(f"\nfp8 dots (TB/s of K+V read), {q_heads} q heads")
-    print(f"{'dots BLOCK_N warps stages':>34} " + " ".join(f"{c[0]:>12}" for c in shapes))
-    for mode, tiles in ((0, ((128, 4, 2),)), (1, ((128, 4, 2), (64, 4, 2))),
-                        (2, ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 8, 2)))):
-        for block_n, warps, stages in tiles:
-            cfg = dict(tile_config(block_n, warps, stages), BLOCK_AHEAD=True, E4M3_DOTS=mode)
-            tile_line(f"{('f16', 'e4m3 heads', 'e4m3 keys')[mode]} {block_n:4d} {warps} {stages}", caches, cases, cfg)
-    for mode in (1, 2):   # the e4m3 dots' error against the widened kernel's output, ||diff|| / ||output||
-        errs = []
-        for q, seq_lens, tables, order, split, want, _ in cases:
-            got = paged_decode(q, caches.k, caches.v, seq_lens, tables, HEAD_DIM ** -0.5, 2048, seq_order=order,
-                               config=dict(BLOCK_AHEAD=True, E4M3_DOTS=mode), **split).float()
-            errs.append(f"{((got - want.float()).norm() / want.float().norm()).item():12.4f}")
-        print(f"{'relative error, dots ' + str(mode):>34} " + " ".join(errs))

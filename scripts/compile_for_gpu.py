@@ -102,7 +102,7 @@ def variants(target: GPUTarget):
             # strides of 1 are specialized at launch: the lengths', and V's along tokens or dims
             unit = dict(stride_sl=1, **({"stride_vt": 1} if fp8 and on else {"stride_vd": 1}))
             shared = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None, KV_FP8=fp8, FP8_VIA_F16=fp8,
-                          V_TOKENS_CONTIGUOUS=fp8 and on, NEW_V=False, SECTOR=32, E4M3_DOTS=0, WINDOW=0, **flags, **unit)
+                          V_TOKENS_CONTIGUOUS=fp8 and on, NEW_V=False, SECTOR=32, WINDOW=0, **flags, **unit)
             tiles = decode_config(CUDA, fp8, v_tokens_contiguous=on)
             options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
             yield (f"decode {cache[1:]} flags {'on' if on else 'off'}", _decode_kernel, io,
@@ -112,9 +112,6 @@ def variants(target: GPUTarget):
                 yield (f"decode {cache[1:]} rope", _decode_kernel, io,
                        dict(shared, PACKED_Q=False, BLOCK_H=16, HEADS_FAST=on, PREFETCH_LINES=0 if fp8 else 2,
                             ROPE=True, NORM=True, Q_HEADS=16, **tiles), options)
-            if on and fp8:   # both dots on e4m3 operands, the keys as the warp-group MMA's rows
-                yield (f"decode {cache[1:]} e4m3 dots", _decode_kernel, io,
-                       dict(shared, BLOCK_H=16, HEADS_FAST=on, PREFETCH_LINES=0, **tiles, E4M3_DOTS=2), options)
             if on:   # a sliding-window layer's (Mistral's 4,096 keys)
                 yield (f"decode {cache[1:]} window", _decode_kernel, io,
                        dict(shared, BLOCK_H=16, HEADS_FAST=on, PREFETCH_LINES=(1 if fp8 else 2), **tiles, WINDOW=4096),

@@ -14,17 +14,7 @@ def decode_config(device: torch.device, fp8: bool = False, dtype: torch.dtype = 
     """The decode kernel's tiles. v_tokens_contiguous: an fp8 cache's V lies as the engine lays it
     out (kv_layout.py), or (False) row by row as K."""
     tiles = _default_tiles(device, fp8, dtype, head_dim, v_tokens_contiguous)
-    if device.type != "cuda":
-        return tiles
-    dots = e4m3_dots_asked() if fp8 and v_tokens_contiguous and dtype.itemsize == 2 else 0
-    return {**tiles, **tiles_asked(fp8), **({"E4M3_DOTS": dots} if dots else {})}
-
-
-@functools.lru_cache(maxsize=None)
-def e4m3_dots_asked() -> int:
-    """NANOSERVE_DECODE_E4M3_DOTS (read once): 0 widens an fp8 cache's tiles to f16 (the default);
-    1 and 2 run both dots on e4m3 operands (decode_dots.attend_tile_e4m3 and its _keys form), for A/B runs."""
-    return int(os.environ.get("NANOSERVE_DECODE_E4M3_DOTS", "0"))
+    return {**tiles, **tiles_asked(fp8)} if device.type == "cuda" else tiles
 
 
 @functools.lru_cache(maxsize=None)

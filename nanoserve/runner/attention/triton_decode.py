@@ -37,11 +37,10 @@ import triton.language as tl
 
 from nanoserve.runner.attention.decode_splits import decode_split_count, split_span
 from nanoserve.runner.attention.decode_tiles import decode_config
-from nanoserve.runner.attention.decode_dots import P_SCALE, fold_tile, quantize_query
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.kv_layout import tokens_contiguous
 from nanoserve.runner.attention.triton_paged import (
-    check_new_v, check_shapes, dot_precision, load_kv_block_tile, load_kv_tile, prefetch_kv_tile,
+    check_new_v, check_shapes, dot_precision, load_kv_block_tile, load_kv_tile, online_softmax_step, prefetch_kv_tile,
     softmax_scale_log2, store_v_sectors,
 )
 from nanoserve.runner.attention.triton_rope_store import check_rope, rope_kernel_args, rope_new_token
@@ -78,6 +77,18 @@ def _split_tiles(seq_len, num_splits, split_tiles, BLOCK_N: tl.constexpr, WINDOW
     return tiles, tl.maximum(per, 1)
 
 
+@triton.jit
+def _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of keys (masked ones left out) folded into (m, l, acc); every tile holds at least
+    one key of its split (a window's first tile too: it holds the window's first key), so m stays
+    finite."""
+    if KV_FP8:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    return online_softmax_step(qk, v, m, l, acc, PRECISION)
+
+
 # Ints that change from step to step are not specialized: Triton would otherwise compile a new
 # variant when one equals 1 or turns a multiple of 16 (a block-table width of 1 in a short warm-up,
 # 16 in a long batch), and that compile would land in the middle of serving.
@@ -98,7 +109,7 @@ def _decode_kernel(
     ORDERED: tl.constexpr, PACKED_Q: tl.constexpr, HEADS_FAST: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_AHEAD: tl.constexpr = False, V_TOKENS_CONTIGUOUS: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
     ROPE: tl.constexpr = False, NORM: tl.constexpr = False, Q_HEADS: tl.constexpr = 0,
-    NEW_V: tl.constexpr = False, SECTOR: tl.constexpr = 32, E4M3_DOTS: tl.constexpr = 0, WINDOW: tl.constexpr = 0,
+    NEW_V: tl.constexpr = False, SECTOR: tl.constexpr = 32, WINDOW: tl.constexpr = 0,
 ):
     # lengths, order, query starts and block tables are staged by the host, never written by a
     # kernel of the step: they may be read before waiting on the kernel ahead (PDL); q and the cache may not
@@ -152,21 +163,14 @@ def _decode_kernel(
                             tl.load(table + pos // BLOCK_SIZE).to(tl.int64), pos, kv_head, offs_d, inv_v_scale,
                             stride_vb, stride_vh, stride_vd, BLOCK_SIZE, SECTOR)
             tl.debug_barrier()   # its sectors are seen by every thread of the program below
-    if KV_FP8 and E4M3_DOTS:
-        q, row_scale = quantize_query(q, scale_log2, k_cache_ptr.dtype.element_ty)
-    else:
-        row_scale = scale_log2   # unread: the widened dots take scale_log2
-        if KV_FP8 and FP8_VIA_F16:
-            # e4m3 widens to f16 in one instruction per pair (to bf16 it takes several); a bf16 q
-            # loses no mantissa in f16, and attention queries stay far inside f16's range
-            q = q.to(tl.float16)
+    if KV_FP8 and FP8_VIA_F16:
+        # e4m3 widens to f16 in one instruction per pair (to bf16 it takes several); a bf16 q
+        # loses no mantissa in f16, and attention queries stay far inside f16's range
+        q = q.to(tl.float16)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
-    if KV_FP8 and E4M3_DOTS == 2:
-        acc = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     # empty when the split lies past seq_len (padding rows included): nothing is read
     if BLOCK_AHEAD and BLOCK_N <= BLOCK_SIZE:   # else a tile spans blocks: the table is read per key
         # a tile lies in one block (tiles start on multiples of BLOCK_N), so its block is one
@@ -183,7 +187,7 @@ def _decode_kernel(
             k, v = load_kv_block_tile(k_cache_ptr, v_cache_ptr, block, n0 % BLOCK_SIZE, mask_n, kv_head, offs_d,
                                       stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                                       BLOCK_N, V_TOKENS_CONTIGUOUS)
-            m, l, acc = fold_tile(q, k, v, mask_n, m, l, acc, scale_log2, row_scale, KV_FP8, E4M3_DOTS, PRECISION)
+            m, l, acc = _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8, PRECISION)
             block = block_next
     else:
         for n0 in range(start, end, BLOCK_N):
@@ -194,16 +198,12 @@ def _decode_kernel(
             k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d,
                                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                                 BLOCK_SIZE)
-            m, l, acc = fold_tile(q, k, v, mask_n, m, l, acc, scale_log2, row_scale, KV_FP8, E4M3_DOTS, PRECISION)
+            m, l, acc = _attend_tile(q, k, v, mask_n, m, l, acc, scale_log2, KV_FP8, PRECISION)
 
-    if KV_FP8 and E4M3_DOTS == 2:
-        acc = tl.trans(acc)
     has_keys = l > 0
     l = tl.where(has_keys, l, 1.0)
     o = acc / l[:, None]   # no keys: acc is 0, so o is 0
-    if KV_FP8 and E4M3_DOTS:
-        o = o * (v_scale / P_SCALE)
-    elif KV_FP8:
+    if KV_FP8:
         o = o * v_scale   # the merge of splits is linear in o: scaling each partial suffices
     # a context that fits one split needs no merge: its one partial is its output, bit for bit
     if SPLIT and tiles > per_split:
@@ -347,8 +347,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         part_acc = part_lse = out   # unused
     heads_fast = cfg.pop("HEADS_FAST", heads_fast_enabled())
-    # e4m3 dots run as Hopper's warp-group MMA, which takes 64 rows a warp group: query rows (1), or keys (2)
-    block_h = cfg.pop("BLOCK_H", 64 if fp8 and cfg.get("E4M3_DOTS") == 1 else max(16, triton.next_power_of_2(group)))
     grid = (kv_heads, batch, num_splits) if heads_fast else (batch, kv_heads, num_splits)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens,
@@ -363,7 +361,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         *rope_kernel_args(rope, q, k_scale, v_scale),
         new_v if new_v is not None else q, *(new_v.stride()[:2] if new_v is not None else (0, 0)),
         NEW_V=new_v is not None, SECTOR=min(32, block_size), ROPE=rope is not None, NORM=rope is not None and rope.q_weight is not None, Q_HEADS=q_heads,
-        GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
         ORDERED=seq_order is not None, PACKED_Q=packed, HEADS_FAST=heads_fast, V_TOKENS_CONTIGUOUS=v_tokens,
         WINDOW=window or 0, PREFETCH_LINES=prefetch_lines(q.device, head_dim, k_cache.element_size()), **cfg,
