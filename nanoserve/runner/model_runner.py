@@ -10,7 +10,6 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.cpu_threads import cpu_compute_threads
-from nanoserve.positions import layer_windows
 from nanoserve.runner.attention import select_backend
 from nanoserve.runner.batch import PromptScores, SampleOutput, SequenceWork, TokenMask
 from nanoserve.runner.inputs import build_inputs
@@ -92,7 +91,7 @@ class ModelRunner:
             # fused elementwise kernels pay on the GPU; compiling would only slow the CPU path
             ops = compiled_ops() if self.device.type == "cuda" and not config.enforce_eager else EAGER_OPS
             with torch.device(self.device):
-                self.model = cls(hf, ops, self.tp, layer_windows(hf, config.max_model_len))
+                self.model = cls(hf, ops, self.tp, config.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":

@@ -120,11 +120,10 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, biases: Biases, qk_norm: bool, ops: LayerOps,
-                 tp: TensorParallel = SINGLE, windows: list[int | None] | None = None) -> None:
+                 windows: list[int | None], tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         rotary = RotaryTables(config, head_dim_of(config), context_limit(config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        windows = layer_windows(config) if windows is None else windows
         self.layers = nn.ModuleList(DecoderLayer(config, biases, qk_norm, rotary, ops, tp, window)
                                     for window in windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -150,11 +149,12 @@ class DecoderForCausalLM(nn.Module):
                       "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
     def __init__(self, config: PretrainedConfig, ops: LayerOps = EAGER_OPS, tp: TensorParallel = SINGLE,
-                 windows: list[int | None] | None = None) -> None:
-        """windows: each layer's sliding window (positions.layer_windows; None: the config's)."""
+                 max_model_len: int | None = None) -> None:
+        """max_model_len: the engine's context, past which no sliding window reaches (positions.layer_windows)."""
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.biases(config), self.qk_norm, ops, tp, windows)
+        self.model = DecoderModel(config, self.biases(config), self.qk_norm, ops,
+                                  layer_windows(config, max_model_len), tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
