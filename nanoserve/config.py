@@ -15,7 +15,7 @@ from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, FP8_FLASH_ATT
                                 DEFAULT_MAX_LOGPROBS, KV_CACHE_DTYPES, MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES,
                                 MAX_LOGPROBS_CEILING, MAX_NUM_SEQS, SCHEDULING_POLICIES)
 from nanoserve.model_source import resolve_model
-from nanoserve.positions import context_limit, sliding_window
+from nanoserve.positions import context_limit, kv_window, sliding_window
 from nanoserve.sampling_params import SEED_RANGE
 
 logger = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ class EngineConfig:
                              f"({self.max_model_len}) can fill; use a block_size of at most {largest}")
         self._check_attention_backend(device)
         if self.num_kvcache_blocks is not None:
-            needed = -(-self.max_model_len // self.block_size)
+            needed = self.blocks_per_sequence()
             if self.num_kvcache_blocks < needed:
                 raise ValueError(f"num_kvcache_blocks ({self.num_kvcache_blocks}) cannot hold one sequence "
                                  f"of max_model_len ({self.max_model_len}): need at least {needed} blocks "
@@ -233,6 +233,16 @@ class EngineConfig:
         why = name and attention_refusal(name, device, self.block_size, self.kv_cache_dtype, self.dtype)
         if why:
             raise ValueError(why)
+
+    def blocks_per_sequence(self) -> int:
+        """The most KV blocks one sequence holds at once: those of max_model_len tokens, or where every
+        layer slides (positions.kv_window) a step's chunk and the window - 1 keys before it, over at
+        most one block more than they fill: the block manager gives back the blocks behind them."""
+        full = -(-self.max_model_len // self.block_size)
+        window = kv_window(self.hf_config, self.max_model_len)
+        if window is None:
+            return full
+        return min(full, -(-(window - 1 + self.max_num_batched_tokens) // self.block_size) + 1)
 
     def _check_tensor_parallel(self, device: str) -> None:
         size, hf = self.tensor_parallel_size, self.hf_config

@@ -55,3 +55,10 @@ def layer_windows(config: PretrainedConfig, max_model_len: int | None = None) ->
     if layer_types is None:
         return [window] * layers
     return [window if kind == "sliding_attention" else None for kind in layer_types[:layers]]
+
+
+def kv_window(config: PretrainedConfig, max_model_len: int | None = None) -> int | None:
+    """How many of a sequence's last keys its queries can still attend: the widest layer window where
+    every layer slides, None where some layer attends in full. Blocks wholly before it can be freed."""
+    windows = layer_windows(config, max_model_len)
+    return None if None in windows else max(windows)

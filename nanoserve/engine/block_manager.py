@@ -32,12 +32,20 @@ class BlockManager:
     A block with reference count 0 sits in `free`, in LRU order (evicted from the front).
     Full blocks are registered under a chain hash; a freed block keeps its hash, so a later
     sequence with the same prefix can take it back until it is evicted for a new allocation.
+
+    With `window` (every layer's sliding window: a query at position p attends keys k > p - window)
+    the blocks whose keys no query of the sequence will attend again are given back as it moves on
+    (vLLM's sliding-window manager). Their places in the block table name a stand-in, the first
+    block still held, so that every entry names a block of the sequence: the kernels read whole
+    tiles, which may begin before the window, and mask the keys outside it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -93,7 +101,9 @@ class BlockManager:
             self.prefix_hit_tokens += seq.num_cached_tokens
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grow the block table to hold `num_new_tokens` more tokens; False if blocks ran out."""
+        """Grow the block table to hold `num_new_tokens` more tokens; False if blocks ran out.
+        Blocks behind the window of the step's first query are given back first."""
+        self._drop_behind_window(seq)
         needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
         if needed > len(self.free):
             return False
@@ -118,7 +128,9 @@ class BlockManager:
         if not self.enable_prefix_caching or full <= seq.num_hashed_blocks:
             return
         hashes = self._hashes(seq, full)
-        for i in range(seq.num_hashed_blocks, full):
+        # a block dropped behind the window before the step that filled it was read back may
+        # already hold another sequence's tokens: it is not registered
+        for i in range(max(seq.num_hashed_blocks, seq.num_dropped_blocks), full):
             block_id = seq.block_table[i]
             # an equal block computed twice (two prompts admitted together) stays unregistered
             if hashes[i] not in self.cached:
@@ -129,13 +141,32 @@ class BlockManager:
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's hold on its blocks; cached ones stay reusable until evicted."""
         # tail blocks first, so that eviction takes a sequence's end before its shared start
-        for block_id in reversed(seq.block_table):
-            self.ref_counts[block_id] -= 1
-            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
-            if self.ref_counts[block_id] == 0:
-                self.free[block_id] = None
-                if self.block_hash[block_id] is None:
-                    # holds nothing reusable: hand it out before any cached block
-                    self.free.move_to_end(block_id, last=False)
+        for block_id in reversed(seq.block_table[seq.num_dropped_blocks:]):
+            self._give_back(block_id)
         seq.block_table = []
-        seq.num_computed_tokens = seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = seq.num_hashed_blocks = seq.num_dropped_blocks = 0
+
+    def _give_back(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+        if self.ref_counts[block_id] == 0:
+            self.free[block_id] = None
+            if self.block_hash[block_id] is None:
+                # holds nothing reusable: hand it out before any cached block
+                self.free.move_to_end(block_id, last=False)
+
+    def _drop_behind_window(self, seq: Sequence) -> None:
+        """Give back the leading blocks that hold only keys before the window of the sequence's next
+        query (at num_computed_tokens): that query and every later one attend keys k > p - window.
+        The last block is always kept, to stand in for the dropped ones."""
+        if self.window is None:
+            return
+        behind = (seq.num_computed_tokens - self.window + 1) // self.block_size
+        behind = min(behind, len(seq.block_table) - 1)
+        if behind <= seq.num_dropped_blocks:
+            return
+        table = seq.block_table
+        for i in range(seq.num_dropped_blocks, behind):
+            self._give_back(table[i])
+        table[:behind] = [table[behind]] * behind
+        seq.num_dropped_blocks = behind

@@ -44,6 +44,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0   # prefix-cache hits at the last admission
         self.num_hashed_blocks = 0   # leading full blocks registered in the prefix cache
+        self.num_dropped_blocks = 0  # leading blocks given back behind a sliding window (stand-ins in the table)
         self.block_hashes: list[int] = []
         self.num_preemptions = 0
         self.finish_reason: str | None = None

@@ -36,7 +36,7 @@ def block_bytes(config: EngineConfig) -> int:
 
 def min_blocks(config: EngineConfig) -> int:
     """One sequence of max_model_len must fit, or it could never finish."""
-    return -(-config.max_model_len // config.block_size)
+    return config.blocks_per_sequence()
 
 
 def blocks_for_cpu(config: EngineConfig) -> int:

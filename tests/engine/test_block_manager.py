@@ -222,3 +222,83 @@ def test_blocks_are_shared_only_between_sequences_of_the_same_cache_salt():
     bm.release(a)
     bm.release(b)
     assert_all_free(bm)
+
+
+def decode(bm: BlockManager, seq: Sequence, steps: int) -> None:
+    """`steps` decode steps, each computing the last token and appending the next, committed."""
+    for _ in range(steps):
+        assert bm.allocate_slots(seq, 1)
+        seq.num_computed_tokens += 1
+        seq.token_ids.append(7)
+        bm.commit(seq)
+
+
+def test_a_sliding_window_gives_back_the_blocks_no_query_attends_again():
+    # window 6, blocks of 4: the query at p attends keys p-5..p, so keys < p-5 are behind every later one
+    bm = BlockManager(num_blocks=16, block_size=BS, window=6)
+    seq = prefill(bm, list(range(1, 12)))            # keys 0-10 computed; next query at 11: keys 6.. live
+    assert seq.num_dropped_blocks == 0               # dropped when the next step is placed
+    decode(bm, seq, 1)                               # placed at p=11: block 0 (keys 0-3) is behind 6
+    assert seq.num_dropped_blocks == 1 and len(seq.block_table) == 3
+    held = seq.block_table[1:]
+    assert seq.block_table[0] == held[0]             # the stand-in: finite data that the kernels mask
+    assert bm.num_free_blocks == 16 - 2
+    decode(bm, seq, 8)                               # placed up to p=19: keys < 14 behind, blocks 0-2
+    assert seq.num_dropped_blocks == 3 and len(seq.block_table) == 5
+    assert seq.block_table[:3] == [seq.block_table[3]] * 3
+    assert bm.num_free_blocks == 16 - 2
+    assert sum(bm.ref_counts) == 2
+    bm.release(seq)
+    assert_all_free(bm)
+
+
+def test_a_sequence_longer_than_the_pool_runs_through_its_window():
+    # 3 blocks hold 12 keys; a window of 5 keeps at most 2 blocks live, plus the one being filled
+    bm = BlockManager(num_blocks=3, block_size=BS, window=5)
+    seq = prefill(bm, [1, 2, 3])
+    decode(bm, seq, 60)
+    assert seq.num_tokens == 63 and len(seq.block_table) == 16
+    assert bm.num_free_blocks == 1 and len(set(seq.block_table)) == 2
+    bm.release(seq)
+    assert_all_free(bm)
+
+
+def test_blocks_dropped_behind_the_window_stay_in_the_prefix_cache():
+    bm = BlockManager(num_blocks=16, block_size=BS, window=4)
+    prompt = list(range(1, 14))
+    a = prefill(bm, prompt)
+    decode(bm, a, 1)                                 # p=13: keys < 10 behind, blocks 0 and 1 dropped
+    assert a.num_dropped_blocks == 2
+    assert hit_tokens(bm, prompt) == 12              # kept under their hashes, as a finished sequence's are
+    bm.release(a)
+    assert_all_free(bm)
+
+
+def test_a_block_dropped_before_its_step_was_committed_is_not_cached():
+    # pipelined steps: the next step is placed before the last one's tokens are read back and committed.
+    # A block behind the window by then may already be another sequence's: it must not be registered
+    bm = BlockManager(num_blocks=8, block_size=BS, window=2)
+    seq = make_seq(list(range(1, 11)))
+    bm.admit(seq)
+    assert bm.allocate_slots(seq, 10)
+    seq.num_computed_tokens = 10
+    first_two = seq.block_table[:2]
+    assert bm.allocate_slots(seq, 1)                 # placed at p=10 before the commit: keys < 9 behind
+    assert seq.num_dropped_blocks == 2
+    other = prefill(bm, [50, 51, 52, 53, 54])        # takes the blocks just given back
+    assert set(other.block_table) == set(first_two)
+    bm.commit(seq)
+    assert hit_tokens(bm, list(range(1, 11))) == 0   # the chain's first blocks are not registered
+    assert hit_tokens(bm, [50, 51, 52, 53, 54]) == 4
+    bm.release(seq)
+    bm.release(other)
+    assert_all_free(bm)
+
+
+def test_without_a_window_nothing_is_dropped():
+    bm = BlockManager(num_blocks=32, block_size=BS)
+    seq = prefill(bm, list(range(1, 12)))
+    decode(bm, seq, 40)
+    assert seq.num_dropped_blocks == 0 and len(set(seq.block_table)) == len(seq.block_table) == 13
+    bm.release(seq)
+    assert_all_free(bm)

@@ -74,6 +74,22 @@ def test_a_sliding_window_answers_as_transformers_past_the_window(tmp_path, back
     assert ours == hf_greedy(folder, prompts, 20)
 
 
+@pytest.mark.parametrize("backend, pipelined", [("torch", False), ("torch", True), ("triton", False)])
+def test_a_sliding_window_model_runs_sequences_longer_than_its_kv_cache(tmp_path, backend, pipelined):
+    # every layer slides over 16 keys: a sequence holds its window and the step's chunk, the blocks
+    # behind them go back to the pool and their table entries name a stand-in. 6 blocks of 16 tokens
+    # (96 keys) serve two sequences of 120-140 at once, and they answer as transformers does
+    folder = _random_model(tmp_path / "model", "mistral", num_key_value_heads=1, sliding_window=16)
+    prompts = random_prompts(2, 384, 40, 60, seed=4)
+    # pipelined: each step is placed before the last one's tokens are read back and its blocks committed
+    with LLM(folder, device="cpu", attention_backend=backend, max_num_batched_tokens=32, max_num_seqs=2,
+             num_kvcache_blocks=6, max_model_len=256, async_scheduling=pipelined) as llm:
+        assert llm.engine.config.blocks_per_sequence() == 4   # (15 + 32) keys over 3 blocks, and one more
+        ours = greedy(llm, prompts, 80)
+        assert llm.engine.block_manager.num_free_blocks == 6
+    assert ours == hf_greedy(folder, prompts, 80)
+
+
 def test_qwen2s_sliding_layers_answer_as_transformers_past_the_window(tmp_path):
     # max_window_layers 1: layer 0 attends in full, layer 1 over its last 16 keys (transformers' layer_types)
     folder = _random_model(tmp_path / "model", "qwen2", use_sliding_window=True, sliding_window=16,

@@ -136,6 +136,27 @@ def test_decode_with_a_window_matches_the_reference(window, splits, block_ahead,
     assert_close(out, want, torch.float32)
 
 
+@pytest.mark.parametrize("window", [None, 37, 300])
+def test_decode_splits_are_counted_over_the_keys_a_window_reads(window, monkeypatch) -> None:
+    """On a GPU of many SMs the engine's count divides only the window's tiles: a split of fewer than
+    MIN_TOKENS_PER_SPLIT keys costs more in merging than it saves, and each split past the window's
+    tiles is an empty program."""
+    import nanoserve.runner.attention.decode_splits as decode_splits
+    import nanoserve.runner.attention.triton_decode as triton_decode
+    monkeypatch.setattr(decode_splits, "num_sms", lambda device: 1024)
+    counts = []
+    count = triton_decode.decode_split_count
+    monkeypatch.setattr(triton_decode, "decode_split_count", lambda *a: counts.append(count(*a)) or counts[-1])
+    q, k, v, k_cache, v_cache, meta = step(DECODE_SPECS, seed=40, block_size=32)
+    want, _, _ = reference(q, k, v, k_cache, v_cache, meta, 0.125, window)
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.125, 4096, window=window,
+                       config=dict(BLOCK_N=16))
+    assert_close(out, want, torch.float32)
+    # 4,096 keys over splits of at least 256; a window of 37 (52 keys in its tiles) or 300 (315)
+    assert counts == [{None: 16, 37: 1, 300: 2}[window]]
+
+
 @pytest.mark.parametrize("window", [5, 37])
 @pytest.mark.parametrize("splits", ["one", "three", "fixed keys"])
 def test_decode_and_prefill_with_a_window_over_an_fp8_cache_match_the_reference(window, splits) -> None:

@@ -336,7 +336,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     span = split_span(split_keys, cfg["BLOCK_N"])
     split_tiles = span // cfg["BLOCK_N"]   # 0: the kernels' flag for even division
     if num_splits is None:
-        num_splits = decode_split_count(batch, kv_heads, max_seq_len, q.device, span, fp8)
+        # a window's keys lie in the tiles from the one holding its first: at most window + BLOCK_N - 1
+        keys = max_seq_len if window is None else min(max_seq_len, window + cfg["BLOCK_N"] - 1)
+        num_splits = decode_split_count(batch, kv_heads, keys, q.device, span, fp8)
     out = q.new_empty(q.shape) if out is None else out
     packed = query_start_loc is not None
     split = num_splits > 1
