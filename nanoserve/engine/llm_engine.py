@@ -207,6 +207,7 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any; the engine serves nothing afterwards."""
         if self._grammars is not None:
             self._grammars.close()
+        self.in_flight = None   # its tensors are on the device
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:

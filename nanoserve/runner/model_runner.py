@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -186,15 +187,21 @@ class ModelRunner:
             self.sample(self._forward(work))
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers and leave the process group (rank 0 and workers alike)."""
-        if self.tp.size == 1:
-            return
-        if self.tp.rank == 0:
-            self.tp.broadcast(None)
-            for worker in self.workers:
-                worker.join(timeout=60)
-        torch.distributed.destroy_process_group()
-        self.tp = SINGLE
+        """Stop the tensor-parallel workers, leave the process group (rank 0 and workers alike), and
+        give the device memory back: a later engine in this process sizes its KV cache by what is free."""
+        if self.tp.size > 1:
+            if self.tp.rank == 0:
+                self.tp.broadcast(None)
+                for worker in self.workers:
+                    worker.join(timeout=60)
+            torch.distributed.destroy_process_group()
+            self.tp = SINGLE
+        self.graphs = self.prefill_graphs = self.kv_cache = self.prev_tokens = None
+        self.model = None
+        self.penalty_counts = PenaltyCounts()
+        if self.device.type == "cuda":
+            gc.collect()   # captured graphs and their pools sit in reference cycles
+            torch.cuda.empty_cache()
 
     def _share_prev_tokens(self, work: list[SequenceWork]) -> None:
         """Give the workers the ids rank 0 sampled last step, where this step reads them on the device."""
