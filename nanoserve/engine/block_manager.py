@@ -76,22 +76,45 @@ class BlockManager:
         self.ref_counts[block_id] += 1
 
     def admit(self, seq: Sequence) -> None:
-        """Give a sequence with no blocks every cached block of its prefix."""
+        """Give a sequence with no blocks the cached blocks of its longest prefix that can be reused:
+        every block of it, or under a window the blocks that the prefix's next query attends."""
         assert not seq.block_table, "admit() is for sequences that hold no blocks"
-        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_hashed_blocks = seq.num_dropped_blocks = 0
         if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return  # (prompt logprobs need every prompt position computed)
         # the last token is always computed: its logits are what the step samples from
-        hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
-        for h in hashes:
-            block_id = self.cached.get(h)
-            if block_id is None:
+        found = []
+        for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
+            found.append(self.cached.get(h))
+            if found[-1] is None and self.window is None:
                 break
+        hit, behind = self._longest_hit(found)
+        for block_id in found[behind:hit]:
             self._take(block_id)
-            seq.block_table.append(block_id)
-        hit = len(seq.block_table) * self.block_size
-        seq.num_computed_tokens = seq.num_cached_tokens = hit
-        seq.num_hashed_blocks = len(seq.block_table)
+        if hit:
+            seq.block_table = [found[behind]] * behind + found[behind:hit]
+        seq.num_computed_tokens = seq.num_cached_tokens = hit * self.block_size
+        seq.num_hashed_blocks, seq.num_dropped_blocks = hit, behind
+
+    def _longest_hit(self, found: list[int | None]) -> tuple[int, int]:
+        """(blocks of the longest reusable prefix, how many of them lie behind the window of the
+        query after it). Without a window all must be cached; with one, only those the window
+        reaches (vLLM's sliding-window lookup), the rest being stand-ins."""
+        if self.window is None:
+            hit = found.index(None) if None in found else len(found)
+            return hit, 0
+        best, run = (0, 0), 0
+        for i, block_id in enumerate(found):
+            run = run + 1 if block_id is not None else 0
+            behind = self._blocks_behind((i + 1) * self.block_size, i + 1)
+            if run >= i + 1 - behind:
+                best = (i + 1, behind)
+        return best
+
+    def _blocks_behind(self, position: int, num_blocks: int) -> int:
+        """Leading blocks of `num_blocks` that hold only keys before the window of a query at
+        `position` (it and every later one attend keys k > position - window), keeping the last."""
+        return max(0, min((position - self.window + 1) // self.block_size, num_blocks - 1))
 
     def record_prefix_hit(self, seq: Sequence) -> None:
         """Count an admitted sequence's lookup in the hit statistics."""
@@ -161,8 +184,7 @@ class BlockManager:
         The last block is always kept, to stand in for the dropped ones."""
         if self.window is None:
             return
-        behind = (seq.num_computed_tokens - self.window + 1) // self.block_size
-        behind = min(behind, len(seq.block_table) - 1)
+        behind = self._blocks_behind(seq.num_computed_tokens, len(seq.block_table))
         if behind <= seq.num_dropped_blocks:
             return
         table = seq.block_table

@@ -302,3 +302,39 @@ def test_without_a_window_nothing_is_dropped():
     assert seq.num_dropped_blocks == 0 and len(set(seq.block_table)) == len(seq.block_table) == 13
     bm.release(seq)
     assert_all_free(bm)
+
+
+def test_under_a_window_a_prefix_hit_needs_only_the_blocks_its_window_reaches():
+    bm = BlockManager(num_blocks=8, block_size=BS, window=6)
+    a = prefill(bm, list(range(1, 22)))              # 21 tokens: blocks 0-4 full and cached, 5 partial
+    decode(bm, a, 3)                                 # placed at p=21: keys < 16 behind, blocks 0-3 given back
+    tokens = list(a.token_ids)                       # 24 tokens, 6 full blocks
+    assert a.num_dropped_blocks == 4
+    bm.release(a)
+    b = make_seq(list(range(100, 116)))              # 4 blocks: the 2 never used, then the oldest given back
+    bm.admit(b)
+    assert b.num_cached_tokens == 0 and bm.allocate_slots(b, 16)
+    c = make_seq(tokens + [9])
+    bm.admit(c)                                      # blocks 0-1 evicted; 2-5 still cached
+    # a query at 24 attends keys 19-24: blocks 4 and 5 suffice, and every later query needs no more
+    assert c.num_cached_tokens == 24
+    assert c.num_dropped_blocks == 4 and c.block_table[:4] == [c.block_table[4]] * 4
+    assert sum(bm.ref_counts) == 4 + 2
+    assert bm.allocate_slots(c, 1)
+    bm.release(b)
+    bm.release(c)
+    assert_all_free(bm)
+
+
+def test_without_a_window_a_prefix_hit_stops_at_the_first_evicted_block():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = prefill(bm, list(range(1, 22)))
+    bm.release(a)                                    # tail first: blocks 5, 4, ... are evicted first
+    b = make_seq(list(range(100, 112)))
+    bm.admit(b)
+    assert bm.allocate_slots(b, 12)                  # the 2 never used and block 5 (uncached, partial)
+    assert hit_tokens(bm, list(range(1, 22))) == 20
+    assert bm.allocate_slots(b, 16)                  # one block more: evicts block 4
+    assert hit_tokens(bm, list(range(1, 22))) == 16
+    bm.release(b)
+    assert_all_free(bm)

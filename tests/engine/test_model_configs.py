@@ -90,6 +90,22 @@ def test_a_sliding_window_model_runs_sequences_longer_than_its_kv_cache(tmp_path
     assert ours == hf_greedy(folder, prompts, 80)
 
 
+def test_a_sliding_window_conversation_reuses_its_window_after_its_start_is_evicted(tmp_path):
+    # a second turn repeats the first's 100 tokens; a request between took the first blocks given back.
+    # Under a 16-key window the next query needs only the last blocks: they are reused, as transformers
+    # answers (a prefix hit that needs every block from the first would find none)
+    folder = _random_model(tmp_path / "model", "mistral", num_key_value_heads=1, sliding_window=16)
+    first, other, extra = random_prompts(3, 384, 20, 70, seed=5)
+    with LLM(folder, device="cpu", max_num_batched_tokens=32, max_num_seqs=1, num_kvcache_blocks=8,
+             max_model_len=256) as llm:
+        turn = first + greedy(llm, [first], 40)[0]
+        greedy(llm, [other], 30)
+        second = turn + extra
+        out = llm.generate([second], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    assert out.num_cached_tokens >= 16 * (len(turn) // 16) - 16
+    assert out.outputs[0].token_ids == hf_greedy(folder, [second], 10)[0]
+
+
 def test_qwen2s_sliding_layers_answer_as_transformers_past_the_window(tmp_path):
     # max_window_layers 1: layer 0 attends in full, layer 1 over its last 16 keys (transformers' layer_types)
     folder = _random_model(tmp_path / "model", "qwen2", use_sliding_window=True, sliding_window=16,
