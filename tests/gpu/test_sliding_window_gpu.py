@@ -22,3 +22,16 @@ def test_a_sliding_window_answers_as_transformers_past_the_window_on_the_gpu(tmp
         ours = [o.outputs[0].token_ids for o in llm.generate(
             prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)]
     assert ours == hf_greedy(folder, prompts, 20)
+
+
+def test_sequences_longer_than_the_kv_cache_run_through_their_window_on_the_gpu(tmp_path):
+    # blocks of 16 under a 16-key window: the blocks behind it go back to the pool as each sequence moves
+    # on, and the graphs read stand-ins in their place; 8 blocks (128 keys) serve three of 130-160 tokens
+    folder = _random_model(tmp_path / "model", "mistral", num_key_value_heads=1, sliding_window=16)
+    prompts = random_prompts(3, 384, 40, 70, seed=4)
+    with LLM(folder, device="cuda", dtype="float32", attention_backend="triton", block_size=16,
+             max_num_batched_tokens=32, max_num_seqs=3, num_kvcache_blocks=8, max_model_len=256) as llm:
+        ours = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=90, ignore_eos=True), use_tqdm=False)]
+        assert llm.engine.block_manager.num_free_blocks == 8
+    assert ours == hf_greedy(folder, prompts, 90)
