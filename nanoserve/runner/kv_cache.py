@@ -35,7 +35,8 @@ def block_bytes(config: EngineConfig) -> int:
 
 
 def min_blocks(config: EngineConfig) -> int:
-    """One sequence of max_model_len must fit, or it could never finish."""
+    """One sequence must fit, or it could never finish: max_model_len's blocks, or under a sliding
+    window its window's and a step's (EngineConfig.blocks_per_sequence)."""
     return config.blocks_per_sequence()
 
 
