@@ -45,6 +45,20 @@ def test_two_ranks_add_the_o_and_down_biases_once(tmp_path):
     assert got == hf_greedy(folder, prompts, 12)
 
 
+def test_two_ranks_run_sequences_longer_than_the_cache_through_a_sliding_window(tmp_path):
+    # rank 0's block manager gives back the blocks behind the window: the worker reads the same tables,
+    # stand-ins included. 8 blocks (128 keys) for three sequences of 100-130 tokens
+    from tests.conftest import _random_model
+    folder = _random_model(tmp_path / "model", "mistral", sliding_window=16)
+    prompts = random_prompts(3, 384, 40, 70, seed=24)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    with LLM(folder, dtype="float32", device="cpu", tensor_parallel_size=2, block_size=16, num_kvcache_blocks=8,
+             max_num_batched_tokens=32, max_num_seqs=3, max_model_len=256) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.block_manager.num_free_blocks == 8
+    assert got == hf_greedy(folder, prompts, 60)
+
+
 def test_prompt_logprobs_with_two_ranks_equal_one_rank(qwen3_model):
     prompts = random_prompts(3, 384, 20, 50, seed=22)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
