@@ -70,6 +70,7 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self.pending_forks: dict[str, list[str]] = {}  # request id -> siblings waiting for its prompt
         self.in_flight: InFlightStep | None = None  # launched, sampled ids not read yet
+        self.closed = False
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0  # ever, for the stats
         self.num_computed_tokens = 0
@@ -92,6 +93,8 @@ class LLMEngine:
         `priority` orders requests under the priority policy (lower first); first come first served
         ignores it.
         """
+        if self.closed:
+            raise RuntimeError("This engine is closed: its device memory was given back. Start a new LLM")
         for rid in (request_id, *fork_ids):
             if rid in self.sequences or rid in self.pending_forks:
                 raise ValueError(f"Request id {rid!r} is already in use")
@@ -208,6 +211,7 @@ class LLMEngine:
         if self._grammars is not None:
             self._grammars.close()
         self.in_flight = None   # its tensors are on the device
+        self.closed = True
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:

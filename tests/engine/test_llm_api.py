@@ -384,3 +384,12 @@ def test_sampling_params_hold_the_number_kinds_the_engine_core_decodes(given, ta
 def test_sampling_params_refuse_numbers_of_the_wrong_kind(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})
+
+
+def test_a_closed_llm_refuses_new_work_by_name(qwen3_model):
+    # close() gives the model and cache back: a later generate is told so, not a NoneType error
+    with LLM(qwen3_model, dtype="float32", device="cpu", max_model_len=64) as closed:
+        assert len(closed.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)) == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        closed.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert closed.engine.runner.kv_cache is None and closed.engine.runner.model is None
