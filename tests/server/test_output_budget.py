@@ -58,7 +58,7 @@ def ended(server: ServerProcess) -> int:
 
 
 def wait_for_ended(server: ServerProcess, count: int, timeout: float = 90.0) -> None:
-    # generous: 8 echoed prompts of 2,000 tokens with 20 logprobs each took over 30 s on a loaded 2-core CI machine
+    # generous: 8 echoed prompts of 2,000 tokens with 20 logprobs each took over 30 s on 2 cores under the whole suite
     deadline = time.monotonic() + timeout
     while ended(server) < count:
         assert time.monotonic() < deadline, f"only {ended(server)} of {count} unread responses were ended"
