@@ -35,7 +35,10 @@ def hit_tokens(bm: BlockManager, tokens: list[int], cache_salt: str | None = Non
     return hit
 
 
-def assert_all_free(bm: BlockManager) -> None:
+def assert_all_free(bm: BlockManager, *release: Sequence) -> None:
+    """Once `release`'s sequences give their blocks back, every block is free and unreferenced."""
+    for seq in release:
+        bm.release(seq)
     assert bm.num_free_blocks == bm.num_blocks
     assert bm.ref_counts == [0] * bm.num_blocks
 
@@ -248,8 +251,7 @@ def test_a_sliding_window_gives_back_the_blocks_no_query_attends_again():
     assert seq.block_table[:3] == [seq.block_table[3]] * 3
     assert bm.num_free_blocks == 16 - 2
     assert sum(bm.ref_counts) == 2
-    bm.release(seq)
-    assert_all_free(bm)
+    assert_all_free(bm, seq)
 
 
 def test_a_sequence_longer_than_the_pool_runs_through_its_window():
@@ -259,8 +261,7 @@ def test_a_sequence_longer_than_the_pool_runs_through_its_window():
     decode(bm, seq, 60)
     assert seq.num_tokens == 63 and len(seq.block_table) == 16
     assert bm.num_free_blocks == 1 and len(set(seq.block_table)) == 2
-    bm.release(seq)
-    assert_all_free(bm)
+    assert_all_free(bm, seq)
 
 
 def test_blocks_dropped_behind_the_window_stay_in_the_prefix_cache():
@@ -270,8 +271,7 @@ def test_blocks_dropped_behind_the_window_stay_in_the_prefix_cache():
     decode(bm, a, 1)                                 # p=13: keys < 10 behind, blocks 0 and 1 dropped
     assert a.num_dropped_blocks == 2
     assert hit_tokens(bm, prompt) == 12              # kept under their hashes, as a finished sequence's are
-    bm.release(a)
-    assert_all_free(bm)
+    assert_all_free(bm, a)
 
 
 def test_a_block_dropped_before_its_step_was_committed_is_not_cached():
@@ -290,9 +290,7 @@ def test_a_block_dropped_before_its_step_was_committed_is_not_cached():
     bm.commit(seq)
     assert hit_tokens(bm, list(range(1, 11))) == 0   # the chain's first blocks are not registered
     assert hit_tokens(bm, [50, 51, 52, 53, 54]) == 4
-    bm.release(seq)
-    bm.release(other)
-    assert_all_free(bm)
+    assert_all_free(bm, seq, other)
 
 
 def test_without_a_window_nothing_is_dropped():
@@ -300,8 +298,15 @@ def test_without_a_window_nothing_is_dropped():
     seq = prefill(bm, list(range(1, 12)))
     decode(bm, seq, 40)
     assert seq.num_dropped_blocks == 0 and len(set(seq.block_table)) == len(seq.block_table) == 13
-    bm.release(seq)
-    assert_all_free(bm)
+    assert_all_free(bm, seq)
+
+
+def occupy(bm: BlockManager, num_tokens: int) -> Sequence:
+    """A sequence of tokens no other shares, holding blocks for all of them: the eviction of others'."""
+    seq = make_seq(list(range(100, 100 + num_tokens)))
+    bm.admit(seq)
+    assert seq.num_cached_tokens == 0 and bm.allocate_slots(seq, num_tokens)
+    return seq
 
 
 def test_under_a_window_a_prefix_hit_needs_only_the_blocks_its_window_reaches():
@@ -311,9 +316,7 @@ def test_under_a_window_a_prefix_hit_needs_only_the_blocks_its_window_reaches():
     tokens = list(a.token_ids)                       # 24 tokens, 6 full blocks
     assert a.num_dropped_blocks == 4
     bm.release(a)
-    b = make_seq(list(range(100, 116)))              # 4 blocks: the 2 never used, then the oldest given back
-    bm.admit(b)
-    assert b.num_cached_tokens == 0 and bm.allocate_slots(b, 16)
+    b = occupy(bm, 16)                               # 4 blocks: the 2 never used, then the oldest given back
     c = make_seq(tokens + [9])
     bm.admit(c)                                      # blocks 0-1 evicted; 2-5 still cached
     # a query at 24 attends keys 19-24: blocks 4 and 5 suffice, and every later query needs no more
@@ -321,20 +324,15 @@ def test_under_a_window_a_prefix_hit_needs_only_the_blocks_its_window_reaches():
     assert c.num_dropped_blocks == 4 and c.block_table[:4] == [c.block_table[4]] * 4
     assert sum(bm.ref_counts) == 4 + 2
     assert bm.allocate_slots(c, 1)
-    bm.release(b)
-    bm.release(c)
-    assert_all_free(bm)
+    assert_all_free(bm, b, c)
 
 
 def test_without_a_window_a_prefix_hit_stops_at_the_first_evicted_block():
     bm = BlockManager(num_blocks=8, block_size=BS)
     a = prefill(bm, list(range(1, 22)))
     bm.release(a)                                    # tail first: blocks 5, 4, ... are evicted first
-    b = make_seq(list(range(100, 112)))
-    bm.admit(b)
-    assert bm.allocate_slots(b, 12)                  # the 2 never used and block 5 (uncached, partial)
+    b = occupy(bm, 12)                               # the 2 never used and block 5 (uncached, partial)
     assert hit_tokens(bm, list(range(1, 22))) == 20
     assert bm.allocate_slots(b, 16)                  # one block more: evicts block 4
     assert hit_tokens(bm, list(range(1, 22))) == 16
-    bm.release(b)
-    assert_all_free(bm)
+    assert_all_free(bm, b)
