@@ -308,10 +308,13 @@ class AsyncEngine:
                 if isinstance(message, EngineOutputs):
                     self._dispatch(message)
                 elif isinstance(message, EngineReady):
-                    logger.info("Engine ready: %d KV-cache blocks of %d tokens (%d tokens) on %s, %s, loaded in "
-                                "%.1f s, CUDA graphs captured in %.1f s", message.num_blocks, message.block_size,
-                                message.num_blocks * message.block_size, message.device, message.dtype,
-                                message.load_seconds, message.graph_capture_seconds)
+                    # vLLM's "maximum concurrency": sequences of max_model_len the cache holds at once
+                    # (under a sliding window each holds its window's blocks, not its length's)
+                    logger.info("Engine ready: %d KV-cache blocks of %d tokens (%d tokens; %.1f sequences of "
+                                "max_model_len %d at once) on %s, %s, loaded in %.1f s, CUDA graphs captured in %.1f s",
+                                message.num_blocks, message.block_size, message.num_blocks * message.block_size,
+                                message.num_blocks / self.config.blocks_per_sequence(), self.config.max_model_len,
+                                message.device, message.dtype, message.load_seconds, message.graph_capture_seconds)
                     # the cache's size is known from the start, not only after a first request
                     self._stats = EngineStats(num_blocks=message.num_blocks, num_free_blocks=message.num_blocks)
                     self._ready.set_result(message)

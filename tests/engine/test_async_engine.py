@@ -322,3 +322,22 @@ def test_the_log_says_how_the_engine_process_ended() -> None:
     finally:
         running.terminate()
     assert exit_reason(running, wait_s=30) == f"was killed by {signal.Signals.SIGTERM.name}"
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_the_ready_line_says_how_many_sequences_of_max_model_len_the_cache_holds(tmp_path, caplog, window):
+    # vLLM's "maximum concurrency": 24 blocks of 16 hold 3 sequences of 128 tokens; under a 16-key window
+    # one holds its window and a 32-token chunk, 4 blocks, so the same cache holds 6
+    from tests.conftest import _random_model
+    folder = _random_model(tmp_path / "model", "mistral", sliding_window=window)
+
+    async def main():
+        engine = make_engine(folder, block_size=16, num_kvcache_blocks=24, max_model_len=128,
+                             max_num_batched_tokens=32, max_num_seqs=4)
+        with caplog.at_level("INFO", logger="nanoserve.engine.async_engine"):
+            await engine.start()
+        await engine.shutdown()
+
+    asyncio.run(main())
+    expected = {None: "3.0", 16: "6.0"}[window]
+    assert f"384 tokens; {expected} sequences of max_model_len 128 at once" in caplog.text
