@@ -126,7 +126,8 @@ class BlockManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the block table to hold `num_new_tokens` more tokens; False if blocks ran out.
         Blocks behind the window of the step's first query are given back first."""
-        self._drop_behind_window(seq)
+        if self.window is not None:   # (every running sequence comes here every step)
+            self._drop_behind_window(seq)
         needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
         if needed > len(self.free):
             return False
@@ -182,8 +183,6 @@ class BlockManager:
         """Give back the leading blocks that hold only keys before the window of the sequence's next
         query (at num_computed_tokens): that query and every later one attend keys k > p - window.
         The last block is always kept, to stand in for the dropped ones."""
-        if self.window is None:
-            return
         behind = self._blocks_behind(seq.num_computed_tokens, len(seq.block_table))
         if behind <= seq.num_dropped_blocks:
             return
