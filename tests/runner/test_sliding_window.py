@@ -225,3 +225,13 @@ def test_layer_windows_follow_the_config_as_transformers_does() -> None:
     assert qwen2.layer_types == ["full_attention"] + ["sliding_attention"] * 3
     assert layer_windows(qwen2) == [None, 16, 16, 16]
     assert layer_windows(Qwen2Config(num_hidden_layers=2, use_sliding_window=False, sliding_window=16)) == [None] * 2
+
+
+@pytest.mark.parametrize("window", [0, -3])
+def test_both_kernels_refuse_a_window_of_no_keys(window) -> None:
+    q, _, _, k_cache, v_cache, meta = step(DECODE_SPECS, seed=50)
+    with pytest.raises(ValueError, match="at least one key"):
+        paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.125, 4096, window=window)
+    with pytest.raises(ValueError, match="at least one key"):
+        paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125,
+                      meta.max_query_len, window=window)

@@ -41,7 +41,7 @@ from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.kv_layout import tokens_contiguous
 from nanoserve.runner.attention.triton_paged import (
     check_new_v, check_shapes, dot_precision, load_kv_block_tile, load_kv_tile, online_softmax_step, prefetch_kv_tile,
-    softmax_scale_log2, store_v_sectors,
+    softmax_scale_log2, store_v_sectors, window_keys,
 )
 from nanoserve.runner.attention.triton_rope_store import check_rope, rope_kernel_args, rope_new_token
 from nanoserve.runner.layers.rotary import NewTokenRope
@@ -320,8 +320,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"seq_order must be a contiguous int32 permutation of the {batch} rows")
     if rope is not None:
         check_rope(rope, q, kv_heads, query_start_loc)
-    if window is not None and window < 1:
-        raise ValueError(f"a sliding window spans at least one key, got {window}")
+    window = window_keys(window)
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
     v_tokens = tokens_contiguous(v_cache)
@@ -337,7 +336,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     split_tiles = span // cfg["BLOCK_N"]   # 0: the kernels' flag for even division
     if num_splits is None:
         # a window's keys lie in the tiles from the one holding its first: at most window + BLOCK_N - 1
-        keys = max_seq_len if window is None else min(max_seq_len, window + cfg["BLOCK_N"] - 1)
+        keys = min(max_seq_len, window + cfg["BLOCK_N"] - 1) if window else max_seq_len
         num_splits = decode_split_count(batch, kv_heads, keys, q.device, span, fp8)
     out = q.new_empty(q.shape) if out is None else out
     packed = query_start_loc is not None
@@ -366,7 +365,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
         ORDERED=seq_order is not None, PACKED_Q=packed, HEADS_FAST=heads_fast, V_TOKENS_CONTIGUOUS=v_tokens,
-        WINDOW=window or 0, PREFETCH_LINES=prefetch_lines(q.device, head_dim, k_cache.element_size()), **cfg,
+        WINDOW=window, PREFETCH_LINES=prefetch_lines(q.device, head_dim, k_cache.element_size()), **cfg,
         **pdl_launch(q.device),
     )
     if split:
@@ -375,7 +374,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _merge_splits_kernel[(batch, triton.cdiv(q_heads, heads))](
             part_acc, part_lse, out, seq_lens, query_start_loc if packed else seq_lens, num_splits, split_tiles,
             seq_lens.stride(0), out.stride(0), out.stride(1), Q_HEADS=q_heads, BLOCK_HEADS=heads, HEAD_DIM=head_dim,
-            SPLITS_POW2=splits_pow2, BLOCK_N=cfg["BLOCK_N"], PACKED_Q=packed, WINDOW=window or 0, num_warps=4,
+            SPLITS_POW2=splits_pow2, BLOCK_N=cfg["BLOCK_N"], PACKED_Q=packed, WINDOW=window, num_warps=4,
             **pdl_launch(q.device),
         )
     return out

@@ -185,6 +185,14 @@ def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError("v_cache must be contiguous in its last dim, or (fp8) in its tokens: kv_layout.py")
 
 
+def window_keys(window: int | None) -> int:
+    """A sliding window as the kernels' WINDOW: its span in keys, 0 for none (the code of a model
+    without one); checked, since the kernels take it as it is."""
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window spans at least one key, got {window}")
+    return window or 0
+
+
 def check_new_v(new_v: torch.Tensor, v_cache: torch.Tensor, batch: int, plain_decode: bool) -> None:
     """The layouts paged_decode's new_v store reads and writes without checking. plain_decode: the
     step is decode rows alone (no packed query rows) and without rope."""

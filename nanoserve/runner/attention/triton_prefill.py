@@ -32,6 +32,7 @@ from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.kv_layout import tokens_contiguous
 from nanoserve.runner.attention.triton_paged import (
     check_shapes, dot_precision, load_kv_block_tile, load_kv_tile, online_softmax_step, softmax_scale_log2,
+    window_keys,
 )
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
@@ -223,8 +224,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     then); decode rows have none, as with skip_decode_rows.
     window: a sliding window's span: the query at position p attends keys p - window < k <= p (None: all).
     """
-    if window is not None and window < 1:
-        raise ValueError(f"a sliding window spans at least one key, got {window}")
+    window = window_keys(window)
     check_shapes(q, k_cache, v_cache, block_tables)
     num_tokens, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -256,7 +256,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), KV_FP8=fp8, SKIP_DECODE_ROWS=skip_decode_rows,
-        TILED=tiles is not None, V_TOKENS_CONTIGUOUS=v_tokens, WINDOW=window or 0,
+        TILED=tiles is not None, V_TOKENS_CONTIGUOUS=v_tokens, WINDOW=window,
         **cfg, **pdl_launch(q.device),
     )
     return out
