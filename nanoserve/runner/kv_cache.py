@@ -34,14 +34,9 @@ def block_bytes(config: EngineConfig) -> int:
     return per_token * config.block_size
 
 
-def min_blocks(config: EngineConfig) -> int:
-    """One sequence must fit, or it could never finish: max_model_len's blocks, or under a sliding
-    window its window's and a step's (EngineConfig.blocks_per_sequence)."""
-    return config.blocks_per_sequence()
-
-
 def blocks_for_cpu(config: EngineConfig) -> int:
-    return max(min_blocks(config), CPU_KV_CACHE_BYTES // block_bytes(config))
+    # one sequence must fit, or it could never finish
+    return max(config.blocks_per_sequence(), CPU_KV_CACHE_BYTES // block_bytes(config))
 
 
 def blocks_for_gpu(config: EngineConfig, activation_peak: int, prefill_graph_pool: int = 0) -> int:
@@ -53,12 +48,13 @@ def blocks_for_gpu(config: EngineConfig, activation_peak: int, prefill_graph_poo
     logger.info("KV cache: %d blocks of %d tokens (%.1f GiB); activation peak %.2f GiB, prefill graphs %.2f GiB",
                 num_blocks, config.block_size, num_blocks * block_bytes(config) / 2**30, activation_peak / 2**30,
                 prefill_graph_pool / 2**30)
-    if num_blocks < min_blocks(config):
+    needed = config.blocks_per_sequence()   # one sequence must fit, or it could never finish
+    if num_blocks < needed:
         graphs = (f", or run prefill steps eagerly (--no-prefill-cuda-graphs), which frees "
                   f"{prefill_graph_pool / 2**30:.2f} GiB") if prefill_graph_pool else ""
         raise ValueError(f"Only {max(num_blocks, 0)} KV blocks fit in gpu_memory_utilization="
                          f"{config.gpu_memory_utilization}; one sequence of max_model_len "
-                         f"({config.max_model_len}) needs {min_blocks(config)}. Raise "
+                         f"({config.max_model_len}) needs {needed}. Raise "
                          f"gpu_memory_utilization or lower max_model_len / max_num_batched_tokens{graphs}")
     return num_blocks
 
