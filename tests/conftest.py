@@ -86,6 +86,13 @@ def qwen3_model(tmp_path_factory) -> str:
     return _random_model(tmp_path_factory.mktemp("qwen3"), arch, **overrides)
 
 
+def greedy(llm, prompts: list, max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens from an LLM, as hf_greedy gives transformers' (eos ignored)."""
+    from nanoserve import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
 def hf_greedy(model_path: str, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = False
               ) -> list[list[int]]:
     """transformers' greedy tokens, one prompt at a time (no padding to disturb the numbers)."""

@@ -8,13 +8,7 @@ import os
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from tests.conftest import _random_model, hf_greedy, random_prompts
-
-
-def greedy(llm: LLM, prompts: list, max_tokens: int) -> list[list[int]]:
-    """Each prompt's greedy tokens, as hf_greedy gives transformers'."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+from tests.conftest import _random_model, greedy, hf_greedy, random_prompts
 
 
 @pytest.mark.parametrize("arch, overrides, refusal", [

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from nanoserve import LLM, EngineConfig, SamplingParams
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import greedy, hf_greedy, random_prompts
 
 # a rank that dies leaves the others waiting in a collective: fail the test instead of stalling CI
 pytestmark = pytest.mark.timeout(300)
@@ -40,8 +40,7 @@ def test_two_ranks_add_the_o_and_down_biases_once(tmp_path):
     folder = _random_model(tmp_path / "model", "llama", attention_bias=True, mlp_bias=True)
     prompts = random_prompts(3, 384, 10, 40, seed=23)
     with LLM(folder, dtype="float32", device="cpu", tensor_parallel_size=2, max_model_len=128) as llm:
-        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12,
-                                                                         ignore_eos=True), use_tqdm=False)]
+        got = greedy(llm, prompts, 12)
     assert got == hf_greedy(folder, prompts, 12)
 
 
@@ -51,10 +50,9 @@ def test_two_ranks_run_sequences_longer_than_the_cache_through_a_sliding_window(
     from tests.conftest import _random_model
     folder = _random_model(tmp_path / "model", "mistral", sliding_window=16)
     prompts = random_prompts(3, 384, 40, 70, seed=24)
-    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     with LLM(folder, dtype="float32", device="cpu", tensor_parallel_size=2, block_size=16, num_kvcache_blocks=8,
              max_num_batched_tokens=32, max_num_seqs=3, max_model_len=256) as llm:
-        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        got = greedy(llm, prompts, 60)
         assert llm.engine.block_manager.num_free_blocks == 8
     assert got == hf_greedy(folder, prompts, 60)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from nanoserve import LLM, SamplingParams
-from tests.conftest import _random_model, hf_greedy, random_prompts
+from nanoserve import LLM
+from tests.conftest import _random_model, greedy, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -19,8 +19,7 @@ def test_a_sliding_window_answers_as_transformers_past_the_window_on_the_gpu(tmp
     with LLM(folder, device="cuda", dtype="float32", attention_backend="triton", max_num_batched_tokens=48,
              max_num_seqs=4, enforce_eager=enforce_eager) as llm:
         assert (llm.engine.runner.graphs is None) == enforce_eager
-        ours = [o.outputs[0].token_ids for o in llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)]
+        ours = greedy(llm, prompts, 20)
     assert ours == hf_greedy(folder, prompts, 20)
 
 
@@ -31,7 +30,6 @@ def test_sequences_longer_than_the_kv_cache_run_through_their_window_on_the_gpu(
     prompts = random_prompts(3, 384, 40, 70, seed=4)
     with LLM(folder, device="cuda", dtype="float32", attention_backend="triton", block_size=16,
              max_num_batched_tokens=32, max_num_seqs=3, num_kvcache_blocks=8, max_model_len=256) as llm:
-        ours = [o.outputs[0].token_ids for o in llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=90, ignore_eos=True), use_tqdm=False)]
+        ours = greedy(llm, prompts, 90)
         assert llm.engine.block_manager.num_free_blocks == 8
     assert ours == hf_greedy(folder, prompts, 90)
