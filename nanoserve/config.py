@@ -234,12 +234,18 @@ class EngineConfig:
         if why:
             raise ValueError(why)
 
+    @property
+    def kv_window(self) -> int | None:
+        """The keys behind a sequence's end that its queries can still attend, where every layer
+        slides (positions.kv_window); None where some layer attends in full."""
+        return kv_window(self.hf_config, self.max_model_len)
+
     def blocks_per_sequence(self) -> int:
-        """The most KV blocks one sequence holds at once: those of max_model_len tokens, or where every
-        layer slides (positions.kv_window) a step's chunk and the window - 1 keys before it, over at
-        most one block more than they fill: the block manager gives back the blocks behind them."""
+        """The most KV blocks one sequence holds at once: those of max_model_len tokens, or under a
+        kv_window a step's chunk and the window - 1 keys before it, over at most one block more than
+        they fill: the block manager gives back the blocks behind them."""
         full = -(-self.max_model_len // self.block_size)
-        window = kv_window(self.hf_config, self.max_model_len)
+        window = self.kv_window
         if window is None:
             return full
         return min(full, -(-(window - 1 + self.max_num_batched_tokens) // self.block_size) + 1)

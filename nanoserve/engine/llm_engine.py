@@ -20,7 +20,6 @@ from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.token_rules import banned_tokens, finish_reason
 from nanoserve.engine.tokenizer import eos_token_ids, load_tokenizer
-from nanoserve.positions import kv_window
 from nanoserve.runner.batch import PENDING_TOKEN, SequenceWork
 from nanoserve.runner.model_runner import ModelRunner, PendingSample, StepLogits
 from nanoserve.sampling_params import SamplingParams, fork_seed
@@ -63,7 +62,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, config.hf_config)
         self.runner = ModelRunner(config, show_progress)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          kv_window(config.hf_config, config.max_model_len))
+                                          config.kv_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy)
         self.vocab_size = config.hf_config.vocab_size
