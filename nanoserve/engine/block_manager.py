@@ -170,6 +170,15 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = seq.num_hashed_blocks = seq.num_dropped_blocks = 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset: later prompts compute their prefixes afresh);
+        False, and nothing forgotten, while any block is held."""
+        if len(self.free) < self.num_blocks:
+            return False
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        return True
+
     def _give_back(self, block_id: int) -> None:
         self.ref_counts[block_id] -= 1
         assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"

@@ -96,6 +96,16 @@ class LLM:
         """vLLM's: the sampling settings the model's generation_config.json sets, over ours."""
         return SamplingParams(**self._defaults)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget the prefix cache, so that the next prompts compute their prefixes (a cold
+        run of a benchmark in the same process); False if a call is still generating."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self.engine.reset_prefix_cache()
+        finally:
+            self._lock.release()
+
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (they also end with this process)."""
         self.engine.close()

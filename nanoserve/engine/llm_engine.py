@@ -213,6 +213,10 @@ class LLMEngine:
         self.closed = True
         self.runner.close()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache; False while requests are in flight, which hold its blocks."""
+        return not self.has_unfinished_requests() and self.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work or self.in_flight is not None or bool(self.grammar_queue)
 

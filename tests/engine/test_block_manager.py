@@ -61,6 +61,21 @@ def test_equal_prefixes_share_blocks_and_count_references():
     assert_all_free(bm)
 
 
+def test_reset_forgets_cached_prefixes_only_once_no_block_is_held():
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    tokens = list(range(1, 11))
+    held = prefill(bm, tokens)
+    assert not bm.reset_prefix_cache()   # a held block: nothing forgotten
+    assert hit_tokens(bm, tokens) == 8
+    bm.release(held)
+    assert hit_tokens(bm, tokens) == 8
+    assert bm.reset_prefix_cache()
+    assert hit_tokens(bm, tokens) == 0
+    again = prefill(bm, tokens)          # and it caches afresh
+    assert hit_tokens(bm, tokens) == 8
+    assert_all_free(bm, again)
+
+
 def test_freed_prefix_blocks_are_reused_before_evicting():
     bm = BlockManager(num_blocks=6, block_size=BS)
     prompt = list(range(1, 10))                      # 2 full blocks + 1 token

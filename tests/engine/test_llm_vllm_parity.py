@@ -43,6 +43,32 @@ def test_vllms_prompt_dicts_are_prompts(llm):
         llm.generate({"prompt": text, "multi_modal_data": {"image": None}}, greedy(), use_tqdm=False)
 
 
+def test_reset_prefix_cache_makes_the_next_run_cold_and_is_refused_while_generating(llm):
+    prompt = "A long shared preamble for every request " * 8
+    llm.generate(prompt, greedy(), use_tqdm=False)
+    warm = llm.generate(prompt, greedy(), use_tqdm=False)[0]
+    assert warm.num_cached_tokens > 0
+    assert llm.reset_prefix_cache()
+    cold = llm.generate(prompt, greedy(), use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0 and cold.token_ids == warm.token_ids
+
+    refused = []
+    step = llm.engine.step
+
+    def step_then_reset():   # while generate() holds its requests
+        if not refused:
+            refused.append(not llm.reset_prefix_cache() and not llm.engine.reset_prefix_cache())
+        return step()
+
+    llm.engine.step = step_then_reset
+    try:
+        llm.generate(prompt, greedy(), use_tqdm=False)
+    finally:
+        del llm.engine.step
+    assert refused == [True]
+    assert llm.generate(prompt, greedy(), use_tqdm=False)[0].num_cached_tokens > 0   # nothing was forgotten
+
+
 def test_without_sampling_params_the_models_generation_config_sets_the_defaults(tmp_path):
     folder = tmp_path / "model"
     shutil.copytree(DEFAULT_MODEL, folder)
