@@ -256,6 +256,8 @@ async def start_chat(request: Request, state: ServerState, req: ChatCompletionRe
     except APIError as exc:
         if exc.param == "max_tokens" and req.max_completion_tokens is not None:
             exc.param = "max_completion_tokens"   # the field this request set
+        elif exc.param == "prompt":
+            exc.param = "messages"   # the prompt a chat request has: its rendered messages
         raise
     timer.request_id = chat.id
     timer.prompt(sum(chat.prompt_lens))

@@ -67,6 +67,15 @@ def test_what_cannot_be_served_is_refused_by_name(tool_server, body, param):
     tool_server.wait_idle()
 
 
+def test_chat_messages_longer_than_the_context_are_refused_naming_messages(tool_server):
+    # chat has no field "prompt", which the engine's check named
+    r = httpx.post(f"{tool_server.url}/v1/chat/completions", timeout=60,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "word " * 2100}], "max_tokens": 4})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages" and error["code"] == "context_length_exceeded", error
+
+
 def test_input_longer_than_the_context_is_refused_naming_input(tool_server):
     # the chat path's check named its own field: param "prompt", which /v1/responses does not have
     r = httpx.post(f"{tool_server.url}/v1/responses", timeout=60,
