@@ -73,7 +73,11 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     param = ".".join(path) or None
     kind = err.get("type", "")
     if kind == "json_invalid":
-        return APIError(f"We could not parse the JSON body of your request ({err['msg']}); send a valid "
+        why = err["msg"]
+        if "hex escape" in why:   # the parser's words for a lone surrogate (Python's json.dumps writes them)
+            why += (": a \\u escape of a UTF-16 surrogate (\\ud800-\\udfff) encodes no character unless a high "
+                    "one is followed by a low one")
+        return APIError(f"We could not parse the JSON body of your request ({why}); send a valid "
                         "UTF-8 JSON object", param=None, code="invalid_json")
     if kind == "missing":
         return APIError(f"Missing required parameter: '{param}'", param=param, code="missing_required_parameter")

@@ -112,6 +112,8 @@ CASES = [
      "Unrecognized request argument supplied: stream_options.Include_usage"),
     ("not JSON", "/v1/completions", b'{"prompt": "x", ', {}, 400, None, "JSON"),
     ("a JSON array", "/v1/completions", b"[1, 2]", {}, 400, None, "object"),
+    ("a lone surrogate escape", "/tokenize", b'{"prompt": "\\ud800"}', {}, 400, None, "UTF-16 surrogate"),
+    ("a lone low surrogate escape", "/v1/completions", b'{"prompt": "\\udc00"}', {}, 400, None, "UTF-16 surrogate"),
     ("invalid UTF-8 bytes", "/v1/completions", b'{"prompt": "\xff\xfe\xfd", "max_tokens": 2}', {}, 400, None, "JSON"),
     ("NaN temperature", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', {}, 400, "temperature",
      "finite number"),
