@@ -53,12 +53,11 @@ def _arguments(text: str) -> Any:
         value = json.loads(text)
     except ValueError:
         return text
-    # json.loads reads "\ud800" as a lone surrogate, which the rendered text then held and the
-    # tokenizer refused with a TypeError (a 500); the body's own strings are refused with a 400 for it
+    # json.loads reads "\ud800" as a lone surrogate, which no text can hold (the tokenizer raised: a
+    # 500). A model may write such an escape in its own call (the JSON grammar allows it), and the
+    # call comes back in the history: the arguments go to the template as they were written
     if "\\u" in text and _lone_surrogate(value):
-        raise APIError("A tool call's arguments hold a lone UTF-16 surrogate escape (\\ud800-\\udfff without its "
-                       "pair), which encodes no character; escape the whole pair or send the character itself",
-                       param="messages")
+        return text
     return value
 
 
