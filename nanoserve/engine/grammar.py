@@ -81,10 +81,44 @@ def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xg
         return compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace,
                                             strict_mode=False, max_whitespace_cnt=JSON_MAX_WHITESPACE)
     if spec.regex is not None:
-        return compiler.compile_regex(spec.regex)
+        return compiler.compile_regex(whole_output_regex(spec.regex))
     if spec.choice is not None:
         return compiler.compile_grammar(choice_grammar(spec.choice))
     return compiler.compile_grammar(spec.grammar)
+
+
+# letters whose escapes xgrammar does not know: it warns and matches the letter itself, so
+# "\\Aabc\\Z" held the output to "AabcZ"
+_LETTER_ESCAPES_READ_AS_LETTERS = frozenset("ghijlmoqyzACEFGHIJKLMNOQRTUVXYZ")
+
+
+def whole_output_regex(pattern: str) -> str:
+    """`pattern` as xgrammar should read it. The whole output must match, as if anchored, so a
+    leading \\A and a trailing \\Z or \\z are dropped (as xgrammar drops ^ and $); ValueError
+    for an anchor elsewhere or another escape that xgrammar would read as its letter."""
+    if pattern.startswith("\\A"):
+        pattern = pattern[2:]
+    if pattern.endswith(("\\Z", "\\z")) and _escapes(pattern, len(pattern) - 2):
+        pattern = pattern[:-2]
+    i = pattern.find("\\")
+    while 0 <= i < len(pattern) - 1:
+        letter = pattern[i + 1]
+        if letter in "AZz":
+            raise ValueError(f"\\{letter} is taken as an anchor only at the {'start' if letter == 'A' else 'end'} of "
+                             "the pattern here (the whole output must match it): leave it out")
+        if letter in _LETTER_ESCAPES_READ_AS_LETTERS:
+            raise ValueError(f"the escape \\{letter} is not supported by the structured-output regex engine "
+                             f"(it would match the letter {letter!r} itself)")
+        i = pattern.find("\\", i + 2)
+    return pattern
+
+
+def _escapes(text: str, at: int) -> bool:
+    """Whether the backslash at `at` begins an escape: an even run of backslashes comes before it."""
+    run = 0
+    while at - run - 1 >= 0 and text[at - run - 1] == "\\":
+        run += 1
+    return run % 2 == 0
 
 
 def _admits_a_first_token(compiled: xgr.CompiledGrammar) -> bool:

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
+import xgrammar as xgr
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import DEFAULT_MODEL
@@ -70,6 +71,30 @@ def test_compile_errors_name_the_problem(llm):
     first = manager.compile(StructuredOutputsParams(choice=["x", "y"]))
     assert manager.compile(StructuredOutputsParams(choice=["x", "y"])) is first  # the cache
     assert first.result() is not None
+    manager.close()
+
+
+def accepts(compiled, text: str) -> bool:
+    """Whether the grammar takes `text` as a whole output: all of it, then the stop token."""
+    matcher = xgr.GrammarMatcher(compiled)
+    return matcher.accept_string(text) and matcher.accept_token(compiled.tokenizer_info.stop_token_ids[0])
+
+
+def test_python_anchors_hold_the_whole_output_and_escapes_read_as_letters_are_refused(llm):
+    manager = GrammarManager(llm.tokenizer, 4096, [0])
+    # xgrammar read \A and \Z as the letters: "\Aabc\Z" held the output to "AabcZ"
+    for pattern in ("\\Aabc\\Z", "\\Aabc\\z", "abc\\Z", "\\Aabc"):
+        compiled = compile_spec(manager.compiler, StructuredOutputsParams(regex=pattern))
+        assert accepts(compiled, "abc") and not accepts(compiled, "AabcZ"), pattern
+    # an escaped backslash before the letter is no anchor: the text ends in a backslash and a Z
+    compiled = compile_spec(manager.compiler, StructuredOutputsParams(regex="ab\\\\Z"))
+    assert accepts(compiled, "ab\\Z") and not accepts(compiled, "ab")
+    for pattern, words in (("a\\Ab", "\\\\A is taken as an anchor only at the start"),
+                           ("a\\Zb", "\\\\Z is taken as an anchor only at the end"),
+                           ("\\Gab", "escape \\\\G is not supported"), ("a\\Kb", "escape \\\\K"),
+                           ("\\Qa.b\\E", "escape \\\\Q")):
+        with pytest.raises(ValueError, match=f"regex .*{words}"):
+            compile_spec(manager.compiler, StructuredOutputsParams(regex=pattern))
     manager.close()
 
 
