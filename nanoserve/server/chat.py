@@ -178,7 +178,8 @@ class ChatCompletion(OpenAIResponse):
     async def choices(self, stream: RequestStream) -> AsyncIterator[bytes]:
         """Each choice of a whole response as JSON, written when its turn comes to be sent."""
         for c, out in enumerate(stream.outputs):
-            message, finish_reason = self.readers[c].message(out.text, out.finish_reason)
+            message, finish_reason = self.readers[c].message(out.text, out.finish_reason,
+                                                             stop_string=isinstance(out.stop_reason, str))
             message["role"] = self.role
             if self.echoed:
                 message["content"] = self.echoed + (message["content"] or "")

@@ -56,10 +56,17 @@ class ChoiceReader:
             return Parsed("", scan_call_list(body[1:] if body.startswith("[") else ""))
         return Parsed(content)
 
-    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """The whole message and the finish reason ("tool_calls" when the model called)."""
+    def message(self, text: str, finish_reason: str | None, stop_string: bool = False) -> tuple[dict, str | None]:
+        """The whole message and the finish reason ("tool_calls" when the model called);
+        `stop_string`: a stop string ended the text, not the model."""
         reasoning, content, parsed = self.parse(text, final=True)
         calls = announced(parsed.calls)[:1 if self.plan.single else None]
+        if self.plan.mode == "auto" and finish_reason == "stop" and not stop_string and not runnable(text, calls):
+            # the model ended its text with a call that is no JSON object (`{"city": }`): no call a
+            # client can run (json.loads, the openai client's parse() raised), so the text is the
+            # answer, as vLLM's parsers return it. A call cut short by max_tokens or a stop string
+            # stays one, as far as it got, as OpenAI returns it. A stream has sent its deltas
+            calls = []
         message: dict = {"role": "assistant", "content": parsed.content or None}
         if reasoning is not None and self.include_reasoning:
             # vLLM's current name, and the older one that DeepSeek-style clients read
