@@ -19,6 +19,7 @@ from nanoserve import __version__
 from nanoserve.defaults import DEFAULT_MODEL, ENGINE_HEARTBEAT_S, LOG_FORMAT, MAX_API_SERVERS
 from nanoserve.engine_flags import add_engine_flags, engine_kwargs
 from nanoserve.lifetime import sigint_deferred
+from nanoserve.serve_config import expand_config
 from nanoserve.vllm_flags import add_vllm_serve_flags, check_vllm_serve_flags, log_requests
 
 
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: the bundled tiny model)")
     serve.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
                        help="the same as the MODEL argument, as vLLM's `serve --model` takes it")
+    serve.add_argument("--config", default=None, metavar="FILE.yaml",
+                       help="flags from a YAML file of flag names and values (vLLM's --config); the command line's "
+                            "own flags win")
     serve.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--root-path", default="", metavar="PREFIX",
@@ -370,6 +374,8 @@ def main(argv: list[str] | None = None) -> None:
             bench.print_help()
             print("\nEach benchmark has its own flags: nanoserve bench throughput --help, nanoserve bench serving --help")
             return
+        if argv[:1] == ["serve"]:
+            argv = ["serve", *expand_config(argv[1:], parser._subparsers._group_actions[0].choices["serve"])]  # noqa: SLF001
         args = parser.parse_args(argv)
         logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                             format=LOG_FORMAT)

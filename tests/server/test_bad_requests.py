@@ -160,7 +160,7 @@ CASES = [
     ("functions (the old API)", "/v1/chat/completions", chat(functions=[{"name": "f"}]), {}, 400, "functions",
      "not supported"),
     ("chat over the context", "/v1/chat/completions", chat(messages=[{"role": "user", "content": LONG}]), {}, 400,
-     "prompt", "64"),
+     "messages", "64"),
     ("tokenize with prompt and messages", "/tokenize", {"prompt": "x", "messages": CHAT["messages"]}, {}, 400,
      "prompt", "exactly one"),
     ("detokenize out of range", "/detokenize", {"tokens": [10**7]}, {}, 400, "tokens", "out of range"),
