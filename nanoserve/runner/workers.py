@@ -31,15 +31,31 @@ def start_workers(config: EngineConfig) -> tuple[TensorParallel, list[multiproce
     size = config.tensor_parallel_size
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked into a child
-    workers = [context.Process(target=_worker_main, args=(config, rank, init_method, os.getpid()), daemon=True,
-                               name=f"nanoserve-tp{rank}") for rank in range(1, size)]
+    started = [context.Event() for _ in range(1, size)]
+    workers = [context.Process(target=_worker_main, args=(config, rank, init_method, os.getpid(), started[rank - 1]),
+                               daemon=True, name=f"nanoserve-tp{rank}") for rank in range(1, size)]
     for worker in workers:
         worker.start()
     # multiprocessing's own exit hook SIGTERMs daemon children, which these ignore, and then waits
     # for them forever: a process that never closed its engine hung at exit. This hook runs first.
     atexit.register(_kill_left_over, workers)
+    _wait_until_started(workers, started)
     logger.info("started %d tensor-parallel workers", len(workers))
     return init_process_group(0, size, init_method, config.device), workers
+
+
+def _wait_until_started(workers: list[multiprocessing.Process], started: list) -> None:
+    """Wait until each worker runs its own code; RuntimeError if one exits first. Rank 0 would
+    otherwise wait in the process group's rendezvous for a rank that is gone (30 minutes, silent)."""
+    for worker, event in zip(workers, started):
+        while not event.wait(0.1):
+            if not worker.is_alive():
+                _kill_left_over(workers)
+                raise RuntimeError(
+                    f"Tensor-parallel worker {worker.name} exited (code {worker.exitcode}) before it started; its "
+                    "error is printed above. A worker process imports the script that started it (multiprocessing's "
+                    "spawn), so a script that builds LLM(...) at its top level needs that code under "
+                    "`if __name__ == \"__main__\":`, as multiprocessing requires")
 
 
 def _kill_left_over(workers: list[multiprocessing.Process]) -> None:
@@ -50,11 +66,12 @@ def _kill_left_over(workers: list[multiprocessing.Process]) -> None:
             worker.join(timeout=10)
 
 
-def _worker_main(config: EngineConfig, rank: int, init_method: str, parent_pid: int) -> None:
+def _worker_main(config: EngineConfig, rank: int, init_method: str, parent_pid: int, started) -> None:
     from nanoserve.runner.model_runner import ModelRunner
 
     die_with_parent(parent_pid)  # a SIGKILLed engine must not leave its workers on the GPU
     ignore_stop_signals()
+    started.set()
     tp = init_process_group(rank, config.tensor_parallel_size, init_method, config.device)
     runner = ModelRunner(config, tp=tp)
     runner.serve_steps()

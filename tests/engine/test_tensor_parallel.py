@@ -84,3 +84,15 @@ def test_a_process_that_never_closes_its_engine_still_exits(qwen3_model):
               "print(len(llm.generate('hi', use_tqdm=False)[0].token_ids) > 0)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+
+
+def test_a_worker_that_dies_before_it_starts_is_an_error_not_a_silent_wait(qwen3_model, tmp_path):
+    # spawn re-imports the main script in the worker: one that builds LLM(...) at its top level, with
+    # no __main__ guard, killed the worker at once, and rank 0 waited for it in the rendezvous
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from nanoserve import LLM\nllm = LLM({str(qwen3_model)!r}, device='cpu', "
+                      "tensor_parallel_size=2)\nprint('served')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode != 0 and "served" not in done.stdout
+    assert "exited (code 1) before it started" in done.stderr and '__name__ == "__main__"' in done.stderr, \
+        done.stderr[-2000:]
