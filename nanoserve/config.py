@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +51,38 @@ def _read_hf_config(model: str, trust_remote_code: bool) -> PretrainedConfig:
     except Exception as exc:   # noqa: BLE001 - whatever fails here, the file is the cause
         raise ValueError(f"{os.path.join(model, 'config.json')} cannot be read as a model's config: "
                          f"{type(exc).__name__}: {exc}") from exc
+
+
+# the fields whose values are checked for their type, by their annotation
+_FIELD_TYPES = {"int": int, "int | None": int, "float": float, "bool": bool, "bool | None": bool,
+                "str": str, "str | None": str}
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}
+
+
+def _typed_fields(config: EngineConfig) -> dict[str, Any]:
+    """The fields to set before anything reads them, as vLLM reads its engine arguments: None means
+    the field's default (code passes its own optional values through: seed=None failed on a
+    comparison, enable_prefix_caching=None turned the cache off), and a value of another type is a
+    ValueError naming the field (max_model_len=64.0 failed deep inside, as an AttributeError).
+    Integers of other kinds (numpy's) become int, paths become str."""
+    changed: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value, kind = getattr(config, f.name), _FIELD_TYPES.get(f.type)
+        if value is None:
+            if f.default is not dataclasses.MISSING and f.default is not None:
+                changed[f.name] = f.default
+            continue
+        if kind is None:
+            continue
+        if kind is str and isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        ok = (isinstance(value, bool) if kind is bool else isinstance(value, str) if kind is str
+              else isinstance(value, numbers.Integral if kind is int else numbers.Real) and not isinstance(value, bool))
+        if not ok:
+            raise ValueError(f"{f.name} must be {_TYPE_NAMES[kind]}, got {value!r}")
+        if kind is not bool and type(value) is not kind:
+            changed[f.name] = kind(value)
+    return changed
 
 
 @dataclass(frozen=True)
@@ -109,8 +143,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        if self.model is None:
-            set_("model", DEFAULT_MODEL)
+        for name, value in _typed_fields(self).items():
+            set_(name, value)
         set_("model", resolve_model(self.model, self.revision, self.download_dir, self.trust_remote_code))
         if self.hf_config is None:
             set_("hf_config", _read_hf_config(self.model, self.trust_remote_code))

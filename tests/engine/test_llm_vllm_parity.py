@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import copy
 import json
+import pathlib
 import pickle
 import shutil
 import threading
 
+import numpy as np
 import pytest
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, EngineConfig, SamplingParams
 from nanoserve.config import DEFAULT_MODEL
 
 
@@ -67,6 +69,22 @@ def test_reset_prefix_cache_makes_the_next_run_cold_and_is_refused_while_generat
         del llm.engine.step
     assert refused == [True]
     assert llm.generate(prompt, greedy(), use_tqdm=False)[0].num_cached_tokens > 0   # nothing was forgotten
+
+
+def test_none_for_an_engine_argument_means_its_default_and_a_wrong_type_is_named():
+    # vLLM's engine arguments are Optional: code passes its own None through. seed=None failed on a
+    # comparison, and enable_prefix_caching=None turned the prefix cache off
+    config = EngineConfig(device="cpu", seed=None, max_num_seqs=None, enable_prefix_caching=None,
+                          max_model_len=None, gpu_memory_utilization=None, tensor_parallel_size=None)
+    assert (config.seed, config.max_num_seqs, config.enable_prefix_caching, config.gpu_memory_utilization,
+            config.tensor_parallel_size) == (0, 256, True, 0.9, 1)
+    assert config.max_model_len == EngineConfig(device="cpu").max_model_len
+    assert EngineConfig(model=pathlib.Path(DEFAULT_MODEL), device="cpu", max_num_seqs=np.int64(4)).max_num_seqs == 4
+    for field, bad, words in (("max_model_len", 64.0, "an integer"), ("seed", "0", "an integer"),
+                              ("enforce_eager", "yes", "True or False"), ("gpu_memory_utilization", "0.5", "a number"),
+                              ("enable_prefix_caching", 1, "True or False"), ("kv_cache_dtype", 8, "a string")):
+        with pytest.raises(ValueError, match=f"{field} must be {words}, got {bad!r}"):
+            EngineConfig(device="cpu", **{field: bad})
 
 
 def test_without_sampling_params_the_models_generation_config_sets_the_defaults(tmp_path):

@@ -64,7 +64,7 @@ def test_the_engine_flags_take_vllms_spellings():
     assert config.kv_cache_dtype == "fp8" and config.max_logprobs == 7
     assert EngineConfig(model=DEFAULT_MODEL, device="cpu", kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8"
     for bad in (-1, 1025, True):
-        with pytest.raises(ValueError, match="max_logprobs must be an integer in 0-1024"):
+        with pytest.raises(ValueError, match="max_logprobs must be an integer"):
             EngineConfig(model=DEFAULT_MODEL, device="cpu", max_logprobs=bad)
 
 
