@@ -40,8 +40,21 @@ class StructuredOutputsParams:
     reasoning_start_id: int | None = None
     reasoning_end_id: int | None = None
     reasoning_open: bool = False
+    # vLLM's options: disable_any_whitespace sets any_whitespace False; xgrammar, the one backend (no
+    # fallback), already refuses properties a schema does not allow; the last two are refused
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("structural_tag", "whitespace_pattern"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"structured outputs' {name} is not supported here; give json, json_object, regex, "
+                                 "choice or grammar (disable_any_whitespace: JSON with no optional whitespace)")
+        if self.disable_any_whitespace:
+            self.any_whitespace = False
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:

@@ -198,9 +198,16 @@ class LLM:
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None, lora_request: None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora_request: None = None,
+             chat_template_content_format: str = "auto", mm_processor_kwargs: None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: generate for one conversation (a list of {"role", "content"} messages) or
-        several, each written as the model's chat template writes it (`chat_template` replaces it)."""
+        several, each written as the model's chat template writes it (`chat_template` replaces it).
+        A message's text parts reach the template as one string (vLLM's content format "string")."""
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format {chat_template_content_format!r} is not offered: a "
+                             "message's text parts reach the template as one string ('auto' or 'string')")
+        if mm_processor_kwargs is not None:
+            raise ValueError("mm_processor_kwargs: this engine serves text-only models")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if isinstance(messages, str) or not all(isinstance(conversation, (list, tuple)) and conversation
                                                 and all(isinstance(m, dict) for m in conversation)

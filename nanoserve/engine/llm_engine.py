@@ -92,8 +92,7 @@ class LLMEngine:
         `priority` orders requests under the priority policy (lower first); first come first served
         ignores it.
         """
-        if self.closed:
-            raise RuntimeError("This engine is closed: its device memory was given back. Start a new LLM")
+        self._check_open()
         for rid in (request_id, *fork_ids):
             if rid in self.sequences or rid in self.pending_forks:
                 raise ValueError(f"Request id {rid!r} is already in use")
@@ -215,7 +214,12 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache; False while requests are in flight, which hold its blocks."""
+        self._check_open()
         return not self.has_unfinished_requests() and self.block_manager.reset_prefix_cache()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("This engine is closed: its device memory was given back. Start a new LLM")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work or self.in_flight is not None or bool(self.grammar_queue)

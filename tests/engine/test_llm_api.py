@@ -392,4 +392,6 @@ def test_a_closed_llm_refuses_new_work_by_name(qwen3_model):
         assert len(closed.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)) == 1
     with pytest.raises(RuntimeError, match="closed"):
         closed.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(RuntimeError, match="closed"):
+        closed.reset_prefix_cache()
     assert closed.engine.runner.kv_cache is None and closed.engine.runner.model is None

@@ -87,6 +87,28 @@ def test_none_for_an_engine_argument_means_its_default_and_a_wrong_type_is_named
             EngineConfig(device="cpu", **{field: bad})
 
 
+def test_vllms_structured_output_options_and_chat_arguments_are_taken(llm):
+    from nanoserve.structured_outputs_params import StructuredOutputsParams
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    compact = StructuredOutputsParams(json=schema, disable_any_whitespace=True, disable_fallback=True,
+                                      disable_additional_properties=True)
+    assert not compact.any_whitespace and StructuredOutputsParams(json=schema).any_whitespace
+    out = llm.generate("A", SamplingParams(temperature=0, max_tokens=24, structured_outputs=compact),
+                       use_tqdm=False)[0].text
+    assert out == json.dumps(json.loads(out)) and json.loads(out).keys() == {"a"}, out   # one layout, json.dumps's
+    for option in ({"whitespace_pattern": " "}, {"structural_tag": "{}"}):
+        with pytest.raises(ValueError, match=f"{next(iter(option))} is not supported"):
+            StructuredOutputsParams(json=schema, **option)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    plain = llm.chat(messages, greedy(), use_tqdm=False)[0].token_ids
+    assert llm.chat(messages, greedy(), use_tqdm=False, chat_template_content_format="string",
+                    mm_processor_kwargs=None)[0].token_ids == plain
+    with pytest.raises(ValueError, match="chat_template_content_format 'openai' is not offered"):
+        llm.chat(messages, greedy(), use_tqdm=False, chat_template_content_format="openai")
+    with pytest.raises(ValueError, match="text-only"):
+        llm.chat(messages, greedy(), use_tqdm=False, mm_processor_kwargs={"size": 1})
+
+
 def test_without_sampling_params_the_models_generation_config_sets_the_defaults(tmp_path):
     folder = tmp_path / "model"
     shutil.copytree(DEFAULT_MODEL, folder)
