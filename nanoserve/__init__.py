@@ -11,13 +11,16 @@ if TYPE_CHECKING:
     from nanoserve.engine.llm import LLM, RequestOutput
     from nanoserve.engine.vllm_logprobs import Logprob
     from nanoserve.sampling_params import SamplingParams
+    from nanoserve.structured_outputs_params import StructuredOutputsParams
 
-__all__ = ["DEFAULT_MODEL", "EngineConfig", "LLM", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["DEFAULT_MODEL", "EngineConfig", "LLM", "Logprob", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 # imported on first use, so that `nanoserve --help` and `python -m nanoserve` need no torch
 _LAZY = {"EngineConfig": "nanoserve.config", "LLM": "nanoserve.engine.llm", "RequestOutput": "nanoserve.engine.llm",
-         "Logprob": "nanoserve.engine.vllm_logprobs", "SamplingParams": "nanoserve.sampling_params"}
+         "Logprob": "nanoserve.engine.vllm_logprobs", "SamplingParams": "nanoserve.sampling_params",
+         "StructuredOutputsParams": "nanoserve.structured_outputs_params"}
 
 
 def __getattr__(name: str) -> object:

@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import pytest
 
+import nanoserve
 from nanoserve import LLM, EngineConfig, SamplingParams
 from nanoserve.config import DEFAULT_MODEL
 
@@ -88,7 +89,8 @@ def test_none_for_an_engine_argument_means_its_default_and_a_wrong_type_is_named
 
 
 def test_vllms_structured_output_options_and_chat_arguments_are_taken(llm):
-    from nanoserve.structured_outputs_params import StructuredOutputsParams
+    from nanoserve.sampling_params import StructuredOutputsParams   # where vLLM's is
+    assert StructuredOutputsParams is nanoserve.StructuredOutputsParams
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     compact = StructuredOutputsParams(json=schema, disable_any_whitespace=True, disable_fallback=True,
                                       disable_additional_properties=True)
