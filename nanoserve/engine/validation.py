@@ -103,8 +103,8 @@ def check_logprobs(params: SamplingParams, cap: int) -> None:
     for name in ("logprobs", "prompt_logprobs"):
         asked = getattr(params, name)
         if asked is not None and asked > cap:
-            raise RequestRefused(f"{name} asks for {asked} alternatives; this server returns at most {cap} "
-                                 "(--max-logprobs)", name)
+            raise RequestRefused(f"{name} asks for {asked} alternatives; this engine returns at most {cap} "
+                                 "(max_logprobs; --max-logprobs for serve)", name)
 
 
 def check_params_token_ids(params: SamplingParams, vocab_size: int) -> None:
