@@ -32,7 +32,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None            # exactly one of these strings
     grammar: str | None = None                 # EBNF (GBNF), xgrammar's dialect
-    any_whitespace: bool = True                # False: JSON without optional whitespace
+    disable_any_whitespace: bool = False       # vLLM's: JSON in one layout, without optional whitespace
     # a reasoning model's thinking is left free (engine/reasoning_gate.py): the grammar holds from
     # the token after `reasoning_end_id`; an output may open its reasoning with `reasoning_start_id`,
     # or start inside it where the prompt opened it (`reasoning_open`). A server with
@@ -40,9 +40,8 @@ class StructuredOutputsParams:
     reasoning_start_id: int | None = None
     reasoning_end_id: int | None = None
     reasoning_open: bool = False
-    # vLLM's options: disable_any_whitespace sets any_whitespace False; xgrammar, the one backend (no
-    # fallback), already refuses properties a schema does not allow; the last two are refused
-    disable_any_whitespace: bool = False
+    # vLLM's other options: xgrammar, the one backend (no fallback), already refuses properties a
+    # schema does not allow; the last two are refused
     disable_fallback: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
@@ -53,8 +52,6 @@ class StructuredOutputsParams:
             if getattr(self, name) is not None:
                 raise ValueError(f"structured outputs' {name} is not supported here; give json, json_object, regex, "
                                  "choice or grammar (disable_any_whitespace: JSON with no optional whitespace)")
-        if self.disable_any_whitespace:
-            self.any_whitespace = False
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
@@ -83,6 +80,11 @@ class StructuredOutputsParams:
         depth = json_depth(self.json) if self.json is not None else 0
         if depth > MAX_SPEC_DEPTH:
             raise ValueError(f"the JSON schema nests {depth} levels deep; at most {MAX_SPEC_DEPTH}")
+
+    @property
+    def any_whitespace(self) -> bool:
+        """Whether JSON may hold whitespace where the grammar allows it (xgrammar's switch)."""
+        return not self.disable_any_whitespace
 
     @property
     def key(self) -> tuple:

@@ -39,7 +39,7 @@ def requested_spec(req: SamplingFields) -> tuple[str, StructuredOutputsParams] |
     if so is not None:
         asked.append(("structured_outputs", {"json": so.json_, "regex": so.regex, "choice": so.choice,
                                              "grammar": so.grammar, "json_object": bool(so.json_object),
-                                             "any_whitespace": not so.disable_any_whitespace}))
+                                             "disable_any_whitespace": so.disable_any_whitespace}))
     for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                       ("guided_grammar", "grammar")):
         if getattr(req, name) is not None:

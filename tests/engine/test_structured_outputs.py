@@ -214,7 +214,7 @@ def test_a_prefix_cache_hit_gives_the_same_constrained_output(llm):
 
 
 @pytest.mark.parametrize("spec", [StructuredOutputsParams(json={"type": "object", "properties": {"a": {"enum": [1]}}}),
-                                  StructuredOutputsParams(json='{"type": "array"}', any_whitespace=False),
+                                  StructuredOutputsParams(json='{"type": "array"}', disable_any_whitespace=True),
                                   StructuredOutputsParams(choice=["x", "y"]), StructuredOutputsParams(json_object=True)])
 def test_the_spec_travels_to_the_engine_process_in_its_add_message(spec):
     from nanoserve.engine.messages import AddRequest, input_decoder, input_encoder
