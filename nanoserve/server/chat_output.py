@@ -61,7 +61,8 @@ class ChoiceReader:
         `stop_string`: a stop string ended the text, not the model."""
         reasoning, content, parsed = self.parse(text, final=True)
         calls = announced(parsed.calls)[:1 if self.plan.single else None]
-        if self.plan.mode == "auto" and finish_reason == "stop" and not stop_string and not runnable(text, calls):
+        whole = runnable(text, calls)
+        if self.plan.mode == "auto" and finish_reason == "stop" and not stop_string and not whole:
             # the model ended its text with a call that is no JSON object (`{"city": }`): no call a
             # client can run (json.loads, the openai client's parse() raised), so the text is the
             # answer, as vLLM's parsers return it. A call cut short by max_tokens or a stop string
@@ -78,7 +79,7 @@ class ChoiceReader:
             return message, finish_reason
         message["tool_calls"] = [{"id": tool_call_id(self.plan.parser), "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
-        return message, self.finish_reason(finish_reason, called=all(whole_arguments(c.arguments) for c in calls))
+        return message, self.finish_reason(finish_reason, called=whole)
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
         """OpenAI answers "stop" when the caller named the function, "tool_calls" when the model
