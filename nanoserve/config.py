@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import numbers
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -66,10 +65,10 @@ def _typed_fields(config: EngineConfig) -> dict[str, Any]:
     ValueError naming the field (max_model_len=64.0 failed deep inside, as an AttributeError).
     Integers of other kinds (numpy's) become int, paths become str."""
     changed: dict[str, Any] = {}
-    for f in dataclasses.fields(config):
+    for f in fields(config):
         value, kind = getattr(config, f.name), _FIELD_TYPES.get(f.type)
         if value is None:
-            if f.default is not dataclasses.MISSING and f.default is not None:
+            if f.default is not MISSING and f.default is not None:
                 changed[f.name] = f.default
             continue
         if kind is None:
