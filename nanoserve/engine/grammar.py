@@ -98,11 +98,11 @@ def whole_output_regex(pattern: str) -> str:
     for an anchor elsewhere or another escape that xgrammar would read as its letter."""
     if pattern.startswith("\\A"):
         pattern = pattern[2:]
-    if pattern.endswith(("\\Z", "\\z")) and _escapes(pattern, len(pattern) - 2):
-        pattern = pattern[:-2]
-    i = pattern.find("\\")
+    i = pattern.find("\\")   # escapes pair from the left: "\\\\Z" is a backslash, then Z
     while 0 <= i < len(pattern) - 1:
         letter = pattern[i + 1]
+        if letter in "Zz" and i == len(pattern) - 2:
+            return pattern[:i]
         if letter in "AZz":
             raise ValueError(f"\\{letter} is taken as an anchor only at the {'start' if letter == 'A' else 'end'} of "
                              "the pattern here (the whole output must match it): leave it out")
@@ -111,14 +111,6 @@ def whole_output_regex(pattern: str) -> str:
                              f"(it would match the letter {letter!r} itself)")
         i = pattern.find("\\", i + 2)
     return pattern
-
-
-def _escapes(text: str, at: int) -> bool:
-    """Whether the backslash at `at` begins an escape: an even run of backslashes comes before it."""
-    run = 0
-    while at - run - 1 >= 0 and text[at - run - 1] == "\\":
-        run += 1
-    return run % 2 == 0
 
 
 def _admits_a_first_token(compiled: xgr.CompiledGrammar) -> bool:
