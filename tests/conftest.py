@@ -10,9 +10,13 @@ import torch
 # Triton kernels run under the interpreter when there is no GPU; it must be on before import.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    # parallel test workers (pytest -n) share the cores: torch's pool per worker would oversubscribe them
+    # parallel test workers (pytest -n) share the cores: torch's pool per worker would oversubscribe them,
+    # and OpenMP's waiting threads spin on the cores the other worker needs. The processes a test starts
+    # (engine cores, tensor-parallel ranks, servers) inherit the variable
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))))
+        share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)))
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -335,7 +335,7 @@ def server(server_model, tmp_path_factory):
 QWEN3_TEMPLATE = REPO / "tests" / "assets" / "chat_templates" / "qwen3.jinja"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tool_server(server_model, tmp_path_factory):
     """A server that parses tool calls (hermes) and reasoning (qwen3) under Qwen3's chat template."""
     with ServerProcess(server_model, tmp_path_factory.mktemp("tools"), "--num-kvcache-blocks", "256",

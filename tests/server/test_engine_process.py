@@ -105,15 +105,18 @@ def test_a_stuck_engine_turns_health_to_503_until_it_speaks_again(server_model, 
         engine = engine_process(proc.proc.pid)
         os.kill(engine, signal.SIGSTOP)
         try:
-            time.sleep(5)
-            health = httpx.get(f"{proc.url}/health", timeout=5)
+            deadline = time.monotonic() + 15
+            while (health := httpx.get(f"{proc.url}/health", timeout=5)).status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
             assert health.status_code == 503 and health.json()["error"]["code"] == "engine_stalled", health.text
             ping = httpx.post(f"{proc.url}/ping", timeout=5)   # vLLM's probe says the same
             assert ping.status_code == 503 and ping.json()["error"]["code"] == "engine_stalled", ping.text
         finally:
             os.kill(engine, signal.SIGCONT)
-        time.sleep(2.5)
-        assert httpx.get(f"{proc.url}/health", timeout=5).status_code == 200
+        deadline = time.monotonic() + 10   # the next heartbeat clears it
+        while httpx.get(f"{proc.url}/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "/health stayed 503 after the engine spoke again"
+            time.sleep(0.1)
         r = httpx.post(f"{proc.url}/v1/completions", json={"prompt": "A list", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200
 
