@@ -6,7 +6,6 @@ import concurrent.futures
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nanoserve.config import EngineConfig
@@ -14,6 +13,7 @@ from nanoserve.engine.bad_words import BadWords, with_bad_words_token_ids
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.grammar_queue import GrammarQueue
 from nanoserve.engine.grammar_state import GrammarStateGuard
+from nanoserve.engine.in_flight import InFlightStep
 from nanoserve.engine.messages import EngineStats, StepOutput
 from nanoserve.engine.reasoning_gate import reasoning_gate
 from nanoserve.engine.scheduler import Scheduler
@@ -21,7 +21,7 @@ from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.token_rules import banned_tokens, finish_reason
 from nanoserve.engine.tokenizer import eos_token_ids, load_tokenizer
 from nanoserve.runner.batch import PENDING_TOKEN, SequenceWork
-from nanoserve.runner.model_runner import ModelRunner, PendingSample, StepLogits
+from nanoserve.runner.model_runner import ModelRunner
 from nanoserve.sampling_params import SamplingParams, fork_seed
 
 if TYPE_CHECKING:  # xgrammar loads with the first structured-output request, not with the engine
@@ -31,26 +31,6 @@ if TYPE_CHECKING:  # xgrammar loads with the first structured-output request, no
     from nanoserve.engine.grammar import GrammarManager
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class InFlightStep:
-    """A launched step: its sampling sequences in row order, and where each one's token goes.
-
-    `pending` is None while the forward pass runs unsampled: a step with grammar rows samples only
-    once the previous step's tokens have advanced their matchers."""
-
-    forward: StepLogits
-    pending: PendingSample | None = None
-    sequences: list[Sequence] = field(default_factory=list)
-    constrained: list[int] = field(default_factory=list)  # rows whose sequence has a grammar
-    bans: dict[int, tuple[int, ...]] = field(default_factory=dict)  # constrained rows' bans (token_rules.banned_tokens)
-    rows: list[SequenceWork] = field(default_factory=list)  # the sampling rows' work, in row order (if listening)
-    # rows whose bans depend on the tokens before them (bad words of several tokens): recomputed
-    # when sampling, which waits for the previous launch's tokens as a grammar's rows do
-    listening: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)  # index of the placeholder in token_ids
-    scored: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk start) with prompt logprobs
 
 
 class LLMEngine:
