@@ -53,10 +53,19 @@ def split_args(splits: str, seq_lens: torch.Tensor) -> dict:
             "fixed keys, longest first": dict(split_keys=32, seq_order=longest_first(seq_lens))}[splits]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("qk_norm", [True, False])
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8 V along tokens"])
-@pytest.mark.parametrize("splits", ["one", "even", "fixed keys, longest first"])
+SPLITS = ["one", "even", "fixed keys, longest first"]
+CACHES = ["auto", "fp8", "fp8 V along tokens"]
+DTYPES = [torch.float32, torch.float16]
+# Every split kind x cache x dtype; the q/k norm on in half of them. Which program norms and stores
+# the new key is the split's choice alone and the norm comes before the store whatever it is, so each
+# (cache, dtype) meets the norm on and off, and each split kind meets both: the other half of the full
+# product took no branch these do not
+ROPE_CASES = [pytest.param(dtype, (i + j + k) % 2 == 0, cache, splits,
+                           id=f"{splits}-{cache}-{'norm' if (i + j + k) % 2 == 0 else 'no norm'}-{dtype}")
+              for i, splits in enumerate(SPLITS) for j, cache in enumerate(CACHES) for k, dtype in enumerate(DTYPES)]
+
+
+@pytest.mark.parametrize("dtype,qk_norm,kv_cache_dtype,splits", ROPE_CASES)
 def test_decode_with_rope_stores_and_attends_as_the_two_launches(dtype, qk_norm, kv_cache_dtype, splits) -> None:
     gen = torch.Generator().manual_seed(len(splits) + qk_norm)
     batch = len(SEQ_LENS)

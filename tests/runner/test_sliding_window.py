@@ -14,7 +14,7 @@ from nanoserve.positions import layer_windows
 from nanoserve.runner.attention import TorchBackend
 from nanoserve.runner.attention.decode_splits import longest_first
 from nanoserve.runner.attention.fp8 import FP8_DTYPE, quantize_fp8
-from nanoserve.runner.attention.kv_layout import v_cache_copy, v_cache_view
+from nanoserve.runner.attention.kv_layout import tokens_contiguous, v_cache_copy, v_cache_view
 from nanoserve.runner.attention.torch_backend import gather_kv
 from nanoserve.runner.attention.triton_decode import paged_decode
 from nanoserve.runner.attention.triton_kernels import TritonBackend, store_kvcache
@@ -89,8 +89,9 @@ def test_the_reference_window_is_transformers_mask(window) -> None:
 @pytest.mark.parametrize("block_m", [16, 64])   # query tiles of 8 and 32 tokens: shorter and longer than windows
 def test_prefill_with_a_window_matches_the_reference(window, block_m) -> None:
     q, k, v, k_cache, v_cache, meta = step(PREFILL_SPECS, seed=10 + window)
-    want, _, _ = reference(q, k, v, k_cache, v_cache, meta, 0.125, window)
-    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    # the caches as the reference stored the step's keys: store_kvcache writes the same bits
+    # (test_triton_attention), and under the interpreter it is a program a token
+    want, k_cache, v_cache = reference(q, k, v, k_cache, v_cache, meta, 0.125, window)
     out = paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125,
                         meta.max_query_len, config=dict(BLOCK_M=block_m, BLOCK_N=16, num_warps=1, num_stages=1),
                         window=window)
@@ -157,27 +158,41 @@ def test_decode_splits_are_counted_over_the_keys_a_window_reads(window, monkeypa
     assert counts == [{None: 16, 37: 1, 300: 2}[window]]
 
 
-@pytest.mark.parametrize("window", [5, 37])
-@pytest.mark.parametrize("splits", ["one", "three", "fixed keys"])
-def test_decode_and_prefill_with_a_window_over_an_fp8_cache_match_the_reference(window, splits) -> None:
-    """V along tokens, as the engine lays out an fp8 cache: a tile's V is read whole, keys before the
-    window included, which must weigh nothing."""
-    specs = DECODE_SPECS + PREFILL_SPECS
+def fp8_step(specs, window):
+    """The step in float16 over an fp8 cache with V along tokens (as the engine lays it out), its new
+    keys stored as the reference stores them (store_kvcache's bits: test_fp8_kv_cache):
+    (q, fp8 caches, meta, the reference's output)."""
     q, k, v, k_cache, v_cache, meta = step(specs, seed=40 + window)
     q, k, v = (t.half() for t in (q, k, v))
     fp8 = quantize_fp8(k_cache, 2.0), v_cache_copy(quantize_fp8(v_cache, 4.0))
-    want, _, _ = reference(q, k, v, *fp8, meta, 0.125, window, 2.0, 4.0)
-    store_kvcache(k, v, *fp8, meta.slot_mapping, 2.0, 4.0)
-    decode = len(DECODE_SPECS)   # the first rows, one query each
-    out = paged_decode(q[:decode], *fp8, meta.seq_lens[:decode], meta.block_tables[:decode], 0.125, 4096,
+    want, k_cache, v_cache = reference(q, k, v, *fp8, meta, 0.125, window, 2.0, 4.0)
+    assert k_cache.dtype == v_cache.dtype == FP8_DTYPE and tokens_contiguous(v_cache)
+    return q, (k_cache, v_cache), meta, want
+
+
+@pytest.mark.parametrize("window", [5, 37])
+@pytest.mark.parametrize("splits", ["one", "three", "fixed keys"])
+def test_decode_with_a_window_over_an_fp8_cache_matches_the_reference(window, splits) -> None:
+    """V along tokens: a tile's V is read whole, keys before the window included, which must weigh
+    nothing."""
+    q, fp8, meta, want = fp8_step(DECODE_SPECS, window)
+    out = paged_decode(q, *fp8, meta.seq_lens, meta.block_tables, 0.125, 4096,
                        k_scale=2.0, v_scale=4.0, window=window, **SPLITS[splits])
     assert (out[1] == 0).all(), "a padding row must come back as zeros"
-    err = (out.float() - want[:decode]).norm() / want[:decode].norm()
+    err = (out.float() - want).norm() / want.norm()
     assert err < 2e-3
+
+
+# the prefill kernel takes no splits: one launch a window, not one for each of the decode test's splits
+@pytest.mark.parametrize("window", [5, 37])
+def test_prefill_with_a_window_over_an_fp8_cache_matches_the_reference(window) -> None:
+    """As the decode test: a V tile read whole across the window's first key (decode rows ride
+    along, as in a step that leaves them in the prefill launch)."""
+    q, fp8, meta, want = fp8_step(DECODE_SPECS + PREFILL_SPECS, window)
     prompts = paged_prefill(q, *fp8, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125,
                             meta.max_query_len, k_scale=2.0, v_scale=4.0, window=window)
     live = live_rows(meta)
-    live[:decode] = False
+    live[:len(DECODE_SPECS)] = False
     assert_close(prompts[live], want[live], torch.float16)
 
 

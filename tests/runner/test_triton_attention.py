@@ -153,8 +153,11 @@ def test_decode_reading_each_tiles_block_ahead_gives_the_same_bits(kv_dtype, spl
     want = run(dict(BLOCK_AHEAD=False))
     assert want[1].eq(0).all() and want.abs().sum() > 0
     assert torch.equal(run(dict(BLOCK_AHEAD=True)), want)
-    assert torch.equal(run(dict(BLOCK_AHEAD=True, BLOCK_N=64)), run(dict(BLOCK_AHEAD=False, BLOCK_N=64))), \
-        "tiles wider than a block read the table per key"
+    # the guard on the block read ahead is a tile width against the block size, whatever the splits:
+    # a wide tile read as one block would misread the 33-, 64- and 70-key contexts in any of them
+    if split == dict(num_splits=3):
+        assert torch.equal(run(dict(BLOCK_AHEAD=True, BLOCK_N=64)), run(dict(BLOCK_AHEAD=False, BLOCK_N=64))), \
+            "tiles wider than a block read the table per key"
 
 
 PREFILL_CASES = [
@@ -191,8 +194,9 @@ def test_prefill_tile_configs_match_reference(last_tiles_first) -> None:
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
                                                 dtype=torch.float32, seed=21)
     scale = 64 ** -0.5
-    ref_out, _, _ = reference(q, k, v, k_cache, v_cache, meta, scale)
-    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    # the caches as the reference stored the keys: store_kvcache's bits (tested above), without its
+    # program a token under the interpreter
+    ref_out, k_cache, v_cache = reference(q, k, v, k_cache, v_cache, meta, scale)
     config = dict(BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1, LAST_TILES_FIRST=last_tiles_first)
     out = paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
                         meta.max_query_len, config=config)
@@ -334,8 +338,7 @@ def test_prefill_leaves_a_mixed_steps_decode_rows_to_the_decode_kernel(monkeypat
     specs = [(1, 38), (23, 23), (9, 49), (1, 5)]
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
                                                 dtype=torch.float32, seed=70)
-    ref_out, _, _ = reference(q, k, v, k_cache, v_cache, meta, 0.125)
-    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    ref_out, k_cache, v_cache = reference(q, k, v, k_cache, v_cache, meta, 0.125)   # float32: the caches' dtype
     out = paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125,
                         meta.max_query_len, skip_decode_rows=True)
     starts = meta.query_start_loc.tolist()
