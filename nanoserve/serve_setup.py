@@ -53,6 +53,7 @@ def serve_setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ca
     from nanoserve.server.tls import tls_files
     from nanoserve.model_source import resolve_model
     from nanoserve.engine.early_start import EarlyEngineProcess
+    from nanoserve.server.listen import bind_socket
 
     if args.max_queue_len < 1:
         parser.error(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
@@ -101,6 +102,7 @@ def serve_setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ca
         sampling_defaults(kwargs["model"], args.generation_config, overrides)
     except ValueError as exc:
         parser.error(str(exc))
+    sock = bind_socket(args.host, args.port, args.uds)   # a busy port is refused before anything slow starts
     # the engine core's process imports torch and the model code while this one imports the web stack
     early = EarlyEngineProcess()
     from nanoserve.server.app import HTTPOptions, serve  # the web stack loads only for `serve`
@@ -133,7 +135,7 @@ def serve_setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ca
     options = HTTPOptions(args.host, args.port, args.max_queue_len, args.shutdown_timeout, args.log_level, tls,
                           args.uvicorn_log_level, not args.disable_uvicorn_access_log, args.uds)
     config = EngineConfig(**kwargs, cpu_threads=threads)
-    return functools.partial(serve, config, settings, options, args.api_server_count, early)
+    return functools.partial(serve, config, settings, options, args.api_server_count, early, sock)
 
 
 def _check_seconds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -6,10 +6,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import signal
 import socket
-import stat
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -250,51 +248,6 @@ class Server(uvicorn.Server):
             self.exit_code = self.exit_code or 1
 
 
-def bind_socket(host: str, port: int, uds: str | None = None) -> socket.socket:
-    """Take the port (or the Unix socket's path) now, before the model loads, so that a busy one fails
-    in a second, not after it.
-
-    The socket listens at once: connections made while the model loads wait in its backlog. A socket
-    only bound would not hold the port against a second server (Linux lets two SO_REUSEADDR sockets
-    bind one port while neither listens), and on a Unix socket it would refuse the second server's
-    probe, which then took the path over as a dead server's."""
-    if uds is not None:
-        return _bind_unix_socket(uds)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen()
-    except OSError as exc:
-        sock.close()
-        raise SystemExit(f"nanoserve: error: cannot listen on {host}:{port}: {exc.strerror}") from None
-    return sock
-
-
-def _bind_unix_socket(path: str) -> socket.socket:
-    """A socket left by a server that died is taken over; one that a live server answers on, or a
-    file that is not a socket, is refused."""
-    if os.path.lexists(path):
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise SystemExit(f"nanoserve: error: cannot listen on {path}: it exists and is not a socket")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            try:
-                probe.connect(path)
-            except OSError:
-                os.unlink(path)   # nothing answers: a dead server's
-            else:
-                raise SystemExit(f"nanoserve: error: cannot listen on {path}: another server answers there")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(path)
-        sock.listen()
-    except OSError as exc:
-        sock.close()
-        raise SystemExit(f"nanoserve: error: cannot listen on {path}: {exc.strerror or exc}") from None
-    return sock
-
-
 @dataclass(frozen=True)
 class HTTPOptions:
     """How a front end listens, admits and stops: the HTTP side of `serve`."""
@@ -316,33 +269,27 @@ class HTTPOptions:
 
 
 def serve(config: EngineConfig, settings: ServerSettings, options: HTTPOptions, api_server_count: int,
-          early: EarlyEngineProcess) -> None:
+          early: EarlyEngineProcess, sock: socket.socket) -> None:
     """Serve until SIGINT/SIGTERM; exit non-zero if the engine died or the drain was cut short.
 
-    The port is taken first; the engine core then loads the model in its own process while
-    connections wait in the port's backlog. On SIGTERM uvicorn stops accepting connections and
+    `sock` listens already (server/listen.py): the engine core loads the model in its own process
+    while connections wait in its backlog. On SIGTERM uvicorn stops accepting connections and
     waits up to `options.shutdown_timeout` seconds for requests in flight, streams included, to
     finish. With `api_server_count` > 1 that many front-end processes share the port and the core
     (server/api_servers.py). `early`: the core's process, started before the server loaded.
     """
-    sock = bind_socket(options.host, options.port, options.uds)
     logger.info("Serving %s as %s on %s once the engine is ready (device %s, dtype %s%s)",
                 config.model, settings.served_model_names, options.address, config.device,
                 str(config.dtype).removeprefix("torch."),
                 f", {api_server_count} front-end processes" if api_server_count > 1 else "")
-    try:
-        if api_server_count > 1:
-            from nanoserve.server.api_servers import run_api_servers
-            code = run_api_servers(config, settings, options, sock, api_server_count, early)
-        else:
-            engine = AsyncEngine(config, max_queue_len=options.max_queue_len, log_level=options.log_level.upper(),
-                                 early=early)
-            code = run_front_end(engine, settings, options, sock)
-    finally:
-        if options.uds is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(options.uds)
-    sys.exit(code)
+    if api_server_count > 1:
+        from nanoserve.server.api_servers import run_api_servers
+        code = run_api_servers(config, settings, options, sock, api_server_count, early)
+    else:
+        engine = AsyncEngine(config, max_queue_len=options.max_queue_len, log_level=options.log_level.upper(),
+                             early=early)
+        code = run_front_end(engine, settings, options, sock)
+    sys.exit(code)   # a Unix socket's file is removed as the process exits (server/listen.py)
 
 
 def run_front_end(engine: AsyncEngine, settings: ServerSettings, options: HTTPOptions, sock: socket.socket,

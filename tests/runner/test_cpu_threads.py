@@ -56,8 +56,8 @@ def test_serve_keeps_a_core_for_its_front_end(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(nanoserve.cpu_threads, "cgroup_cpu_limit", lambda: None)
     served = []
-    monkeypatch.setattr(nanoserve.server.app, "serve", lambda config, *args: served.append(config))
-    main(["serve", "--device", "cpu"])
+    monkeypatch.setattr(nanoserve.server.app, "serve", lambda config, *args: served.append(config) or args[-1].close())
+    main(["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", "0"])
     assert served[0].cpu_threads == max(1, torch.get_num_threads() - 1)
 
 

@@ -179,7 +179,9 @@ def serve_refusal(monkeypatch, capsys, *flags: str) -> str:
 
     monkeypatch.setattr(nanoserve.server.app, "serve", no_serving)
     with pytest.raises(SystemExit) as exit_:
-        main(["serve", "--device", "cpu", *flags])
+        # a free port of its own: a refusal that comes after the socket is taken (EngineConfig's) must
+        # not find the default port held by another test process (the flags given come later and win)
+        main(["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", "0", *flags])
     assert exit_.value.code == 2
     return capsys.readouterr().err
 

@@ -331,6 +331,6 @@ def test_a_served_model_name_given_twice_is_listed_once(monkeypatch):
     import nanoserve.server.app
 
     served = []
-    monkeypatch.setattr(nanoserve.server.app, "serve", lambda config, settings, *a: served.append(settings))
-    main(["serve", "--device", "cpu", "--served-model-name", "a", "b", "a"])
+    monkeypatch.setattr(nanoserve.server.app, "serve", lambda config, settings, *a: served.append(settings) or a[-1].close())
+    main(["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", "0", "--served-model-name", "a", "b", "a"])
     assert served[0].served_model_names == ["a", "b"]

@@ -95,7 +95,7 @@ def test_a_second_server_is_refused_while_the_first_still_loads(tmp_path, where)
     # be refused at once: on a Unix socket it took the path over as a dead server's (the first then
     # served on a file no one could reach, and removed the second's on exit), on a port it loaded its
     # model and only then failed to listen
-    from nanoserve.server.app import bind_socket
+    from nanoserve.server.listen import bind_socket
     from tests.server.conftest import free_port
 
     path, port = str(tmp_path / "loading.sock"), free_port()
