@@ -115,15 +115,16 @@ def test_penalized_steps_are_pipelined():
     assert sum(overlapped) >= 25
 
 
-def test_penalty_counts_kept_between_steps_give_the_tokens_of_a_fresh_count(random_model):
+def test_penalty_counts_kept_between_steps_give_the_tokens_of_a_fresh_count(qwen3_model):
     """Through chunking, preemption, forks and pipelining, penalties from the counts the runner
-    keeps per sequence pick the same tokens as counting every row's whole history each step."""
+    keeps per sequence pick the same tokens as counting every row's whole history each step.
+    The counts are the runner's and the sampler's, the same for every architecture: one model."""
     prompts = random_prompts(10, 384, 20, 90, seed=6)
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3,
                              frequency_penalty=0.4, presence_penalty=0.3, n=1 + i % 2) for i in range(len(prompts))]
     outputs = []
     for keep in (True, False):
-        llm = LLM(random_model, dtype="float32", device="cpu", block_size=8, num_kvcache_blocks=40,
+        llm = LLM(qwen3_model, dtype="float32", device="cpu", block_size=8, num_kvcache_blocks=40,
                   max_model_len=256, max_num_batched_tokens=48, max_num_seqs=8, async_scheduling=True)
         if not keep:
             llm.engine.runner.penalty_counts = None   # counted afresh at every step

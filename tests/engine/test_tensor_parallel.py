@@ -16,7 +16,13 @@ from tests.conftest import greedy, hf_greedy, random_prompts
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "pipelined"])
+# each case starts a worker process (seconds). Mistral splits as llama3 does (the same decoder, one
+# KV head copied to both ranks; only the rope frequencies differ), and pipelining is the engine's,
+# the same for every model: it runs over split (qwen3) and copied (llama3) KV heads
+@pytest.mark.parametrize("random_model, async_scheduling", [
+    ("qwen3-gqa-tied", False), ("llama3-rope-scaling", False), ("qwen2-bias", False),
+    ("qwen3-gqa-tied", True), ("llama3-rope-scaling", True),
+], ids=lambda v: {False: "sync", True: "pipelined"}.get(v, v), indirect=["random_model"])
 def test_two_ranks_match_hf_through_chunks_and_preemption(random_model, async_scheduling):
     prompts = random_prompts(8, 384, 10, 70, seed=21)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -34,16 +40,6 @@ def test_two_ranks_match_hf_through_chunks_and_preemption(random_model, async_sc
     assert len(workers) == 1 and not workers[0].is_alive()  # close() ended the worker
 
 
-def test_two_ranks_add_the_o_and_down_biases_once(tmp_path):
-    # o_proj and down_proj sum the ranks' partial products: their bias, whole on each rank, goes in after the sum
-    from tests.conftest import _random_model
-    folder = _random_model(tmp_path / "model", "llama", attention_bias=True, mlp_bias=True)
-    prompts = random_prompts(3, 384, 10, 40, seed=23)
-    with LLM(folder, dtype="float32", device="cpu", tensor_parallel_size=2, max_model_len=128) as llm:
-        got = greedy(llm, prompts, 12)
-    assert got == hf_greedy(folder, prompts, 12)
-
-
 def test_two_ranks_run_sequences_longer_than_the_cache_through_a_sliding_window(tmp_path):
     # rank 0's block manager gives back the blocks behind the window: the worker reads the same tables,
     # stand-ins included. 8 blocks (128 keys) for three sequences of 100-130 tokens
@@ -55,6 +51,16 @@ def test_two_ranks_run_sequences_longer_than_the_cache_through_a_sliding_window(
         got = greedy(llm, prompts, 60)
         assert llm.engine.block_manager.num_free_blocks == 8
     assert got == hf_greedy(folder, prompts, 60)
+
+
+def test_two_ranks_add_the_o_and_down_biases_once(tmp_path):
+    # o_proj and down_proj sum the ranks' partial products: their bias, whole on each rank, goes in after the sum
+    from tests.conftest import _random_model
+    folder = _random_model(tmp_path / "model", "llama", attention_bias=True, mlp_bias=True)
+    prompts = random_prompts(3, 384, 10, 40, seed=23)
+    with LLM(folder, dtype="float32", device="cpu", tensor_parallel_size=2, max_model_len=128) as llm:
+        got = greedy(llm, prompts, 12)
+    assert got == hf_greedy(folder, prompts, 12)
 
 
 def test_prompt_logprobs_with_two_ranks_equal_one_rank(qwen3_model):

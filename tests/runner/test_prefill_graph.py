@@ -63,28 +63,30 @@ def padded_forward(runner, work: list[SequenceWork], buffers: PrefillBuffers, bu
 @torch.inference_mode()
 def test_a_padded_step_gives_the_eager_hidden_states_and_stores_only_its_own_slots(runner) -> None:
     bs = runner.block_size
-    a, b, c = ids(40, 1), ids(20, 2), ids(9, 3)
+    a, b, c = ids(22, 1), ids(17, 2), ids(5, 3)
     runner.kv_cache.tensor.zero_()   # a fresh cache holds whatever memory held, NaNs included
-    # a's first 24 tokens are already cached (a chunked prefill's history), c has 8 of its 9
-    runner.run([SequenceWork(a, 40, 0, 24, [0, 1, 2], None), SequenceWork(c, 9, 0, 8, [10], None)])
-    work = [SequenceWork(a, 40, 24, 16, [0, 1, 2], GREEDY),   # the rest of a: keys 0..39
-            SequenceWork(b, 20, 0, 20, [5, 6], GREEDY),       # a whole prompt
-            SequenceWork(c, 9, 8, 1, [10], GREEDY)]           # one new token, as a decode row is
+    # a's first 12 tokens are already cached (a chunked prefill's history), c has 4 of its 5
+    runner.run([SequenceWork(a, 22, 0, 12, [0, 1], None), SequenceWork(c, 5, 0, 4, [10], None)])
+    # the interpreter runs a program per bucket row and layer: a bucket of 32 under one of 64
+    work = [SequenceWork(a, 22, 12, 10, [0, 1], GREEDY),   # the rest of a: keys 0..21, two tiles and blocks
+            SequenceWork(b, 17, 0, 17, [5, 6], GREEDY),    # a whole prompt
+            SequenceWork(c, 5, 4, 1, [10], GREEDY)]        # one new token, as a decode row is
     cache = runner.kv_cache.tensor
     before = cache.clone()
     buffers = make_buffers(runner)
-    # an earlier, larger step leaves stale ids, sequences, tables and programs in the buffers
-    big = [SequenceWork(ids(20, 4 + i), 20, 0, 20, [20 + 2 * i, 21 + 2 * i], None) for i in range(SEQS)]
-    padded_forward(runner, big, buffers, 128)
+    # an earlier, larger step leaves stale ids, sequences, tables and programs in the buffers; its
+    # positions lie where the smaller bucket reads its padding's slots: slots of a's history
+    big = [SequenceWork(ids(10, 4 + i), 10, 0, 10, [20 + 2 * i, 21 + 2 * i], None) for i in range(SEQS)]
+    padded_forward(runner, big, buffers, 64)
     before[:, :, 20:32] = cache[:, :, 20:32]
-    got = padded_forward(runner, work, buffers, 64)
+    got = padded_forward(runner, work, buffers, 32)
     # what is not the step's own is padding: no queries, no keys, no stores, no programs
     n = sum(w.num_new for w in work)
     assert buffers.query_start[len(work) + 1:].tolist() == [n] * (SEQS - len(work))
     assert buffers.seq_lens[len(work):].tolist() == [0] * (SEQS - len(work))
-    tiles = buffers.tiles[:buffers.num_tiles(64, SEQS)].tolist()
+    tiles = buffers.tiles[:buffers.num_tiles(32, SEQS)].tolist()
     assert sorted({t >> 16 for t in tiles if t >= 0}) == [0, 1] and tiles[-1] == -1   # c's decode row: none
-    rows = buffers.token_rows(64)
+    rows = buffers.token_rows(32)
     assert rows[2, n:].eq(-1).all() and rows[:2, n:].eq(0).all()
     stored = cache.clone()
     want = runner.model(*(lambda i: (i.input_ids, i.positions, i.meta))(build_inputs(work, bs, runner.device)))
@@ -108,13 +110,13 @@ def test_buckets_double_to_1k_then_grow_by_1k() -> None:
 def test_a_step_of_many_decode_rows_beside_prompts_gives_the_eager_hidden_states(runner) -> None:
     bs = runner.block_size
     runner.kv_cache.tensor.zero_()
-    histories = [(ids(12 + 3 * i, 30 + i), [40 + 2 * i, 41 + 2 * i]) for i in range(4)]   # 4 sequences to decode
+    histories = [(ids(5 + 5 * i, 30 + i), [40 + 2 * i, 41 + 2 * i]) for i in range(4)]   # 4 sequences to decode
     runner.run([SequenceWork(t, len(t), 0, len(t) - 1, blocks, None) for t, blocks in histories])
     work = [SequenceWork(t, len(t), len(t) - 1, 1, blocks, GREEDY) for t, blocks in histories[:2]]
-    work.append(SequenceWork(ids(33, 50), 33, 0, 33, [50, 51, 52], GREEDY))
+    work.append(SequenceWork(ids(20, 50), 20, 0, 20, [50, 51], GREEDY))
     work += [SequenceWork(t, len(t), len(t) - 1, 1, blocks, GREEDY) for t, blocks in histories[2:]]
     buffers = make_buffers(runner)
-    got = padded_forward(runner, work, buffers, 64)
+    got = padded_forward(runner, work, buffers, 32)
     want = runner.model(*(lambda i: (i.input_ids, i.positions, i.meta))(build_inputs(work, bs, runner.device)))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -125,13 +127,14 @@ def test_a_prompts_only_graph_over_fewer_sequences_gives_the_eager_hidden_states
     runner.kv_cache.tensor.zero_()
     buffers = make_buffers(runner)
     # an earlier mixed step over every sequence leaves stale sequences and programs past the first two
-    big = [SequenceWork(ids(20, 60 + i), 20, 0, 20, [20 + 2 * i, 21 + 2 * i], None) for i in range(SEQS)]
-    padded_forward(runner, big, buffers, 128)
-    # the second is a prompt's first chunk: it samples nothing
-    work = [SequenceWork(ids(30, 70), 30, 0, 30, [0, 1], GREEDY), SequenceWork(ids(17, 71), 17, 0, 10, [2, 3], None)]
-    got = padded_forward(runner, work, buffers, 64, seqs=2, prompts_only=True)
-    meta = buffers.meta(64, 2, prompts_only=True)
-    assert meta.seq_lens.shape[0] == 2 and meta.prefill_tiles.shape[0] == buffers.num_tiles(64, 2)
+    big = [SequenceWork(ids(10, 60 + i), 10, 0, 10, [20 + 2 * i, 21 + 2 * i], None) for i in range(SEQS)]
+    padded_forward(runner, big, buffers, 64)
+    # the second is a prompt's first chunk: it samples nothing. Their 4 programs fill 4 of the
+    # bucket's 6 entries; the earlier step's programs lie in the other 2
+    work = [SequenceWork(ids(17, 70), 17, 0, 17, [0, 1], GREEDY), SequenceWork(ids(17, 71), 17, 0, 8, [2, 3], None)]
+    got = padded_forward(runner, work, buffers, 32, seqs=2, prompts_only=True)
+    meta = buffers.meta(32, 2, prompts_only=True)
+    assert meta.seq_lens.shape[0] == 2 and meta.prefill_tiles.shape[0] == buffers.num_tiles(32, 2)
     want = runner.model(*(lambda i: (i.input_ids, i.positions, i.meta))(build_inputs(work, bs, runner.device)))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -142,11 +145,11 @@ def test_a_prompts_only_graph_launches_no_decode_kernel_and_a_mixed_one_does(run
     real = triton_kernels.paged_decode
     monkeypatch.setattr(triton_kernels, "paged_decode", lambda *a, **kw: launches.append(1) or real(*a, **kw))
     buffers = make_buffers(runner)
-    work = [SequenceWork(ids(30, 80), 30, 0, 30, [0, 1], GREEDY)]
+    work = [SequenceWork(ids(12, 80), 12, 0, 12, [0], GREEDY)]
     with torch.inference_mode():
-        padded_forward(runner, work, buffers, 32, seqs=2, prompts_only=True)
+        padded_forward(runner, work, buffers, 16, seqs=2, prompts_only=True)
         assert launches == []
-        padded_forward(runner, work, buffers, 32)
+        padded_forward(runner, work, buffers, 16)
     assert len(launches) == runner.model.config.num_hidden_layers
 
 

@@ -75,7 +75,9 @@ def test_float16_matches_torch(rows) -> None:
     SkinnyConfig(2, 4, 64, 1), SkinnyConfig(2, 8, 64, 4),
     SkinnyConfig(16, 16, 32, 1), SkinnyConfig(16, 32, 64, 3), SkinnyConfig(32, 64, 16, 16),
 ], ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}")
-@pytest.mark.parametrize("n,k", [(64, 256), (37, 200)])
+# K 256 takes whole blocks of every block_k here, 200 none (EVEN_K is the kernel's only shape
+# branch); N is masked and clamped either way, so 32 only keeps the programs few
+@pytest.mark.parametrize("n,k", [(32, 256), (37, 200)])
 def test_split_k_and_tile_shapes_match_torch(dtype, config, n, k) -> None:
     for rows in sorted({1, config.block_m // 2 or 1, config.block_m}):
         check(rows, n, k, dtype, config, bias=rows % 2 == 1, seed=2)
@@ -98,9 +100,9 @@ def test_the_last_split_sums_as_the_sum_kernel_does_and_leaves_the_counts_at_zer
         shape_and_device[:3], float("nan"), device=shape_and_device[3]))
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 72, generator=gen).to(torch.bfloat16)
-    w, b = torch.randn(40, 72, generator=gen).to(torch.bfloat16), torch.randn(40, generator=gen).to(torch.bfloat16)
+    w, b = torch.randn(20, 72, generator=gen).to(torch.bfloat16), torch.randn(20, generator=gen).to(torch.bfloat16)
     counts = split_k_sum.tile_counts(x.device, 1, 1)
-    for bias in (b, None, b):
+    for bias in (None, b):
         monkeypatch.setattr(split_k_sum, "SUM_IN_LAST_SPLIT", False)
         want = skinny_linear(x, w, bias, config)
         monkeypatch.setattr(split_k_sum, "SUM_IN_LAST_SPLIT", True)
