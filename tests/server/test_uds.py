@@ -112,6 +112,28 @@ def test_a_second_server_is_refused_while_the_first_still_loads(tmp_path, where)
         first.close()
 
 
+@pytest.mark.parametrize("where", ["uds", "port"])
+def test_a_busy_socket_is_refused_before_the_engine_process_starts(tmp_path, monkeypatch, where):
+    # the refusal came only after the web stack had loaded, with the engine's process started (seconds)
+    import nanoserve.engine.early_start
+    from nanoserve.cli import main
+    from nanoserve.server.listen import bind_socket
+    from tests.server.conftest import free_port
+
+    def no_engine() -> None:
+        raise AssertionError("the engine's process started before the socket was taken")
+
+    monkeypatch.setattr(nanoserve.engine.early_start, "EarlyEngineProcess", no_engine)
+    path, port = str(tmp_path / "busy.sock"), free_port()
+    first = bind_socket("127.0.0.1", port, path if where == "uds" else None)
+    try:
+        with pytest.raises(SystemExit, match="cannot listen on"):
+            main(["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
+                  *(["--uds", path] if where == "uds" else [])])
+    finally:
+        first.close()
+
+
 def test_an_empty_path_is_refused_before_the_model_loads(monkeypatch, capsys):
     # an unset variable spliced in (--uds "$SOCK"): Linux binds an empty path to a random abstract
     # address, and the server served where no client could find it
