@@ -90,10 +90,11 @@ class EngineCore:
         self.send(EngineDied(f"{type(exc).__name__}: {exc}"))
         self.close()
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 1000) -> None:
+        """`linger_ms`: how long what is still unsent may hold the close, for front ends to read it."""
         self.inputs.close(linger=0)
         for socket in self.outputs:
-            socket.close(linger=1000)
+            socket.close(linger=linger_ms)
         self.context.term()
 
     def run(self, engine: LLMEngine, load_seconds: float = 0.0) -> None:
@@ -112,7 +113,9 @@ class EngineCore:
             logger.exception("The engine core failed; every request in flight fails with it")
             self.died(exc)
             raise
-        self.close()
+        # every front end has said Shutdown and reads nothing more: a heartbeat queued for one that has
+        # already gone held the close a whole second (--api-server-count N stopped a second late)
+        self.close(linger_ms=0)
 
     def _loop(self) -> None:
         engine, last_stats, last_sent = self.engine, None, 0.0
