@@ -52,10 +52,10 @@ def _read_hf_config(model: str, trust_remote_code: bool) -> PretrainedConfig:
                          f"{type(exc).__name__}: {exc}") from exc
 
 
-# the fields whose values are checked for their type, by their annotation
-_FIELD_TYPES = {"int": int, "int | None": int, "float": float, "bool": bool, "bool | None": bool,
-                "str": str, "str | None": str}
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}
+# the field annotations (" | None" aside) whose values are checked: the type a value becomes, the
+# types it may come as, and how the refusal names them
+_CHECKED = {"int": (int, numbers.Integral, "an integer"), "float": (float, numbers.Real, "a number"),
+            "bool": (bool, bool, "True or False"), "str": (str, (str, os.PathLike), "a string")}
 
 
 def _typed_fields(config: EngineConfig) -> dict[str, Any]:
@@ -66,21 +66,16 @@ def _typed_fields(config: EngineConfig) -> dict[str, Any]:
     Integers of other kinds (numpy's) become int, paths become str."""
     changed: dict[str, Any] = {}
     for f in fields(config):
-        value, kind = getattr(config, f.name), _FIELD_TYPES.get(f.type)
+        value, checked = getattr(config, f.name), _CHECKED.get(f.type.removesuffix(" | None"))
         if value is None:
             if f.default is not MISSING and f.default is not None:
                 changed[f.name] = f.default
-            continue
-        if kind is None:
-            continue
-        if kind is str and isinstance(value, os.PathLike):
-            value = os.fspath(value)
-        ok = (isinstance(value, bool) if kind is bool else isinstance(value, str) if kind is str
-              else isinstance(value, numbers.Integral if kind is int else numbers.Real) and not isinstance(value, bool))
-        if not ok:
-            raise ValueError(f"{f.name} must be {_TYPE_NAMES[kind]}, got {value!r}")
-        if kind is not bool and type(value) is not kind:
-            changed[f.name] = kind(value)
+        elif checked is not None:
+            kind, accepted, name = checked
+            if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
+                raise ValueError(f"{f.name} must be {name}, got {value!r}")
+            if type(value) is not kind:
+                changed[f.name] = os.fspath(value) if isinstance(value, os.PathLike) else kind(value)
     return changed
 
 

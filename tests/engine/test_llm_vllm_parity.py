@@ -80,7 +80,9 @@ def test_none_for_an_engine_argument_means_its_default_and_a_wrong_type_is_named
     assert (config.seed, config.max_num_seqs, config.enable_prefix_caching, config.gpu_memory_utilization,
             config.tensor_parallel_size) == (0, 256, True, 0.9, 1)
     assert config.max_model_len == EngineConfig(device="cpu").max_model_len
-    assert EngineConfig(model=pathlib.Path(DEFAULT_MODEL), device="cpu", max_num_seqs=np.int64(4)).max_num_seqs == 4
+    from_path = EngineConfig(model=pathlib.Path(DEFAULT_MODEL), device="cpu", max_num_seqs=np.int64(4))
+    assert (from_path.model, type(from_path.max_num_seqs)) == (DEFAULT_MODEL, int)
+    assert type(from_path.model) is str   # a Path stayed one, though the config's fields are strings
     for field, bad, words in (("max_model_len", 64.0, "an integer"), ("seed", "0", "an integer"),
                               ("enforce_eager", "yes", "True or False"), ("gpu_memory_utilization", "0.5", "a number"),
                               ("enable_prefix_caching", 1, "True or False"), ("kv_cache_dtype", 8, "a string")):
