@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing
+import multiprocessing.synchronize
 import os
 import socket
 
@@ -44,7 +45,8 @@ def start_workers(config: EngineConfig) -> tuple[TensorParallel, list[multiproce
     return init_process_group(0, size, init_method, config.device), workers
 
 
-def _wait_until_started(workers: list[multiprocessing.Process], started: list) -> None:
+def _wait_until_started(workers: list[multiprocessing.Process],
+                        started: list[multiprocessing.synchronize.Event]) -> None:
     """Wait until each worker runs its own code; RuntimeError if one exits first. Rank 0 would
     otherwise wait in the process group's rendezvous for a rank that is gone (30 minutes, silent)."""
     for worker, event in zip(workers, started):
@@ -66,7 +68,8 @@ def _kill_left_over(workers: list[multiprocessing.Process]) -> None:
             worker.join(timeout=10)
 
 
-def _worker_main(config: EngineConfig, rank: int, init_method: str, parent_pid: int, started) -> None:
+def _worker_main(config: EngineConfig, rank: int, init_method: str, parent_pid: int,
+                 started: multiprocessing.synchronize.Event) -> None:
     from nanoserve.runner.model_runner import ModelRunner
 
     die_with_parent(parent_pid)  # a SIGKILLed engine must not leave its workers on the GPU
