@@ -284,7 +284,7 @@ def _text_content(message: dict) -> dict:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
+        if kind not in ("text", "input_text", "output_text") or not isinstance(part.get("text"), str):
             raise ValueError(f"Message content parts must be text parts ({{'type': 'text', 'text': ...}}): "
                              f"this model reads text only; got {str(part)[:80]}")
         texts.append(part["text"])

@@ -15,7 +15,8 @@ from nanoserve.structured_outputs_params import MAX_SPEC_DEPTH, json_depth
 
 
 class TextPart(Strict):
-    type: Literal["text"]
+    # vLLM reads the Responses API's names for a text part in chat messages too
+    type: Literal["text", "input_text", "output_text"]
     text: str
 
 

@@ -30,6 +30,21 @@ def test_text_parts_are_joined_by_newlines_as_vllm_joins_them(http):
     assert with_parts.json()["usage"]["prompt_tokens"] == len(prompt_ids(http, joined))
 
 
+def test_responses_api_text_parts_are_read_as_text_parts_as_vllm_reads_them(http):
+    # clients that speak both APIs send "input_text" / "output_text" parts in chat history too
+    history = [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+               {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+               {"role": "user", "content": [{"type": "text", "text": "why?"}]}]
+    as_text = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."},
+               {"role": "user", "content": "why?"}]
+    assert prompt_ids(http, history) == prompt_ids(http, as_text)
+    reply = http.post("/v1/chat/completions", json={"messages": history, "max_tokens": 1})
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(prompt_ids(http, as_text))
+    image = [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]
+    refused = http.post("/v1/chat/completions", json={"messages": image, "max_tokens": 1})
+    assert refused.status_code == 400 and "input_image" in refused.json()["error"]["message"]
+
+
 def test_an_assistant_refusal_part_in_history_is_read_as_its_text(http):
     # OpenAI's API replays a refusal as a content part of type "refusal"; vLLM reads it as text
     history = [{"role": "user", "content": "hi"},
