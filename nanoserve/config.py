@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanoserve.attention_support import attention_refusal
+from nanoserve.checkpoint_quantization import fp8_weights
 from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, FP8_FLASH_ATTN_REFUSAL,  # noqa: F401 - re-exported
                                 DEFAULT_MAX_LOGPROBS, KV_CACHE_DTYPES, MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES,
                                 MAX_LOGPROBS_CEILING, MAX_NUM_SEQS, SCHEDULING_POLICIES)
@@ -153,6 +154,7 @@ class EngineConfig:
                              "--gpus all, or pass --device cpu to serve from the CPU")
         set_("device", device)
         set_("dtype", resolve_dtype(self.dtype, self.hf_config, device))
+        fp8_weights(self.hf_config)   # a quantization whose weights cannot be read is refused before loading
         self._check_tensor_parallel(device)
         if self.async_scheduling is None:
             set_("async_scheduling", device != "cpu")

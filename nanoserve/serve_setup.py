@@ -52,6 +52,7 @@ def serve_setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ca
     from nanoserve.server.tool_parsers import TOOL_PARSERS
     from nanoserve.server.tls import tls_files
     from nanoserve.model_source import resolve_model
+    from nanoserve.checkpoint_quantization import check_quantization_flag
     from nanoserve.engine.early_start import EarlyEngineProcess
     from nanoserve.server.listen import bind_socket
 
@@ -98,6 +99,7 @@ def serve_setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ca
         kwargs = engine_kwargs(args, args.model)
         # a Hub repository is fetched now (the flags above are checked first: a download takes minutes)
         kwargs["model"] = resolve_model(kwargs["model"], args.revision, args.download_dir, args.trust_remote_code)
+        check_quantization_flag(kwargs["model"], args.quantization)
         # the model folder's defaults too: a bad value there would fail every request that leaves it out
         sampling_defaults(kwargs["model"], args.generation_config, overrides)
     except ValueError as exc:

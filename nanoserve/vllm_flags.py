@@ -18,7 +18,9 @@ and refused by name where it asks for something this server cannot do:
 - `--tokenizer-mode`: auto or hf, transformers' tokenizer of the model (vLLM's slow, mistral and
   custom modes are refused);
 - `--task`, `--runner`: generate (or auto) only;
-- refused by name, with what to do instead: `--quantization`, `--enable-lora`, `--lora-modules`,
+- `--quantization fp8|compressed-tensors`: the checkpoint's own method, which is read without the flag
+  (checkpoint_quantization.py); a checkpoint quantized otherwise, or not at all, is refused;
+- refused by name, with what to do instead: `--enable-lora`, `--lora-modules`,
   `--speculative-config`, `--limit-mm-per-prompt`, `--hf-overrides`, `-O`/`--compilation-config`,
   `--cpu-offload-gb`, `--kv-transfer-config`. argparse's "unrecognized arguments" said only that.
 
@@ -32,13 +34,12 @@ import math
 
 GUIDED_DECODING_BACKENDS = ("auto", "xgrammar")
 TOKENIZER_MODES = ("auto", "hf")
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
 MAX_ROLE_CHARS = 64
 GENERATE_TASKS = ("auto", "generate")
 _NO_LORA = "LoRA adapters are not served here; merge the adapter into the weights first"
 # vLLM flags for what this server does not do, and what to do instead
 REFUSED_FLAGS = {
-    ("--quantization", "-q"): "quantized checkpoints (AWQ, GPTQ, fp8 weights) are not served here; serve the "
-                              "model's bf16/fp16 weights (--kv-cache-dtype fp8 stores the KV cache in fp8)",
     ("--enable-lora",): _NO_LORA,
     ("--lora-modules",): _NO_LORA,
     ("--speculative-config",): "speculative decoding is not offered here",
@@ -91,6 +92,9 @@ def add_vllm_serve_flags(p: argparse.ArgumentParser) -> None:
                         "context (max_model_len) is capped at the window, within which the two are the same")
     p.add_argument("--guided-decoding-backend", default="auto", choices=GUIDED_DECODING_BACKENDS,
                    help="structured outputs: xgrammar is the backend here, whichever is named")
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="the checkpoint's quantization, which is read without this flag: fp8 weights are "
+                        "widened to the model's dtype at load")
     p.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
                    help="the model's tokenizer as transformers loads it, whichever is named")
 

@@ -47,7 +47,7 @@ seed: null
     ("max-num-seqs: [1\n", "is not YAML"),
     ("trust-remote-code: 1\n", "is a switch; give it true or false"),
     ("no-such-flag: 3\n", "unrecognized arguments: --no-such-flag"),
-    ("quantization: awq\n", "quantized checkpoints"),   # refused by name, as on the command line
+    ("quantization: awq\n", "invalid choice: 'awq'"),   # refused as on the command line
 ])
 def test_a_file_that_cannot_be_read_as_flags_stops_serve_saying_why(monkeypatch, capsys, tmp_path, yaml_text, words):
     path = tmp_path / "config.yaml"

@@ -108,8 +108,8 @@ def test_what_this_server_cannot_do_is_refused_before_the_model_loads(monkeypatc
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--quantization", "awq"], "--quantization is not supported by this server: quantized checkpoints"),
-    (["-q", "fp8"], "-q is not supported by this server: quantized checkpoints"),
+    (["--quantization", "awq"], "argument --quantization/-q: invalid choice: 'awq'"),
+    (["-q", "fp8"], "--quantization fp8: the checkpoint is not quantized, and weights are not quantized at load"),
     (["--enable-lora"], "--enable-lora is not supported by this server: LoRA adapters"),
     (["-O3"], "-O is not supported by this server"),
     (["--limit-mm-per-prompt", "image=2"], "this server serves text-only models"),
@@ -122,4 +122,4 @@ def test_vllm_flags_for_what_this_server_does_not_do_are_refused_by_name(monkeyp
 
 def test_a_vllm_command_line_asking_for_generation_is_taken():
     args = build_parser().parse_args(["serve", "--task", "generate", "--runner", "auto"])
-    assert (args.task, args.runner) == ("generate", "auto") and not hasattr(args, "quantization")
+    assert (args.task, args.runner) == ("generate", "auto") and args.quantization is None
