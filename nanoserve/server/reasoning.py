@@ -98,5 +98,18 @@ class Qwen3ReasoningStream:
         return (self.inner, k - held), None
 
 
+class DeepSeekR1ReasoningParser(Qwen3ReasoningParser):
+    """DeepSeek-R1 and its distills (Qwen2 and Llama models): the output starts in its reasoning,
+    `<think>` or not, and reasons until `</think>`; an output without it is all reasoning, as vLLM's
+    deepseek_r1 parser reads it. A prompt whose template closed the reasoning (thinking turned
+    off) leaves the output all answer."""
+
+    name = "deepseek_r1"
+
+    @classmethod
+    def opens_in(cls, prompt_tail: str) -> bool:
+        return not cls.closes_in(prompt_tail)
+
+
 _THINK_END = re.compile(re.escape(Qwen3ReasoningParser.END))
-REASONING_PARSERS = {p.name: p for p in (Qwen3ReasoningParser,)}
+REASONING_PARSERS = {p.name: p for p in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser)}

@@ -15,7 +15,7 @@ from nanoserve.config import DEFAULT_MODEL
 from nanoserve.server.chat_output import ChoiceReader
 from nanoserve.server.conversation import template_inputs
 from nanoserve.server.chat_protocol import ChatMessage, Tool
-from nanoserve.server.reasoning import Qwen3ReasoningParser
+from nanoserve.server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser
 from nanoserve.server.tool_parsers import TOOL_PARSERS
 from nanoserve.server.tools import ToolPlan
 
@@ -222,6 +222,24 @@ def test_qwen3_reasoning_opened_by_the_template_in_the_prompt_is_still_reasoning
     assert "".join(d.get("reasoning", "") for d in deltas) == "".join(d.get("reasoning_content", "") for d in deltas) \
         == "weigh it up\n"
     assert "".join(d.get("content", "") for d in deltas) == "\n\nThe answer."
+
+
+@pytest.mark.parametrize("text, reasoning, content", [
+    ("weigh it up\n</think>\n\nThe answer.", "weigh it up\n", "\n\nThe answer."),   # the template opened it
+    ("<think>\nweigh it up</think>The answer.", "\nweigh it up", "The answer."),          # the model opened it
+    ("still weighing it up", "still weighing it up", ""),                               # cut off: all reasoning
+])
+def test_deepseek_r1_reasoning_starts_the_output_whether_or_not_it_opens_with_think(text, reasoning, content):
+    # vLLM's deepseek_r1 parser: R1 distills (Qwen2, Llama) reason first, with or without <think>
+    parser = REASONING_PARSERS["deepseek_r1"]
+    tail = "<｜Assistant｜><think>\n" if text.startswith("weigh") else "<｜Assistant｜>"
+    opened = parser.opens_in(tail)
+    assert opened and not parser.opens_in("<｜Assistant｜><think>\n\n</think>\n\n")   # thinking turned off
+    assert parser(opened).parse(text, True) == (reasoning, content)
+    reader = ChoiceReader(ToolPlan(), parser(opened))
+    deltas = [reader.delta(text[i:i + 2], "stop" if i + 2 >= len(text) else None)[0] for i in range(0, len(text), 2)]
+    assert "".join(d.get("reasoning", "") for d in deltas) == reasoning
+    assert "".join(d.get("content", "") for d in deltas) == content
 
 
 @pytest.mark.parametrize("text", ['{"name": "f", "parameters": {"a": 1}', '{"name": "f", "parameters": {}} and more'])
