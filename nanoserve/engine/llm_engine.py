@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import itertools
 import logging
@@ -14,7 +15,7 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.grammar_queue import GrammarQueue
 from nanoserve.engine.grammar_state import GrammarStateGuard
 from nanoserve.engine.in_flight import InFlightStep
-from nanoserve.engine.messages import EngineStats, StepOutput
+from nanoserve.engine.messages import STEP_TOKEN_BUCKETS, EngineStats, StepOutput
 from nanoserve.engine.reasoning_gate import reasoning_gate
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
@@ -53,6 +54,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0  # ever, for the stats
         self.num_computed_tokens = 0
+        self.step_token_counts = [0] * (len(STEP_TOKEN_BUCKETS) + 1)   # steps by their tokens, +Inf last
         self._grammars: GrammarManager | None = None  # built with the first structured-output request
         # structured-output requests until their grammar is compiled and fits the budget of grammars
         # in use: not scheduled before, so they wait without holding a KV block or anyone else up
@@ -219,7 +221,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(self.num_running, self.num_waiting, bm.num_blocks, bm.num_free_blocks,
                            bm.prefix_queried_tokens, bm.prefix_hit_tokens, self.scheduler.num_preemptions,
-                           self.num_generated_tokens, self.num_computed_tokens)
+                           self.num_generated_tokens, self.num_computed_tokens, list(self.step_token_counts))
 
     def step(self) -> list[StepOutput]:
         """Run one scheduled batch; report the tokens each request gained and who finished.
@@ -303,7 +305,9 @@ class LLMEngine:
         if self.in_flight is None or not (constrained or listening):
             # every matcher has seen every token: sample now (before the placeholders go in)
             self._sample(launched)
-        self.num_computed_tokens += sum(step.num_new_tokens)
+        tokens = sum(step.num_new_tokens)
+        self.num_computed_tokens += tokens
+        self.step_token_counts[bisect.bisect_left(STEP_TOKEN_BUCKETS, tokens)] += 1
         for seq, n, w in zip(step.seqs, step.num_new_tokens, work):
             if w.prompt_logprobs is not None:
                 launched.scored.append((seq, seq.num_computed_tokens))

@@ -34,6 +34,10 @@ class StepOutput(msgspec.Struct, array_like=True, gc=False):
     timing: tuple[float, float] | None = None
 
 
+# vLLM's buckets of iteration_tokens_total: tokens run through the model in one step
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A snapshot of the engine core after a step; the front end serves /metrics and admission from it."""
 
@@ -46,6 +50,8 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_preemptions: int = 0
     generated_tokens: int = 0       # sampled tokens, ever
     computed_tokens: int = 0        # tokens run through the model (prompt chunks and decodes), ever
+    # steps by their tokens, counted in STEP_TOKEN_BUCKETS (+Inf last), ever; their sum is computed_tokens
+    step_token_counts: list[int] = msgspec.field(default_factory=list)
 
     @property
     def blocks_in_use(self) -> int:

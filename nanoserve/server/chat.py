@@ -261,6 +261,7 @@ async def start_chat(request: Request, state: ServerState, req: ChatCompletionRe
             exc.param = "messages"   # the prompt a chat request has: its rendered messages
         raise
     timer.request_id = chat.id
-    timer.prompt(sum(chat.prompt_lens))
+    room = state.engine.config.max_model_len - max(chat.prompt_lens)   # what an unset max_tokens allows
+    timer.prompt(sum(chat.prompt_lens), req.n, params.max_tokens or room)
     state.budget.watch(request.scope, stream, chat.id)
     return chat, stream

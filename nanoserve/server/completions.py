@@ -238,7 +238,7 @@ async def create_completion(request: Request) -> Response:
                                priority=req.priority)
     state.budget.watch(request.scope, stream, completion.id)
     timer.request_id = completion.id
-    timer.prompt(sum(completion.prompt_lens))
+    timer.prompt(sum(completion.prompt_lens), req.n, params.max_tokens)
     if req.stream:
         return sse_response(completion.events(stream, timer), stream.close)
     body = await cancel_on_disconnect(request, completion.collect(stream, timer))

@@ -9,6 +9,7 @@ Each app has its own registry, so several servers can live in one process (tests
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import re
 import time
@@ -16,10 +17,10 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from nanoserve.engine.messages import EngineStats
+from nanoserve.engine.messages import STEP_TOKEN_BUCKETS, EngineStats
 
 logger = logging.getLogger("nanoserve.requests")
 
@@ -63,6 +64,16 @@ class EngineCollector(Collector):
                                   s.prefix_hit_tokens)
         yield CounterMetricFamily("nanoserve:num_preemptions", "Sequences preempted: for lack of KV blocks, or by a higher priority",
                                   s.num_preemptions)
+        if s.step_token_counts:
+            yield _step_tokens(s)
+
+
+def _step_tokens(s: EngineStats) -> HistogramMetricFamily:
+    """vLLM's iteration_tokens_total: engine steps by the tokens they ran through the model."""
+    cumulative = list(itertools.accumulate(s.step_token_counts))
+    buckets = [(str(float(b)), count) for b, count in zip(STEP_TOKEN_BUCKETS, cumulative)]
+    return HistogramMetricFamily("nanoserve:iteration_tokens_total", "Tokens run through the model in one engine step",
+                                 buckets=buckets + [("+Inf", cumulative[-1])], sum_value=s.computed_tokens)
 
 
 class ModelLabel(Collector):
@@ -156,6 +167,12 @@ class ServerMetrics:
                                       buckets=sizes)
         self.generation_sizes = Histogram("nanoserve:request_generation_tokens", "Tokens generated for a request",
                                           registry=r, buckets=sizes)
+        # the sampling parameters a dashboard charts, as vLLM names them
+        self.params_n = Histogram("nanoserve:request_params_n", "The n of a request: choices per prompt", registry=r,
+                                  buckets=(1, 2, 5, 10, 20))
+        self.params_max_tokens = Histogram("nanoserve:request_params_max_tokens",
+                                           "The max_tokens of a request (the room left in the context where unset)",
+                                           registry=r, buckets=sizes)
 
     def render(self) -> bytes:
         text = generate_latest(self.exposed)
@@ -185,6 +202,7 @@ class RequestTimer:
         self.intervals = [0] * (len(_LATENCY_BUCKETS) + 1)
         self.interval_sum = 0.0
         self.num_prompt_tokens = 0
+        self.n, self.max_tokens = 1, 0   # the request's sampling parameters (max_tokens as resolved)
         self.num_delivered = 0   # tokens the response took in
         self.num_produced = 0    # the engine's count, once the request has ended: more if its client went away
         self.finish_reasons: list[str] = []
@@ -192,8 +210,9 @@ class RequestTimer:
         self.timing: tuple[float, float] | None = None   # (queued, first run to first token), from the engine
         self.logged = False
 
-    def prompt(self, num_tokens: int) -> None:
-        self.num_prompt_tokens = num_tokens
+    def prompt(self, num_tokens: int, n: int = 1, max_tokens: int = 0) -> None:
+        """The request's prompt tokens (all its prompts), its n and its resolved max_tokens."""
+        self.num_prompt_tokens, self.n, self.max_tokens = num_tokens, n, max_tokens
 
     def tokens(self, num_tokens: int, choice: int = 0) -> None:
         """A choice's update of `num_tokens` tokens has come. Its tokens since the choice's last update
@@ -246,6 +265,9 @@ class RequestTimer:
                 add_observations(m.tpot, self.intervals, self.interval_sum)
         m.e2e.observe(now - self.arrival)
         m.prompt_sizes.observe(self.num_prompt_tokens)
+        m.params_n.observe(self.n)
+        if self.max_tokens:
+            m.params_max_tokens.observe(self.max_tokens)
         m.generation_sizes.observe(generated)
         if self.timing is not None and self.first is not None:
             queued, prefill = self.timing

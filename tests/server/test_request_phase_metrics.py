@@ -52,6 +52,16 @@ def test_a_request_that_waits_for_a_seat_shows_its_queue_time(server_model):
         assert prompt_sum > second["usage"]["prompt_tokens"] and m["nanoserve:request_prompt_tokens_count"] == 3
         # a request that never waited: the queue's sum is the second's wait plus a few milliseconds
         assert m["nanoserve:request_queue_time_seconds_sum"] < waited + 1.0
+        # vLLM's sampling-parameter histograms: each request's n and max_tokens
+        assert m["nanoserve:request_params_n_count"] == 3 and m["nanoserve:request_params_n_sum"] == 3
+        assert m["nanoserve:request_params_max_tokens_sum"] == 2 + 300 + 5
+        assert m['nanoserve:request_params_max_tokens_bucket{le="2.0"}'] == 1
+        # and the engine's steps by their tokens: one seat, so the long request's ~300 decode steps
+        # ran one token each; every token run through the model is in the sum, each prompt token once
+        steps = _samples(url, "nanoserve:iteration_tokens_total")
+        assert steps['nanoserve:iteration_tokens_total_bucket{le="+Inf"}'] == steps["nanoserve:iteration_tokens_total_count"]
+        assert steps['nanoserve:iteration_tokens_total_bucket{le="1.0"}'] >= 299
+        assert 2 + 300 + 5 - 3 <= steps["nanoserve:iteration_tokens_total_sum"] <= prompt_sum + 2 + 300 + 5
 
 
 def test_choices_cut_short_count_as_aborted_as_vllm_labels_them(server_model):
