@@ -18,6 +18,8 @@ class TextPart(Strict):
     # vLLM reads the Responses API's names for a text part in chat messages too
     type: Literal["text", "input_text", "output_text"]
     text: str
+    annotations: list[Any] | None = None   # an output_text's, replayed from the Responses API: unused
+    logprobs: list[Any] | None = None
 
 
 class RefusalPart(Strict):

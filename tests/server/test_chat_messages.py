@@ -33,7 +33,8 @@ def test_text_parts_are_joined_by_newlines_as_vllm_joins_them(http):
 def test_responses_api_text_parts_are_read_as_text_parts_as_vllm_reads_them(http):
     # clients that speak both APIs send "input_text" / "output_text" parts in chat history too
     history = [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
-               {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+               {"role": "assistant", "content": [{"type": "output_text", "text": "Hello.", "annotations": [],
+                                                  "logprobs": []}]},
                {"role": "user", "content": [{"type": "text", "text": "why?"}]}]
     as_text = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."},
                {"role": "user", "content": "why?"}]
