@@ -284,10 +284,11 @@ def _text_content(message: dict) -> dict:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("text", "input_text", "output_text") or not isinstance(part.get("text"), str):
+        key = "refusal" if kind == "refusal" else "text"   # an assistant's refusal in history is what it said
+        if kind not in ("text", "input_text", "output_text", "refusal") or not isinstance(part.get(key), str):
             raise ValueError(f"Message content parts must be text parts ({{'type': 'text', 'text': ...}}): "
                              f"this model reads text only; got {str(part)[:80]}")
-        texts.append(part["text"])
+        texts.append(part[key])
     return {**message, "content": "\n".join(texts)}
 
 

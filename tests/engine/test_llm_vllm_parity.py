@@ -173,9 +173,10 @@ def test_chat_takes_openai_content_parts_as_their_text(llm):
     as_parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hi"},
                                                       {"type": "text", "text": "there"}]}], params, use_tqdm=False)[0]
     assert as_parts.prompt_token_ids == as_text.prompt_token_ids and as_parts.token_ids == as_text.token_ids
-    responses_parts = [{"type": "input_text", "text": "Hi"}, {"type": "output_text", "text": "there"}]
-    as_responses_parts = llm.chat([{"role": "user", "content": responses_parts}], params, use_tqdm=False)[0]
-    assert as_responses_parts.prompt_token_ids == as_text.prompt_token_ids
+    for parts in ([{"type": "input_text", "text": "Hi"}, {"type": "output_text", "text": "there"}],
+                  [{"type": "text", "text": "Hi"}, {"type": "refusal", "refusal": "there"}]):
+        as_other_parts = llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)[0]
+        assert as_other_parts.prompt_token_ids == as_text.prompt_token_ids
     with pytest.raises(ValueError, match="text parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
 
