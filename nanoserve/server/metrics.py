@@ -39,9 +39,12 @@ class EngineCollector(Collector):
     Once the engine is dead nothing runs, waits or holds a block: those gauges read 0 rather than
     the last snapshot, and `engine_alive` says why; the counters keep their totals."""
 
-    def __init__(self, stats: Callable[[], EngineStats], alive: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], alive: Callable[[], bool] = lambda: True,
+                 cache_info: dict[str, str] | None = None) -> None:
+        """`cache_info`: the KV cache's settings, which cache_config_info labels (the block count aside)."""
         self.stats = stats
         self.alive = alive
+        self.cache_info = cache_info or {}
 
     def collect(self) -> Iterator[Metric]:
         alive, s = self.alive(), self.stats()
@@ -66,6 +69,11 @@ class EngineCollector(Collector):
                                   s.num_preemptions)
         if s.step_token_counts:
             yield _step_tokens(s)
+        # vLLM's: the cache's settings as labels of a constant 1, which capacity dashboards read
+        info = GaugeMetricFamily("nanoserve:cache_config_info", "The KV cache's settings, as labels",
+                                 labels=[*self.cache_info, "num_gpu_blocks"])
+        info.add_metric([*self.cache_info.values(), str(s.num_blocks)], 1)
+        yield info
 
 
 def _step_tokens(s: EngineStats) -> HistogramMetricFamily:
@@ -121,7 +129,7 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats], log_requests: bool = True,
                  alive: Callable[[], bool] = lambda: True, prefix: str = "nanoserve",
                  multiprocess_dir: str | None = None, max_model_len: int = 1 << 17,
-                 model_name: str = "model") -> None:
+                 model_name: str = "model", cache_info: dict[str, str] | None = None) -> None:
         self.log_requests = log_requests  # one log line per finished request
         self.prefix = prefix
         self.registry = CollectorRegistry()
@@ -129,7 +137,7 @@ class ServerMetrics:
         # them (its dashboards select `{model_name="$model_name"}`)
         self.exposed = CollectorRegistry()
         self.exposed.register(ModelLabel(self.registry, model_name))
-        self.registry.register(EngineCollector(stats, alive))
+        self.registry.register(EngineCollector(stats, alive, cache_info))
         r = self.registry
         if multiprocess_dir is not None:
             MultiProcessCollector(self.registry, path=multiprocess_dir)

@@ -82,9 +82,13 @@ class ServerState:
         # structured-output specs, checked here before the engine sees them
         self.specs = SpecChecker(self.tokenizer, engine.vocab_size, settings.limits.timeout_grammar_compile)
         self.prompt_size = PromptSize(list(engine.tokenizer.get_vocab()), engine.config.max_model_len)
+        config = engine.config
+        cache_info = {"block_size": str(config.block_size), "cache_dtype": config.kv_cache_dtype,
+                      "enable_prefix_caching": str(config.enable_prefix_caching),
+                      "gpu_memory_utilization": str(config.gpu_memory_utilization)}
         self.metrics = ServerMetrics(lambda: engine.stats, settings.log_requests, lambda: engine.error is None,
-                                     settings.metrics_prefix, settings.metrics_dir, engine.config.max_model_len,
-                                     settings.served_model_names[0])
+                                     settings.metrics_prefix, settings.metrics_dir, config.max_model_len,
+                                     settings.served_model_names[0], cache_info)
         self.budget = OutputBudget(int(settings.limits.max_undelivered_mb * MiB))
         self.metrics.registry.register(BudgetCollector(self.budget))
         self.created = int(time.time())

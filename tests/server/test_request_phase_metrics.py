@@ -62,6 +62,11 @@ def test_a_request_that_waits_for_a_seat_shows_its_queue_time(server_model):
         assert steps['nanoserve:iteration_tokens_total_bucket{le="+Inf"}'] == steps["nanoserve:iteration_tokens_total_count"]
         assert steps['nanoserve:iteration_tokens_total_bucket{le="1.0"}'] >= 299
         assert 2 + 300 + 5 - 3 <= steps["nanoserve:iteration_tokens_total_sum"] <= prompt_sum + 2 + 300 + 5
+        # the cache's settings as labels, as vLLM's cache_config_info gives them to capacity dashboards
+        (info,) = [line for line in metrics_text(url).splitlines() if line.startswith("nanoserve:cache_config_info{")]
+        for label in ('block_size="16"', 'cache_dtype="auto"', 'enable_prefix_caching="True"', 'num_gpu_blocks="128"'):
+            assert label in info, info
+        assert info.endswith(" 1.0")
 
 
 def test_choices_cut_short_count_as_aborted_as_vllm_labels_them(server_model):
