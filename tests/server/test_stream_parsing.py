@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from nanoserve.server import chat_output, reasoning
 from nanoserve.server.chat_output import ChoiceReader
 from nanoserve.server.reasoning import Qwen3ReasoningParser
-from nanoserve.server.tool_parsers import TOOL_PARSERS, base, hermes, llama3_json, mistral, stream
+from nanoserve.server.tool_parsers import TOOL_PARSERS, base, hermes, llama3_json, mistral, pythonic, stream
 from nanoserve.server.tool_parsers.base import scan_call_list
 from nanoserve.server.tool_parsers.stream import ListScanner
 from nanoserve.server.tools import ToolPlan
@@ -35,7 +35,10 @@ FRAGMENTS = [
     '{"name": "g", "parameters": {"b": [1, {"c": "}"}]}}', "\\n", '"\\\\"', "</tool_call>\n<tool_call>\n",
     '{"arguments": {"name": "inner"}, "name": "outer"}', '"html": "a </tool_call> b"', "\\\n",
     # crafted: blocks opened inside open calls (in a string, in an object), bare numbers
-    NESTED[0], NESTED[1], NESTED[2], "123", "1.", "e5", "-I", "nfinity"]
+    NESTED[0], NESTED[1], NESTED[2], "123", "1.", "e5", "-I", "nfinity",
+    # pythonic calls: names, keywords, Python literals and strings (triple-quoted too), cut anywhere
+    "[f(", "get_weather(", "a=", "city='Paris'", "x=[1, (2, 3)]", "'" * 3, "'", "d={'k': None}", ")", "), ", "=",
+    "(", "True", "'it''s'", '"' * 3 + "a" + '"' * 3, "b'x'", "f(1)", "[g(b=2)]"]
 texts = st.lists(st.sampled_from(FRAGMENTS), max_size=30).map("".join)
 cuts = st.lists(st.integers(0, 9), min_size=1, max_size=60)
 PLANS = {"none": lambda: ToolPlan(), "required": lambda: ToolPlan("required"),
@@ -170,7 +173,7 @@ def test_call_lists_and_reasoning_read_incrementally_equal_their_whole_reading(t
 
 def max_tool_calls(n: int):
     """MAX_TOOL_CALLS lowered, so that short texts reach it."""
-    patches = [mock.patch.object(module, "MAX_TOOL_CALLS", n) for module in (base, stream, hermes)]
+    patches = [mock.patch.object(module, "MAX_TOOL_CALLS", n) for module in (base, stream, hermes, pythonic)]
     for patch in patches:
         patch.start()
     return patches
@@ -220,6 +223,9 @@ def call_text(parser: str, calls: list[tuple[str, dict]], arguments_first: bool 
         return "".join(f'<tool_call>\n{json.dumps(o)}\n</tool_call>\n' for o in objects)
     if parser == "mistral":
         return "[TOOL_CALLS] " + json.dumps(objects)
+    if parser == "pythonic":   # names and keywords must be identifiers; the values are Python literals
+        return "[" + ", ".join(f"f{i}(" + ", ".join(f"k{j}={v!r}" for j, v in enumerate(a.values())) + ")"
+                               for i, (_, a) in enumerate(calls)) + "]"
     return "<|python_tag|>" + "; ".join(json.dumps(o) for o in objects[:1])
 
 
@@ -237,9 +243,10 @@ def test_streamed_deltas_add_up_to_the_whole_message(parser, thought, answer, ca
     the output may open its own all the same (streamed, a "<th" was sent as reasoning).
     `arguments_first`: a call's arguments, which may have a "name" of their own, before its name
     (streamed, that "name" was taken for the function's)."""
-    marker = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{"}[parser]
-    if thought is not None and "</think>" in thought or marker in answer or parser == "llama3_json" and calls:
-        answer = ""   # llama3_json: a reply is calls or content, never both
+    marker = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{", "pythonic": "["}[parser]
+    if thought is not None and "</think>" in thought or marker in answer or parser in ("llama3_json", "pythonic") \
+            and calls:
+        answer = ""   # llama3_json, pythonic: a reply is calls or content, never both
     thinking = "" if thought is None else f"<think>{thought}</think>"
     text = thinking + answer + (call_text(parser, calls, arguments_first) if calls else "")
     plan = lambda: ToolPlan("auto", TOOL_PARSERS[parser]())  # noqa: E731
@@ -283,7 +290,8 @@ def test_a_hermes_call_left_open_before_its_end_tag_streams_what_the_whole_parse
 DUPLICATE_KEYS = {"hermes": '<tool_call>\n{"name": "f", "name": "g", "arguments": {"a": 1}, "arguments": {"b": 2}}\n'
                              '</tool_call>',
                   "mistral": '[TOOL_CALLS] [{"name": "f", "name": "g", "arguments": {"a": 1}, "arguments": {"b": 2}}]',
-                  "llama3_json": '{"name": "f", "name": "g", "parameters": {"a": 1}, "parameters": {"b": 2}}'}
+                  "llama3_json": '{"name": "f", "name": "g", "parameters": {"a": 1}, "parameters": {"b": 2}}',
+                  "pythonic": "[f(a=1, a=2)]"}
 
 
 @pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))

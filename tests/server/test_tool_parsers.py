@@ -179,7 +179,8 @@ def stream(reader: ChoiceReader, text: str, finish: str, step: int = 3) -> list[
 def test_a_call_name_json_cannot_read_is_no_error(parser, name):
     """A broken escape or a raw control character in a call's name: the text is still read,
     whole and streamed, and nothing raises (it was a 500, or a stream cut off mid-body)."""
-    opening = {"hermes": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS] ["}[parser]
+    opening = {"hermes": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS] [",
+               "pythonic": "["}[parser]
     for text in (f'{opening}{{"name": "{name}", "arguments": {{', f'{opening}{{"name": "{name}", "arguments": {{}}}}'):
         message, _ = ChoiceReader(ToolPlan("auto", TOOL_PARSERS[parser]()), None).message(text, "stop")
         assert message["role"] == "assistant"
@@ -306,3 +307,58 @@ def test_a_streamed_required_list_reads_each_closed_call_once_and_as_the_whole_t
     assert "".join(c["function"]["arguments"] for c in calls if c["index"] == 119) == '{"a": 119}'
     whole, _ = ChoiceReader(ToolPlan("required"), None).message(text, "stop")
     assert len(whole["tool_calls"]) == 120 and scan_call(text, 1)[0].name == "f"
+
+
+TRIPLE = "'" * 3
+PYTHONIC = ("[get_weather(city='Paris, \\'FR\\'', days=3), add(a=1.5, b=-2),\n"
+            f" note(text={TRIPLE}a ) , ] \"quoted\" line{TRIPLE}, tags=['x', \"y\"], meta={{'k': (1, None), 'on': True}}),"
+            " now()]")
+
+
+def test_pythonic_calls_are_read_with_their_literal_arguments_as_json():
+    """vLLM's pythonic format: keyword arguments' Python literals become the arguments' JSON."""
+    parsed = TOOL_PARSERS["pythonic"]().parse(PYTHONIC, final=True)
+    assert parsed.content == "" and all(c.complete for c in parsed.calls)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+        ("get_weather", {"city": "Paris, 'FR'", "days": 3}), ("add", {"a": 1.5, "b": -2}),
+        ("note", {"text": 'a ) , ] "quoted" line', "tags": ["x", "y"], "meta": {"k": [1, None], "on": True}}),
+        ("now", {})]
+
+
+@pytest.mark.parametrize("text", ["[1, 2, 3]", "[]", "[answer]", "The list: [f(a=1)]", "[f"])
+def test_pythonic_replies_that_open_no_call_are_content(text):
+    parser = TOOL_PARSERS["pythonic"]()
+    assert parser.parse(text, final=True).content == text and not parser.parse(text, final=True).calls
+    reader = ChoiceReader(ToolPlan("auto", parser), None)
+    assert "".join(d.get("content", "") for d in stream(reader, text, "stop", 1)) == text
+
+
+@pytest.mark.parametrize("text, arguments", [
+    ("[f(a=g(1))]", "{"),                 # no literal: the list ends; the call stays as far as it was read
+    ("[f(a=1, b=x)]", '{"a": 1'),
+    ("[f(a={1, 2})]", "{"),               # a set: no JSON holds it
+    ("[f(a=float('nan'))]", "{"),
+    ("[f(a=1), 3]", '{"a": 1}'),          # a call, then no call: the calls read so far stand
+])
+def test_a_pythonic_value_that_is_no_literal_ends_the_list_there(text, arguments):
+    parsed = TOOL_PARSERS["pythonic"]().parse(text, final=True)
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("f", arguments)] and parsed.content == ""
+
+
+def test_pythonic_calls_streamed_in_any_split_reassemble_to_the_whole_parse():
+    plan = ToolPlan("auto", TOOL_PARSERS["pythonic"]())
+    whole, finish = ChoiceReader(plan, None).message(PYTHONIC, "stop")
+    assert finish == "tool_calls" and whole["content"] is None and len(whole["tool_calls"]) == 4
+    expected = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
+    for seed in range(5):
+        rng, reader, pos, calls = random.Random(seed), ChoiceReader(plan, None), 0, {}
+        while pos < len(PYTHONIC):
+            step = rng.randint(1, 7)
+            delta, finish = reader.delta(PYTHONIC[pos:pos + step], "stop" if pos + step >= len(PYTHONIC) else None)
+            pos += step
+            assert not delta.get("content")
+            for d in delta.get("tool_calls", []):
+                entry = calls.setdefault(d["index"], {"name": d["function"].get("name"), "arguments": ""})
+                entry["arguments"] += d["function"]["arguments"]
+        assert finish == "tool_calls"
+        assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == expected
