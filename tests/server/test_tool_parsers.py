@@ -9,6 +9,8 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from nanoserve.config import DEFAULT_MODEL
@@ -362,3 +364,26 @@ def test_pythonic_calls_streamed_in_any_split_reassemble_to_the_whole_parse():
                 entry["arguments"] += d["function"]["arguments"]
         assert finish == "tool_calls"
         assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == expected
+
+
+LITERALS = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                        | st.text(max_size=12),
+                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                        max_leaves=8)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(calls=st.lists(st.dictionaries(st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True), LITERALS, max_size=3),
+                      min_size=1, max_size=3), step=st.integers(1, 9))
+def test_pythonic_calls_of_any_literals_read_back_whole_and_streamed(calls, step):
+    """Python's own repr of each value, read back: the arguments are those values as JSON."""
+    text = "[" + ", ".join(f"f{i}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")"
+                           for i, a in enumerate(calls)) + "]"
+    parsed = TOOL_PARSERS["pythonic"]().parse(text, final=True)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == \
+        [(f"f{i}", json.loads(json.dumps(a))) for i, a in enumerate(calls)]
+    reader, sent = ChoiceReader(ToolPlan("auto", TOOL_PARSERS["pythonic"]()), None), {}
+    for d in stream(reader, text, "stop", step):
+        for entry in d.get("tool_calls", []):
+            sent[entry["index"]] = sent.get(entry["index"], "") + entry["function"]["arguments"]
+    assert [sent[i] for i in sorted(sent)] == [c.arguments for c in parsed.calls]
