@@ -47,8 +47,8 @@ class PythonicStream:
         self.calls: list[PartialCall] = []
         self.closed = 0
         self.key = ""               # the argument whose value is being read, and where it starts
-        self.keys: set[str] = set()  # the open call's arguments written so far
         self.value_at = 0
+        self.keys: set[str] = set()  # the open call's arguments written so far
         self.depth = 0              # brackets open in the value
         self.quote = ""             # the string the value is in: ', ", ''' or """ ("" outside one)
 
@@ -59,8 +59,7 @@ class PythonicStream:
         if self.state == "content" or (final and not self.calls):
             self.state = "content"
             return len(text), [], 0, 0
-        end = self.start if self.calls or not final else len(text)
-        return end, self.calls, self.closed, changed
+        return self.start, self.calls, self.closed, changed   # calls, or nothing known yet: no content
 
     def _step(self, text: str, final: bool) -> bool:
         """Read on from self.pos; False when the text read so far says no more."""
