@@ -79,19 +79,23 @@ def _compressed_tensors_block(quant: dict) -> tuple[int, int] | None:
     return blocks.pop()
 
 
+def check_quantization(weights: Fp8Weights | None, asked: str | None) -> None:
+    """vLLM's `quantization` (`--quantization`) names the checkpoint's own method here (weights are
+    never quantized at load): refused, with the reason, where the checkpoint says otherwise."""
+    if asked is None or (weights is not None and weights.method == asked):
+        return
+    found = f"quantized with {weights.method!r}" if weights is not None else "not quantized"
+    raise ValueError(f"quantization {asked!r} was asked for, but the checkpoint is {found}, and weights are not "
+                     "quantized at load here; leave it out (an fp8 checkpoint is read as it is; kv_cache_dtype fp8 "
+                     "stores the KV cache in fp8)")
+
+
 def check_quantization_flag(folder: str, flag: str | None) -> None:
-    """vLLM's `--quantization METHOD` names the checkpoint's own method here (weights are never
-    quantized at load): refused, with the reason, where the folder's config.json says otherwise;
-    an unreadable quantization is refused either way."""
+    """check_quantization from the folder's config.json, before anything heavy loads; an
+    unreadable quantization is refused either way."""
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
             quant = json.load(f).get("quantization_config")
     except (OSError, ValueError, AttributeError):
         quant = None   # the config's own reader names what is wrong with it, later
-    weights = fp8_weights(SimpleNamespace(quantization_config=quant))
-    if flag is None or (weights is not None and weights.method == flag):
-        return
-    found = f"quantized with {weights.method!r}" if weights is not None else "not quantized"
-    raise ValueError(f"--quantization {flag}: the checkpoint is {found}, and weights are not quantized at load "
-                     "here; leave the flag out (an fp8 checkpoint is read as it is; --kv-cache-dtype fp8 stores "
-                     "the KV cache in fp8)")
+    check_quantization(fp8_weights(SimpleNamespace(quantization_config=quant)), flag)

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanoserve.attention_support import attention_refusal
-from nanoserve.checkpoint_quantization import fp8_weights
+from nanoserve.checkpoint_quantization import check_quantization, fp8_weights
 from nanoserve.defaults import (ATTENTION_BACKENDS, DEFAULT_MODEL, FP8_FLASH_ATTN_REFUSAL,  # noqa: F401 - re-exported
                                 DEFAULT_MAX_LOGPROBS, KV_CACHE_DTYPES, MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STATE_BYTES,
                                 MAX_LOGPROBS_CEILING, MAX_NUM_SEQS, SCHEDULING_POLICIES)
@@ -121,6 +121,9 @@ class EngineConfig:
     # fp8: K and V stored as e4m3 with a per-layer scale (1.0, or the checkpoint's k_scale/v_scale);
     # vLLM's other spelling, fp8_e4m3, is taken as fp8
     kv_cache_dtype: str = "auto"
+    # vLLM's: the checkpoint's own quantization method (fp8, compressed-tensors), which is read without
+    # it; checked against the checkpoint, since weights are never quantized at load here
+    quantization: str | None = None
     # vLLM's: the most alternatives a request's logprobs or prompt_logprobs may ask for (up to MAX_LOGPROBS_CEILING)
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     tensor_parallel_size: int = 1
@@ -154,7 +157,8 @@ class EngineConfig:
                              "--gpus all, or pass --device cpu to serve from the CPU")
         set_("device", device)
         set_("dtype", resolve_dtype(self.dtype, self.hf_config, device))
-        fp8_weights(self.hf_config)   # a quantization whose weights cannot be read is refused before loading
+        # a quantization whose weights cannot be read is refused before loading, as is one asked for wrongly
+        check_quantization(fp8_weights(self.hf_config), self.quantization)
         self._check_tensor_parallel(device)
         if self.async_scheduling is None:
             set_("async_scheduling", device != "cpu")

@@ -126,4 +126,4 @@ def engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         load_format=args.load_format, seed=args.seed, max_grammar_bytes=args.max_grammar_bytes,
         max_grammar_state_bytes=args.max_grammar_state_bytes,
         tensor_parallel_size=args.tensor_parallel_size, tokenizer=args.tokenizer,
-        max_logprobs=args.max_logprobs)
+        max_logprobs=args.max_logprobs, quantization=getattr(args, "quantization", None))

@@ -110,6 +110,12 @@ def test_an_fp8_checkpoint_answers_as_transformers_over_its_widened_weights(tmp_
     check_quantization_flag(quantized, method)   # vLLM's --quantization naming the checkpoint's own
     with pytest.raises(ValueError, match=f"quantized with '{method}'.*not quantized at load"):
         check_quantization_flag(quantized, other)
+    # vLLM's LLM(quantization=...) alike
+    with LLM(quantized, device="cpu", max_model_len=64, quantization=method) as named:
+        assert torch.equal(named.engine.runner.model.model.layers[1].mlp.down_proj.weight,
+                           widened["model.layers.1.mlp.down_proj.weight"])
+    with pytest.raises(ValueError, match=f"quantization '{other}' was asked for"):
+        LLM(quantized, device="cpu", max_model_len=64, quantization=other)
 
 
 @pytest.mark.parametrize("quantization, words", [

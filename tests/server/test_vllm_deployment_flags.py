@@ -109,7 +109,7 @@ def test_what_this_server_cannot_do_is_refused_before_the_model_loads(monkeypatc
 
 @pytest.mark.parametrize("flags, message", [
     (["--quantization", "awq"], "argument --quantization/-q: invalid choice: 'awq'"),
-    (["-q", "fp8"], "--quantization fp8: the checkpoint is not quantized, and weights are not quantized at load"),
+    (["-q", "fp8"], "quantization 'fp8' was asked for, but the checkpoint is not quantized, and weights are not"),
     (["--enable-lora"], "--enable-lora is not supported by this server: LoRA adapters"),
     (["-O3"], "-O is not supported by this server"),
     (["--limit-mm-per-prompt", "image=2"], "this server serves text-only models"),
