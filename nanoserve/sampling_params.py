@@ -44,6 +44,13 @@ MAX_BAD_WORD_CHARS = 256
 MAX_CACHE_SALT_CHARS = 1024
 
 
+def max_tokens_in_context(max_tokens: int | None, prompt_len: int, max_model_len: int) -> int:
+    """The tokens a sequence may generate: max_tokens within the room its prompt leaves in the
+    context, all of that room where max_tokens is unset."""
+    room = max_model_len - prompt_len
+    return room if max_tokens is None else min(max_tokens, room)
+
+
 def fork_seed(seed: int, offset: int) -> int:
     """seed + offset (the seed of an n > 1 request's later choices), wrapped into SEED_RANGE."""
     low, high = SEED_RANGE

@@ -23,7 +23,7 @@ from nanoserve.engine.token_rules import banned_tokens, finish_reason
 from nanoserve.engine.tokenizer import eos_token_ids, load_tokenizer
 from nanoserve.runner.batch import PENDING_TOKEN, SequenceWork
 from nanoserve.runner.model_runner import ModelRunner
-from nanoserve.sampling_params import SamplingParams, fork_seed
+from nanoserve.sampling_params import SamplingParams, fork_seed, max_tokens_in_context
 
 if TYPE_CHECKING:  # xgrammar loads with the first structured-output request, not with the engine
     import numpy as np
@@ -90,8 +90,7 @@ class LLMEngine:
         arrival = next(self._arrivals) if fork_of is None else fork_of.arrival
         front = fork_of is not None
         seq = Sequence(request_id, prompt_token_ids, params, arrival, priority)
-        room = self.config.max_model_len - len(prompt_token_ids)
-        seq.max_tokens = room if seq.max_tokens is None else min(seq.max_tokens, room)
+        seq.max_tokens = max_tokens_in_context(seq.max_tokens, len(prompt_token_ids), self.config.max_model_len)
         seq.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         self.sequences[request_id] = seq

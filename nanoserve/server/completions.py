@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from nanoserve.engine.async_engine import RequestStream, RequestUpdate
+from nanoserve.sampling_params import max_tokens_in_context
 from nanoserve.server.errors import APIError
 from nanoserve.server.logprobs import TextOffsets, completion_logprobs
 from nanoserve.server.metrics import RequestTimer
@@ -205,8 +206,8 @@ def default_max_tokens(state: ServerState, req: CompletionRequest, prompt_lens: 
     if (req.min_tokens or 0) > DEFAULT_MAX_TOKENS:
         raise APIError(f"min_tokens ({req.min_tokens}) is more than the {DEFAULT_MAX_TOKENS} tokens a completion "
                        "generates when max_tokens is not given: set max_tokens too", param="min_tokens")
-    room = state.engine.config.max_model_len - max(prompt_lens)
-    return max(1, min(DEFAULT_MAX_TOKENS, room))  # no room at all: the prompt check names the problem
+    room = max_tokens_in_context(DEFAULT_MAX_TOKENS, max(prompt_lens), state.engine.config.max_model_len)
+    return max(1, room)  # no room at all: the prompt check names the problem
 
 
 @router.post("/v1/completions")
@@ -238,7 +239,9 @@ async def create_completion(request: Request) -> Response:
                                priority=req.priority)
     state.budget.watch(request.scope, stream, completion.id)
     timer.request_id = completion.id
-    timer.prompt(sum(completion.prompt_lens), req.n, params.max_tokens)
+    max_model_len = state.engine.config.max_model_len
+    timer.prompt(sum(completion.prompt_lens), req.n,
+                 max_tokens_in_context(params.max_tokens, max(completion.prompt_lens), max_model_len))
     if req.stream:
         return sse_response(completion.events(stream, timer), stream.close)
     body = await cancel_on_disconnect(request, completion.collect(stream, timer))
