@@ -22,6 +22,8 @@ from typing import Any
 # the scale tensors beside a weight, by checkpoint suffix; input scales (static activation
 # quantization) are left unread: activations stay in the model's dtype here
 WEIGHT_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
+FP8, COMPRESSED_TENSORS = "fp8", "compressed-tensors"
+READ_METHODS = (FP8, COMPRESSED_TENSORS)   # the quant_method values whose weights are read here
 UNREAD_SUFFIXES = (".input_scale",)
 
 
@@ -42,9 +44,9 @@ def fp8_weights(hf_config: Any) -> Fp8Weights | None:
     if not isinstance(quant, dict):
         quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
     method = str(quant.get("quant_method", "<none>"))
-    if method == "fp8":
+    if method == FP8:
         return Fp8Weights(method, _block(quant.get("weight_block_size"), method))
-    if method == "compressed-tensors":
+    if method == COMPRESSED_TENSORS:
         return Fp8Weights(method, _compressed_tensors_block(quant))
     raise ValueError(f"The checkpoint's weights are quantized with {method!r}, which is not read here: serve its "
                      "unquantized (bf16/fp16) weights, or an fp8 checkpoint (quant_method 'fp8' or "

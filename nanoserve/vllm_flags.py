@@ -32,9 +32,10 @@ from __future__ import annotations
 import argparse
 import math
 
+from nanoserve.checkpoint_quantization import READ_METHODS
+
 GUIDED_DECODING_BACKENDS = ("auto", "xgrammar")
 TOKENIZER_MODES = ("auto", "hf")
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
 MAX_ROLE_CHARS = 64
 GENERATE_TASKS = ("auto", "generate")
 _NO_LORA = "LoRA adapters are not served here; merge the adapter into the weights first"
@@ -92,7 +93,7 @@ def add_vllm_serve_flags(p: argparse.ArgumentParser) -> None:
                         "context (max_model_len) is capped at the window, within which the two are the same")
     p.add_argument("--guided-decoding-backend", default="auto", choices=GUIDED_DECODING_BACKENDS,
                    help="structured outputs: xgrammar is the backend here, whichever is named")
-    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+    p.add_argument("--quantization", "-q", default=None, choices=READ_METHODS,
                    help="the checkpoint's quantization, which is read without this flag: fp8 weights are "
                         "widened to the model's dtype at load")
     p.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
