@@ -28,6 +28,7 @@ prompt from 4.03 to 4.68 ms on an H200).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -48,6 +49,7 @@ STEP_PAST_1K = 1024         # buckets double up to 1k tokens, then grow by 1k: p
 # past it a step's GPU time hides its launches (a lone 4k prompt: 22 ms eager, 18 graphed; 16k:
 # ~55 ms of GPU time), while every bucket more costs capture time at each start
 LARGEST_BUCKET = 8192
+PADDING = np.array([[0], [0], [-1]], dtype=np.int64)   # a padding row: id 0 at position 0, stored nowhere
 
 
 def prefill_token_buckets(max_tokens: int) -> list[int]:
@@ -78,12 +80,17 @@ def fits_prefill_graph(work: list[SequenceWork], max_tokens: int, max_seqs: int)
 
 
 class PrefillStaging(PinnedSet):
-    """One pinned copy of a prefill step's inputs on the host, laid out as the device buffers are."""
+    """One pinned copy of a prefill step's inputs on the host, laid out as the device buffers are,
+    with its numpy views made once: a lone prompt's staging is host time before its graph starts."""
 
-    def __init__(self, int64s: int, int32s: int, pin: bool) -> None:
+    def __init__(self, int64s: int, int32s: int, pin: bool, int32_views: Callable) -> None:
         super().__init__(pin)
         self.i64 = torch.zeros(int64s, dtype=torch.int64, pin_memory=pin)
         self.i32 = torch.zeros(int32s, dtype=torch.int32, pin_memory=pin)
+        self.i64_np = self.i64.numpy()
+        views = int32_views(self.i32)
+        self.block_tables = views[3]
+        self.query_start, self.seq_lens, self.tiles, self.tables = (v.numpy() for v in views)
 
 
 class PrefillBuffers:
@@ -109,7 +116,8 @@ class PrefillBuffers:
         self.query_start, self.seq_lens, self.tiles, self.block_tables = self._int32_views(self.int32s)
         self.tiles.fill_(-1)
         pin = device.type == "cuda"
-        self.staging = PinnedSets(lambda: PrefillStaging(self.i64.shape[0], self.int32s.shape[0], pin))
+        self.staging = PinnedSets(lambda: PrefillStaging(self.i64.shape[0], self.int32s.shape[0], pin,
+                                                         self._int32_views))
 
     def _int32_views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         s, tiles = self.max_seqs, self.max_tiles
@@ -157,11 +165,10 @@ class PrefillBuffers:
         device indices of the sampling rows and their sequences."""
         host = self.staging.next_free()
         count, num = self.num_tiles(bucket, seqs), len(work)
-        ids, host_positions, slots = self.token_rows(bucket, host.i64).numpy()
-        host_i32 = self._int32_views(host.i32)
-        query_start, seq_lens, tiles, tables = (v.numpy() for v in host_i32)
-        lens = np.fromiter((w.num_new for w in work), dtype=np.int64, count=num)
-        starts = np.fromiter((w.start for w in work), dtype=np.int64, count=num)
+        rows = host.i64_np[:3 * bucket].reshape(3, bucket)   # ids, positions, cache slots
+        query_start, seq_lens, tables = host.query_start, host.seq_lens, host.tables
+        lens = [w.num_new for w in work]
+        starts = np.array([w.start for w in work], dtype=np.int64)
         query_start[0] = 0
         np.cumsum(lens, out=query_start[1:num + 1])
         n = int(query_start[num])
@@ -169,24 +176,32 @@ class PrefillBuffers:
         seq_lens[:num] = starts + lens
         seq_lens[num:seqs] = 0
         write_block_tables(tables, work)
-        owner = np.repeat(np.arange(num), lens)
-        positions = np.arange(n) - np.repeat(query_start[:num], lens) + np.repeat(starts, lens)
-        ids[:n] = np.fromiter(itertools.chain.from_iterable(w.token_ids[w.start:w.start + w.num_new] for w in work),
-                              dtype=np.int64, count=n)
-        host_positions[:n] = positions
-        slots[:n] = tables[owner, positions // self.block_size].astype(np.int64) * self.block_size \
-            + positions % self.block_size
-        ids[n:], host_positions[n:], slots[n:] = 0, 0, -1   # padding: id 0 at position 0, stored nowhere
-        samples = np.fromiter((w.params is not None for w in work), dtype=bool, count=num)
-        sampling = [w for w, sample in zip(work, samples) if sample]
-        last_rows = query_start[1:num + 1][samples] - 1
+        if num == 1:   # a lone prompt: its positions run on from its start
+            rows[0, :n] = work[0].token_ids[work[0].start:work[0].start + n]
+            positions = np.arange(starts[0], starts[0] + n)
+            blocks = tables[0, positions // self.block_size]
+        else:
+            owner = np.repeat(np.arange(num), lens)
+            positions = np.arange(n) + np.repeat(starts - query_start[:num], lens)
+            rows[0, :n] = np.fromiter(itertools.chain.from_iterable(w.token_ids[w.start:w.start + w.num_new]
+                                                                    for w in work), dtype=np.int64, count=n)
+            blocks = tables[owner, positions // self.block_size]
+        rows[1, :n] = positions
+        np.multiply(blocks, self.block_size, out=rows[2, :n], dtype=np.int64)
+        rows[2, :n] += positions % self.block_size
+        rows[:, n:] = PADDING   # id 0 at position 0, stored nowhere
+        sampling = [w for w in work if w.params is not None]
+        if len(sampling) == num:
+            last_rows = query_start[1:num + 1] - 1
+        else:
+            last_rows = query_start[1:num + 1][[w.params is not None for w in work]] - 1
         uploaded = 3 * bucket + len(last_rows)
-        host.i64.numpy()[3 * bucket:uploaded] = last_rows
-        prefill_tiles(lens, self.block_q, tiles[:count])
+        host.i64_np[3 * bucket:uploaded] = last_rows
+        prefill_tiles(lens, self.block_q, host.tiles[:count])
         self.i64[:uploaded].copy_(host.i64[:uploaded], non_blocking=True)
         head = 2 * self.max_seqs + 1 + count   # query starts, seq lens and this bucket's programs
         self.int32s[:head].copy_(host.i32[:head], non_blocking=True)
-        self.block_tables[:num].copy_(host_i32[3][:num], non_blocking=True)
+        self.block_tables[:num].copy_(host.block_tables[:num], non_blocking=True)
         host.mark_uploaded()
         fill_pending_tokens(self.token_rows(bucket)[0], work, query_start, prev_tokens)
         return self.i64[3 * bucket:uploaded], sampling

@@ -139,6 +139,29 @@ def test_a_prompts_only_graph_over_fewer_sequences_gives_the_eager_hidden_states
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@torch.inference_mode()
+def test_a_lone_chunk_after_its_history_gives_the_eager_hidden_states(runner) -> None:
+    # a lone sequence is staged by its own path: positions run on from its history, across blocks
+    bs = runner.block_size
+    runner.kv_cache.tensor.zero_()
+    buffers = make_buffers(runner)
+    padded_forward(runner, [SequenceWork(ids(40, 100 + i), 40, 0, 40, [30 + 3 * i, 31 + 3 * i, 32 + 3 * i], None)
+                            for i in range(3)], buffers, 128)   # stale rows, tables and programs
+    prompt = ids(2 * bs + 5, 95)
+    blocks = [7, 3, 12]   # out of order: a slot is its table's block, not its position's
+    runner.run([SequenceWork(prompt, len(prompt), 0, bs - 3, blocks, None)])
+    for params in (None, GREEDY):   # a middle chunk samples nothing; the last samples its last row
+        work = [SequenceWork(prompt, len(prompt), bs - 3, bs + 8, blocks, params)]
+        got = padded_forward(runner, work, buffers, 32, seqs=2, prompts_only=True)
+        token_ids, positions, slots = buffers.token_rows(32).tolist()
+        assert token_ids[:bs + 8] == prompt[bs - 3:2 * bs + 5] and token_ids[bs + 8:] == [0] * (24 - bs)
+        assert positions[:bs + 8] == list(range(bs - 3, 2 * bs + 5))
+        assert slots[:bs + 8] == [blocks[p // bs] * bs + p % bs for p in range(bs - 3, 2 * bs + 5)]
+        assert slots[bs + 8:] == [-1] * (24 - bs)
+        want = runner.model(*(lambda i: (i.input_ids, i.positions, i.meta))(build_inputs(work, bs, runner.device)))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_prompts_only_graph_launches_no_decode_kernel_and_a_mixed_one_does(runner, monkeypatch) -> None:
     from nanoserve.runner.attention import triton_kernels
     launches = []

@@ -368,3 +368,10 @@ def test_prefill_over_a_staged_tile_list_gives_the_same_bits_as_over_the_grid() 
     assert torch.equal(over_tiles[prompt_rows], over_grid[prompt_rows])
     with pytest.raises(ValueError, match="do not fit"):
         prefill_tiles([n for n, _ in specs], block_q, tiles[:2].copy())
+    for n in (1, 2, block_q, 3 * block_q + 1):   # a lone sequence's own path lists what the general one does
+        alone, beside = np.full(8, 7, dtype=np.int32), np.full(9, 7, dtype=np.int32)
+        prefill_tiles([n], block_q, alone)
+        prefill_tiles([n, 1], block_q, beside)   # a decode row after it adds no program
+        assert alone.tolist() == beside[:8].tolist() and beside[8] == -1
+    with pytest.raises(ValueError, match="do not fit"):
+        prefill_tiles([3 * block_q + 1], block_q, np.empty(3, dtype=np.int32))

@@ -182,6 +182,13 @@ def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> N
     """Fill `out` (int32) with the (sequence, tile) programs of every sequence of more than one
     query (decode rows are paged_decode's), then -1. Raises if they do not fit: `out` holds
     T / block_q + S entries for T tokens over S sequences."""
+    if len(query_lens) == 1:   # a lone prompt, the common graphed step: no vectorized fixed costs
+        count = -(-query_lens[0] // block_q) if query_lens[0] > 1 else 0
+        if count > out.shape[0]:
+            raise ValueError(f"{count} prefill tiles do not fit in {out.shape[0]}")
+        out[:count] = np.arange(count)   # sequence 0
+        out[count:] = -1
+        return
     lens = np.asarray(query_lens, dtype=np.int64)
     per_seq = np.where(lens > 1, -(-lens // block_q), 0)
     count = int(per_seq.sum())
