@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.runner.attention import prefill_splits
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.kv_layout import tokens_contiguous
 from nanoserve.runner.attention.triton_paged import (
@@ -62,7 +63,8 @@ def _tile_scores(q, k_cache_ptr, v_cache_ptr, table, n0, offs_n, mask_n, kv_head
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tiles_ptr, scale_log2, v_scale,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tiles_ptr, ranges_ptr, part_acc_ptr, part_stats_ptr,
+    scale_log2, v_scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -71,7 +73,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, LAST_TILES_FIRST: tl.constexpr,
     SKIP_DECODE_ROWS: tl.constexpr, TILED: tl.constexpr, USE_PDL: tl.constexpr,
-    V_TOKENS_CONTIGUOUS: tl.constexpr = False, WINDOW: tl.constexpr = 0,
+    V_TOKENS_CONTIGUOUS: tl.constexpr = False, WINDOW: tl.constexpr = 0, SPLIT: tl.constexpr = False,
 ):
     pdl_prologue(USE_PDL)
     if TILED:   # (sequence, tile) from the host's list; -1 past its end
@@ -80,7 +82,9 @@ def _prefill_kernel(
             return
         seq = packed >> TILE_BITS
         q_tile = packed & TILE_MASK
+        slot = (packed >> SLOT_SHIFT) & SLOT_MASK   # 0: the whole tile; else a part (prefill_splits.py)
     else:
+        slot = 0
         seq = tl.program_id(0)
         q_tile = tl.program_id(1)
         if LAST_TILES_FIRST:   # causal: a late tile reads the most keys; started first, it ends no later
@@ -105,9 +109,10 @@ def _prefill_kernel(
                 + offs_d[None, :], mask=mask_m[:, None], other=0.0)
     q_pos = history + tok
 
-    if WINDOW > 0:
+    if WINDOW > 0 or SPLIT:
         # a row's window may begin tiles after the first one read (a query tile longer than the
-        # window): a finite start keeps its running max finite over tiles it sees nothing of
+        # window), and a part's rows may see none of its keys: a finite start keeps the running
+        # max finite over tiles a row sees nothing of
         m = tl.full([BLOCK_M], -1.0e30, tl.float32)
     else:
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -122,6 +127,12 @@ def _prefill_kernel(
     # whole key tiles that every row of this tile sees (up to its first query's position) need
     # no causal mask; only the tiles along the diagonal do
     unmasked_end = tl.minimum((history + q_tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N, end)
+    first_key = 0
+    if SPLIT:
+        if slot > 0:   # this part's keys only: whole tiles, up to the diagonal's
+            first_key = tl.load(ranges_ptr + 2 * (slot - 1))
+            end = tl.minimum(tl.load(ranges_ptr + 2 * (slot - 1) + 1), end)
+            unmasked_end = tl.minimum(tl.maximum(unmasked_end, first_key), end)
     if WINDOW > 0:
         # a row at position p sees keys past p - WINDOW. No row sees the tiles before the first row's
         # window: they are skipped; from win_end on every row's window holds every key (up to the
@@ -137,7 +148,7 @@ def _prefill_kernel(
             qk = tl.where(offs_n[None, :] > q_pos[:, None] - WINDOW, qk, float("-inf"))
             m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
     else:
-        win_end = 0
+        win_end = first_key
     for n0 in range(win_end, unmasked_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         qk, v = _tile_scores(q, k_cache_ptr, v_cache_ptr, table, n0, offs_n, offs_n < unmasked_end, kv_head, offs_d,
@@ -156,6 +167,13 @@ def _prefill_kernel(
         qk = tl.where(seen, qk, float("-inf"))
         m, l, acc = online_softmax_step(qk, v, m, l, acc, PRECISION)
 
+    if SPLIT:
+        if slot > 0:   # the merge folds this part into its tile's rows
+            at = ((slot - 1) * tl.num_programs(2) + kv_head).to(tl.int64)
+            tl.store(part_acc_ptr + at * BLOCK_M * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], acc)
+            tl.store(part_stats_ptr + at * 2 * BLOCK_M + offs_m, m)
+            tl.store(part_stats_ptr + at * 2 * BLOCK_M + BLOCK_M + offs_m, l)
+            return
     o = acc / l[:, None]
     if KV_FP8:
         o = o * v_scale
@@ -163,8 +181,10 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
 
 
-TILE_BITS = tl.constexpr(16)   # a tiles entry is sequence << TILE_BITS | tile
-TILE_MASK = tl.constexpr((1 << 16) - 1)
+TILE_BITS = tl.constexpr(16)   # a tiles entry is sequence << TILE_BITS | slot << SLOT_SHIFT | tile
+SLOT_SHIFT = tl.constexpr(prefill_splits.SLOT_SHIFT)
+TILE_MASK = tl.constexpr(prefill_splits.TILE_FIELD)
+SLOT_MASK = tl.constexpr((1 << (16 - prefill_splits.SLOT_SHIFT)) - 1)
 
 
 def _tile_rows(block_m: int, group: int) -> tuple[int, int]:
@@ -173,9 +193,16 @@ def _tile_rows(block_m: int, group: int) -> tuple[int, int]:
     return block_m, block_m // group
 
 
+def prefill_tile_rows(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+                      ) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_Q) of the default tiles: a program's rows, and the query tokens they hold,
+    which `prefill_tiles` counts in."""
+    return _tile_rows(_prefill_config(head_dim, dtype, device)["BLOCK_M"], q_heads // kv_heads)
+
+
 def prefill_block_q(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
     """Query tokens per program (BLOCK_Q) of the default tiles, which `prefill_tiles` counts in."""
-    return _tile_rows(_prefill_config(head_dim, dtype, device)["BLOCK_M"], q_heads // kv_heads)[1]
+    return prefill_tile_rows(q_heads, kv_heads, head_dim, dtype, device)[1]
 
 
 def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> None:
@@ -184,12 +211,15 @@ def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> N
     T / block_q + S entries for T tokens over S sequences."""
     if len(query_lens) == 1:   # a lone prompt, the common graphed step: no vectorized fixed costs
         count = -(-query_lens[0] // block_q) if query_lens[0] > 1 else 0
+        _check_tile_field(count, query_lens[0])
         if count > out.shape[0]:
             raise ValueError(f"{count} prefill tiles do not fit in {out.shape[0]}")
         out[:count] = np.arange(count)   # sequence 0
         out[count:] = -1
         return
     lens = np.asarray(query_lens, dtype=np.int64)
+    if len(lens):
+        _check_tile_field(-(-int(lens.max()) // block_q), int(lens.max()))
     per_seq = np.where(lens > 1, -(-lens // block_q), 0)
     count = int(per_seq.sum())
     if count > out.shape[0]:
@@ -198,6 +228,11 @@ def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> N
     tile = np.arange(count) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)   # 0, 1, ... within each sequence
     out[:count] = (seqs << TILE_BITS.value) | tile
     out[count:] = -1
+
+
+def _check_tile_field(tiles: int, tokens: int) -> None:
+    if tiles > prefill_splits.TILE_FIELD + 1:
+        raise ValueError(f"a query of {tokens} tokens has more tiles than an entry holds")
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -221,7 +256,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   num_query_tokens: int | None = None, k_scale: float = 1.0,
                   v_scale: float = 1.0, config: dict | None = None,
                   skip_decode_rows: bool = False, tiles: torch.Tensor | None = None,
-                  window: int | None = None) -> torch.Tensor:
+                  window: int | None = None, splits: prefill_splits.PrefillSplits | None = None) -> torch.Tensor:
     """Causal attention of packed queries q [tokens, q_heads, dim] over their paged keys.
 
     Rows past num_query_tokens (query_start_loc[-1], when the caller pads the batch) are zeroed.
@@ -230,6 +265,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     tiles: the programs to run, from `prefill_tiles` with `prefill_block_q`'s tiles (no config
     then); decode rows have none, as with skip_decode_rows.
     window: a sliding window's span: the query at position p attends keys p - window < k <= p (None: all).
+    splits: the split plan `tiles` were staged with (prefill_splits.plan_splits) and its scratch;
+    the parts' merge is launched after the kernel. Not with a window.
     """
     window = window_keys(window)
     check_shapes(q, k_cache, v_cache, block_tables)
@@ -251,10 +288,16 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         if config or tiles.dtype != torch.int32 or tiles.dim() != 1 or tiles.stride(0) != 1:
             raise ValueError("tiles: a contiguous int32 list from prefill_tiles, with the default tiles")
         grid = (tiles.shape[0], 1, kv_heads)
+        if splits is not None and (window or splits.acc.shape[2] != block_m
+                                   or prefill_splits.split_unit(q.device) % cfg["BLOCK_N"]):
+            raise ValueError("splits: no window, the default tiles' rows, parts of whole key tiles")
     else:
+        if splits is not None:
+            raise ValueError("splits need a staged tile list")
         grid = (num_seqs, triton.cdiv(max_query_len, block_q), kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, tiles if tiles is not None else seq_lens,
+        *((splits.ranges, splits.acc, splits.stats) if splits is not None else (seq_lens,) * 3),
         softmax_scale_log2(scale, k_scale if fp8 else 1.0), v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -263,7 +306,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), KV_FP8=fp8, SKIP_DECODE_ROWS=skip_decode_rows,
-        TILED=tiles is not None, V_TOKENS_CONTIGUOUS=v_tokens, WINDOW=window,
+        TILED=tiles is not None, V_TOKENS_CONTIGUOUS=v_tokens, WINDOW=window, SPLIT=splits is not None,
         **cfg, **pdl_launch(q.device),
     )
+    if splits is not None:
+        prefill_splits.merge_parts(splits, query_start_loc, seq_lens, out, group, block_q, block_m, fp8, v_scale)
     return out

@@ -1,0 +1,165 @@
+"""Key splits for the prefill programs of a captured step too small to fill the GPU.
+
+A lone 1k prompt over 8 kv heads is 128 (query tile, kv head) programs for 132 SMs, and causal
+attention gives them unequal work: the last tile reads all 1,024 keys, the first 64. The kernel
+then lasts as long as its longest program: 33 us a layer on an H200, where four such prompts
+together run their work 1.7x as fast (BENCHMARKS.md, prefill tiles). A chunk after a long
+history (a prefix-cache hit, a chunked prompt's last part) is worse: 8 programs over all of its
+history. Where a step's programs are fewer than the SMs, the host cuts each long tile's keys
+into ranges of whole units; every part writes its unnormalized output and softmax statistics to
+a scratch slot, and `merge_parts` folds a tile's parts into its rows, as decode's split merge does.
+
+In the program list (prefill_tiles) an entry is sequence << 16 | slot << 10 | query tile, where
+slot 0 is a whole tile and slot s > 0 a part whose key range is ranges[s - 1]. A merge entry is
+(sequence << 16 | query tile, first slot, parts), -1 where unused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.runner.pdl import pdl_launch, pdl_prologue
+
+SLOT_SHIFT = 10            # an entry's tile field holds 1,024 tiles: 8,192 tokens of BLOCK_Q >= 8
+TILE_FIELD = (1 << SLOT_SHIFT) - 1
+MAX_SLOTS = 48             # parts a step may write (the slot field holds 63); each slot is a tile of fp32 rows a kv head
+MAX_MERGES = 24            # split tiles a step may have
+
+
+def split_unit(device: torch.device) -> int:
+    """Keys of the smallest part, a multiple of every prefill BLOCK_N on the device: 256 on a GPU
+    (two 128-key tiles: a part shorter than that pays its query load and merge for little); 32
+    under the interpreter, where tiles are 16 keys."""
+    return 256 if device.type == "cuda" else 32
+
+
+@dataclass
+class PrefillSplits:
+    """A captured step's split plan on the device and the parts' scratch."""
+
+    merges: torch.Tensor    # [MAX_MERGES, 3] int32
+    ranges: torch.Tensor    # [MAX_SLOTS, 2] int32: each part's first key and end
+    acc: torch.Tensor       # [MAX_SLOTS, kv_heads, BLOCK_M, head_dim] float32
+    stats: torch.Tensor     # [MAX_SLOTS, kv_heads, 2, BLOCK_M] float32: running max (base 2) and sum
+
+    @staticmethod
+    def scratch_bytes(kv_heads: int, block_m: int, head_dim: int) -> int:
+        return MAX_SLOTS * kv_heads * block_m * (head_dim + 2) * 4
+
+    @staticmethod
+    def allocate(int32_region: torch.Tensor, kv_heads: int, block_m: int, head_dim: int) -> "PrefillSplits":
+        """Views of `int32_region` (MAX_MERGES * 3 + MAX_SLOTS * 2 values) and fresh scratch."""
+        device = int32_region.device
+        return PrefillSplits(
+            merges=int32_region[:MAX_MERGES * 3].view(MAX_MERGES, 3),
+            ranges=int32_region[MAX_MERGES * 3:].view(MAX_SLOTS, 2),
+            acc=torch.empty(MAX_SLOTS, kv_heads, block_m, head_dim, dtype=torch.float32, device=device),
+            stats=torch.empty(MAX_SLOTS, kv_heads, 2, block_m, dtype=torch.float32, device=device))
+
+
+def split_region_size() -> int:
+    """int32 values of a split plan (merges, then ranges), staged with the program list."""
+    return MAX_MERGES * 3 + MAX_SLOTS * 2
+
+
+def plan_splits(tiles: np.ndarray, count: int, query_lens: list[int], seq_lens: np.ndarray, block_q: int,
+                unit: int, kv_heads: int, num_sms: int, region: np.ndarray) -> int:
+    """Where the step's programs (`tiles[:count]`, prefill_tiles' entries, times kv_heads) are fewer
+    than the SMs, cut its long tiles into key ranges of about one SM's share of the step's keys (whole
+    `unit`s), longest tiles first while slots last. Writes the plan into `region`
+    (split_region_size values) and the new list into `tiles`, longest programs first; returns its
+    length, at most count + MAX_SLOTS (`tiles` must hold that many)."""
+    merges = region[:MAX_MERGES * 3].reshape(MAX_MERGES, 3)
+    ranges = region[MAX_MERGES * 3:].reshape(MAX_SLOTS, 2)
+    merges[:] = -1
+    if count == 0 or count * kv_heads >= num_sms:
+        return count
+    entries = tiles[:count].astype(np.int64)
+    seqs, tile_ids = entries >> 16, entries & TILE_FIELD
+    lens = np.asarray(query_lens, dtype=np.int64)[seqs]
+    ends = seq_lens[seqs].astype(np.int64) - lens + np.minimum((tile_ids + 1) * block_q, lens)
+    # the kernel lasts about as long as the larger of its longest program and one SM's share of
+    # the keys: parts of about that share, in whole units
+    span = unit * max(1, int(ends.sum()) * kv_heads // (num_sms * unit))
+    programs: list[tuple[int, int]] = []   # (keys, entry)
+    slot = merge = 0
+    for i in np.argsort(-ends, kind="stable"):
+        end, entry = int(ends[i]), int(entries[i])
+        tile_span = span
+        if -(-end // span) > MAX_SLOTS - slot:   # longer parts where the slots left are too few
+            tile_span = unit * -(-end // (unit * max(1, MAX_SLOTS - slot)))
+        parts = -(-end // tile_span)
+        if parts < 2 or merge == MAX_MERGES:
+            programs.append((end, entry))
+            continue
+        merges[merge] = (entry, slot + 1, parts)
+        merge += 1
+        for p in range(parts):
+            first = p * tile_span
+            ranges[slot + p] = (first, min(first + tile_span, end))
+            programs.append((min(tile_span, end - first), entry | (slot + p + 1) << SLOT_SHIFT))
+        slot += parts
+    programs.sort(key=lambda program: -program[0])
+    tiles[:len(programs)] = [entry for _, entry in programs]
+    return len(programs)
+
+
+@triton.jit
+def _merge_kernel(merges_ptr, query_start_loc_ptr, seq_lens_ptr, acc_ptr, stats_ptr, out_ptr, v_scale,
+                  stride_qsl, stride_sl, stride_ot, stride_oh,
+                  GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  KV_FP8: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    merge = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    kv_heads = tl.num_programs(1)
+    packed = tl.load(merges_ptr + merge * 3)
+    if packed < 0:
+        return
+    first = tl.load(merges_ptr + merge * 3 + 1)
+    parts = tl.load(merges_ptr + merge * 3 + 2)
+    seq = packed >> 16
+    q_tile = packed & ((1 << 10) - 1)
+    q_start = tl.load(query_start_loc_ptr + seq * stride_qsl)
+    q_len = tl.load(query_start_loc_ptr + (seq + 1) * stride_qsl) - q_start
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = q_tile * BLOCK_Q + offs_m // GROUP
+    heads = kv_head * GROUP + offs_m % GROUP
+    mask_m = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for p in range(parts):
+        at = ((first - 1 + p) * kv_heads + kv_head).to(tl.int64)
+        m_p = tl.load(stats_ptr + at * 2 * BLOCK_M + offs_m)
+        l_p = tl.load(stats_ptr + at * 2 * BLOCK_M + BLOCK_M + offs_m)
+        acc_p = tl.load(acc_ptr + at * BLOCK_M * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :])
+        m_new = tl.maximum(m, m_p)
+        old, new = tl.exp2(m - m_new), tl.exp2(m_p - m_new)
+        l = l * old + l_p * new
+        acc = acc * old[:, None] + acc_p * new[:, None]
+        m = m_new
+    o = acc / l[:, None]
+    if KV_FP8:
+        o = o * v_scale
+    q_rows = (q_start + tok).to(tl.int64)
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
+
+
+def merge_parts(splits: PrefillSplits, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
+                group: int, block_q: int, block_m: int, fp8: bool, v_scale: float) -> None:
+    """Write each split tile's rows of `out` from its parts (launched after the prefill kernel)."""
+    kv_heads, head_dim = splits.acc.shape[1], splits.acc.shape[3]
+    _merge_kernel[(MAX_MERGES, kv_heads)](
+        splits.merges, query_start_loc, seq_lens, splits.acc, splits.stats, out, v_scale,
+        query_start_loc.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, KV_FP8=fp8,
+        num_warps=4, **pdl_launch(out.device))

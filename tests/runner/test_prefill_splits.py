@@ -1,0 +1,115 @@
+"""Key splits of a small captured prefill step (prefill_splits.py): the plan covers each split
+tile's keys once, in whole units, and the split kernel with its merge gives the unsplit output,
+over a bf16-sized float32 cache and an fp8 one (Triton interpreter)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nanoserve.runner.attention.prefill_splits import (MAX_MERGES, MAX_SLOTS, SLOT_SHIFT, TILE_FIELD, PrefillSplits,
+                                                       plan_splits, split_region_size, split_unit)
+from nanoserve.runner.attention.fp8 import quantize_fp8
+from nanoserve.runner.attention.kv_layout import v_cache_copy
+from nanoserve.runner.attention.triton_kernels import store_kvcache
+from nanoserve.runner.attention.triton_prefill import paged_prefill, prefill_tile_rows, prefill_tiles
+from tests.runner.test_triton_attention import make_step
+
+
+def plan(query_lens: list[int], seq_lens: list[int], block_q: int, unit: int, kv_heads: int, num_sms: int):
+    count = sum(-(-n // block_q) for n in query_lens if n > 1)
+    tiles = np.full(count + MAX_SLOTS, -1, dtype=np.int32)
+    prefill_tiles(query_lens, block_q, tiles[:count])
+    region = np.zeros(split_region_size(), dtype=np.int32)
+    total = plan_splits(tiles, count, query_lens, np.asarray(seq_lens), block_q, unit, kv_heads, num_sms, region)
+    return tiles, total, region
+
+
+def parts_by_tile(tiles: np.ndarray, total: int, region: np.ndarray) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    ranges = region[MAX_MERGES * 3:].reshape(MAX_SLOTS, 2)
+    keys: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for entry in tiles[:total].tolist():
+        slot = (entry >> SLOT_SHIFT) & 63
+        keys.setdefault((entry >> 16, entry & TILE_FIELD), []).append(tuple(ranges[slot - 1]) if slot else None)
+    return keys
+
+
+@pytest.mark.parametrize("query_lens, seq_lens", [
+    ([1024], [1024]),                 # a lone prompt
+    ([64], [4160]),                   # a chunk after a long history
+    ([64], [64 + 40000]),             # more parts than slots: longer parts
+    ([300, 1, 500], [300, 900, 2500]),
+])
+def test_a_plan_covers_each_split_tiles_keys_once_in_whole_units(query_lens, seq_lens):
+    block_q, unit, kv_heads, sms = 64, 256, 8, 132
+    tiles, total, region = plan(query_lens, seq_lens, block_q, unit, kv_heads, sms)
+    merges = region[:MAX_MERGES * 3].reshape(MAX_MERGES, 3)
+    by_tile = parts_by_tile(tiles, total, region)
+    assert sorted(by_tile) == sorted((s, t) for s, n in enumerate(query_lens) if n > 1
+                                     for t in range(-(-n // block_q)))
+    split = 0
+    for (seq, tile), parts in by_tile.items():
+        end = seq_lens[seq] - query_lens[seq] + min((tile + 1) * block_q, query_lens[seq])
+        if parts == [None]:
+            continue
+        split += 1
+        assert None not in parts and len(parts) > 1
+        parts = sorted(parts)
+        assert parts[0][0] == 0 and parts[-1][1] == end
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+        assert all(first % unit == 0 for first, _ in parts)
+        row = [m for m in merges.tolist() if m[0] == (seq << 16 | tile)]
+        assert row and row[0][2] == len(parts)
+    assert split == sum(m[0] >= 0 for m in merges.tolist()) > 0
+    assert total <= len(by_tile) + MAX_SLOTS
+    lengths = []   # the list runs longest programs first
+    ranges = region[MAX_MERGES * 3:].reshape(MAX_SLOTS, 2)
+    for entry in tiles[:total].tolist():
+        seq, tile, slot = entry >> 16, entry & TILE_FIELD, (entry >> SLOT_SHIFT) & 63
+        end = seq_lens[seq] - query_lens[seq] + min((tile + 1) * block_q, query_lens[seq])
+        lengths.append(int(ranges[slot - 1][1] - ranges[slot - 1][0]) if slot else end)
+    assert lengths == sorted(lengths, reverse=True)
+
+
+def test_a_step_that_fills_the_gpu_is_not_split():
+    tiles, total, region = plan([4096], [4096], 64, 256, 8, 132)   # 64 tiles x 8 kv heads: 512 programs
+    assert total == 64 and (region[:MAX_MERGES * 3] == -1).all()
+    assert all((entry >> SLOT_SHIFT) & 63 == 0 for entry in tiles[:total].tolist())
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float32-cache", "fp8-cache"])
+@pytest.mark.parametrize("specs", [
+    [(100, 100)],                      # a lone prompt
+    [(9, 170)],                        # a chunk after its history
+    [(40, 40), (1, 77), (23, 130)],    # prompts beside a decode row (the decode kernel's)
+], ids=["lone", "after-history", "several"])
+def test_split_tiles_give_the_unsplit_output(specs, fp8):
+    kv_heads, group, head_dim = 2, 2, 64
+    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=kv_heads, group=group,
+                                                head_dim=head_dim, dtype=torch.float32, seed=90)
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    scales = {}
+    if fp8:
+        # as the engine keeps an fp8 cache: V along tokens (kv_layout.py), read a whole block tile at a time
+        k_cache, v_cache = quantize_fp8(k_cache, 0.5), v_cache_copy(quantize_fp8(v_cache, 0.25))
+        scales = dict(k_scale=0.5, v_scale=0.25)
+    block_m, block_q = prefill_tile_rows(kv_heads * group, kv_heads, head_dim, torch.float32, q.device)
+    query_lens, seq_lens = [n for n, _ in specs], [s for _, s in specs]
+    count = sum(-(-n // block_q) for n in query_lens if n > 1)
+    tiles = np.full(count + MAX_SLOTS, -1, dtype=np.int32)
+    prefill_tiles(query_lens, block_q, tiles[:count])
+    run = lambda tiles, **kw: paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,  # noqa: E731
+                                            meta.block_tables, 0.125, meta.max_query_len, skip_decode_rows=True,
+                                            tiles=torch.from_numpy(tiles), **scales, **kw)
+    whole = run(tiles[:count].copy())
+    region = torch.zeros(split_region_size(), dtype=torch.int32)
+    total = plan_splits(tiles, count, query_lens, np.asarray(seq_lens), block_q, split_unit(q.device), kv_heads,
+                        64, region.numpy())
+    assert total > count   # some tile was split
+    splits = PrefillSplits.allocate(region, kv_heads, block_m, head_dim)
+    splits.acc.fill_(float("nan"))   # a part's slot must be written before the merge reads it
+    split = run(tiles[:total].copy(), splits=splits)
+    starts = meta.query_start_loc.tolist()
+    rows = [r for i, n in enumerate(query_lens) if n > 1 for r in range(starts[i], starts[i + 1])]
+    torch.testing.assert_close(split[rows], whole[rows], rtol=1e-5, atol=1e-5)
