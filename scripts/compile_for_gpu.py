@@ -33,6 +33,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from nanoserve.runner.attention.decode_tiles import decode_config  # noqa: E402
 from nanoserve.runner.attention.triton_decode import _decode_kernel, _merge_splits_kernel  # noqa: E402
+from nanoserve.runner.attention.prefill_splits import _merge_kernel  # noqa: E402
 from nanoserve.runner.attention.triton_prefill import _prefill_config, _prefill_kernel  # noqa: E402
 from nanoserve.runner.layers.rms_norm_kernel import _rms_norm_kernel  # noqa: E402
 from nanoserve.runner.layers.small_gemm import _skinny_kernel, skinny_config  # noqa: E402
@@ -96,7 +97,8 @@ def variants(target: GPUTarget):
         io = dict(q_ptr="*bf16", out_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, part_acc_ptr="*fp32",
                   part_lse_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32", seq_order_ptr="*i32",
                   query_start_ptr="*i32", query_start_loc_ptr="*i32", tiles_ptr="*i32", cos_ptr="*fp32",
-                  sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16", new_v_ptr="*bf16")
+                  sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16", new_v_ptr="*bf16", ranges_ptr="*i32",
+                  part_stats_ptr="*fp32")
         for on in (False, True):
             flags = dict(SPLIT=on, ORDERED=on, PACKED_Q=on, USE_PDL=on and target.arch >= 90)
             # strides of 1 are specialized at launch: the lengths', and V's along tokens or dims
@@ -124,11 +126,17 @@ def variants(target: GPUTarget):
             options = dict(num_warps=tiles.pop("num_warps"), num_stages=tiles.pop("num_stages"))
             prefill = dict(GROUP=2, BLOCK_Q=tiles["BLOCK_M"] // 2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None,
                            KV_FP8=fp8, LAST_TILES_FIRST=on, SKIP_DECODE_ROWS=on, TILED=on,
-                           V_TOKENS_CONTIGUOUS=fp8 and on, USE_PDL=flags["USE_PDL"], WINDOW=0, stride_qsl=1, **unit,
-                           **tiles)
+                           V_TOKENS_CONTIGUOUS=fp8 and on, USE_PDL=flags["USE_PDL"], WINDOW=0, SPLIT=on, stride_qsl=1,
+                           **unit, **tiles)
             yield f"prefill {cache[1:]} flags {'on' if on else 'off'}", _prefill_kernel, io, prefill, options
             if on:
-                yield f"prefill {cache[1:]} window", _prefill_kernel, io, dict(prefill, WINDOW=4096), options
+                yield (f"prefill {cache[1:]} window", _prefill_kernel, io, dict(prefill, WINDOW=4096, SPLIT=False),
+                       options)
+                yield (f"prefill {cache[1:]} parts' merge", _merge_kernel,
+                       dict(merges_ptr="*i32", query_start_loc_ptr="*i32", seq_lens_ptr="*i32", acc_ptr="*fp32",
+                            stats_ptr="*fp32", out_ptr="*bf16"),
+                       dict(GROUP=2, BLOCK_Q=tiles["BLOCK_M"] // 2, BLOCK_M=tiles["BLOCK_M"], HEAD_DIM=128, KV_FP8=fp8,
+                            USE_PDL=flags["USE_PDL"]), dict(num_warps=8, num_stages=1))
     for packed, window in ((False, 0), (True, 0), (True, 4096)):
         yield (f"merge packed {packed}{' window' if window else ''}", _merge_splits_kernel,
                dict(part_acc_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", seq_lens_ptr="*i32",

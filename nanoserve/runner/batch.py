@@ -5,11 +5,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoserve.runner.attention.prefill_splits import PrefillSplits
 
 
 @dataclass(slots=True)
@@ -97,6 +101,8 @@ class AttentionMetadata:
     # a captured step's: whether one-query rows go to the decode kernel (a prompts-only graph has
     # none to send); None: the host's counts decide, step by step
     split_decode_rows: bool | None = None
+    # a captured small step's key splits and their scratch (Triton prefill: prefill_splits.py)
+    prefill_splits: PrefillSplits | None = None
 
     @property
     def decode_only(self) -> bool:

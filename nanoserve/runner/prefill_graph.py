@@ -36,7 +36,10 @@ from torch import nn
 from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
-from nanoserve.runner.attention.triton_prefill import prefill_block_q, prefill_tiles
+from nanoserve.runner.attention.decode_splits import num_sms
+from nanoserve.runner.attention.prefill_splits import (PrefillSplits, SplitShape, plan_splits, split_region_size,
+                                                       split_unit)
+from nanoserve.runner.attention.triton_prefill import prefill_tile_rows, prefill_tiles
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
 from nanoserve.runner.inputs import PinnedSet, PinnedSets, fill_pending_tokens, write_block_tables
 from nanoserve.runner.layers.linear import building_graphs
@@ -64,12 +67,28 @@ def prefill_token_buckets(max_tokens: int) -> list[int]:
     return sorted(set(sizes + [top]))
 
 
+def split_shape(config: EngineConfig) -> SplitShape:
+    """How the prefill graphs of `config`'s model split a small step's keys (prefill_splits.py)."""
+    hf, device = config.hf_config, torch.device(config.device)
+    head_dim = head_dim_of(hf)
+    block_m, block_q = prefill_tile_rows(hf.num_attention_heads, hf.num_key_value_heads, head_dim, config.dtype,
+                                         device)
+    return SplitShape(split_unit(device), hf.num_key_value_heads, num_sms(device), block_m, block_q, head_dim)
+
+
+def split_buckets(sizes: list[int], shape: SplitShape) -> list[int]:
+    """The buckets whose smallest step (one token past the bucket below) may be split."""
+    return [bucket for below, bucket in zip([1] + sizes, sizes) if shape.may_split(below + 1)]
+
+
 def prefill_graph_bytes(config: EngineConfig, hidden_size: int, activation_peak: int) -> int:
     """What the prefill graphs keep allocated, for KV sizing: their pool holds the largest bucket's
-    activations (at most the profiled peak of a full token budget) and every graph's output (two a
-    bucket)."""
-    outputs = 2 * sum(prefill_token_buckets(config.max_num_batched_tokens)) * hidden_size * config.dtype.itemsize
-    return activation_peak + outputs
+    activations (at most the profiled peak of a full token budget), every graph's output (two a
+    bucket, three where a step may be split) and the splits' scratch."""
+    sizes = prefill_token_buckets(config.max_num_batched_tokens)
+    shape = split_shape(config)
+    outputs = (2 * sum(sizes) + sum(split_buckets(sizes, shape))) * hidden_size * config.dtype.itemsize
+    return activation_peak + outputs + PrefillSplits.scratch_bytes(shape.kv_heads, shape.block_m, shape.head_dim)
 
 
 def fits_prefill_graph(work: list[SequenceWork], max_tokens: int, max_seqs: int) -> bool:
@@ -89,8 +108,8 @@ class PrefillStaging(PinnedSet):
         self.i32 = torch.zeros(int32s, dtype=torch.int32, pin_memory=pin)
         self.i64_np = self.i64.numpy()
         views = int32_views(self.i32)
-        self.block_tables = views[3]
-        self.query_start, self.seq_lens, self.tiles, self.tables = (v.numpy() for v in views)
+        self.block_tables = views[4]
+        self.query_start, self.seq_lens, self.split_plan, self.tiles, self.tables = (v.numpy() for v in views)
 
 
 class PrefillBuffers:
@@ -99,42 +118,50 @@ class PrefillBuffers:
     pinned host copies a step is written into, so that staging is a handful of uploads."""
 
     def __init__(self, max_tokens: int, max_blocks: int, device: torch.device, max_seqs: int,
-                 block_q: int, max_model_len: int, block_size: int) -> None:
+                 block_q: int, max_model_len: int, block_size: int, splitting: SplitShape | None = None) -> None:
         """block_q: the prefill kernel's query tokens per program (prefill_block_q), which the
-        staged program list counts in."""
+        staged program list counts in. splitting: how split steps are planned (None: never)."""
         n, s = max_tokens, max_seqs
         self.block_q, self.block_size = block_q, block_size
+        self.splitting = splitting
         self.max_seqs, self.max_blocks = s, max_blocks
         self.max_model_len = max_model_len
         # int64, for a bucket of b tokens: ids, positions and cache slots in rows of b (token_rows),
         # then the sampling rows (each sampling sequence's last query row): one upload
         self.i64 = torch.zeros(3 * n + s, dtype=torch.int64, device=device)
         # int32 in one tensor, so one upload covers all but the tables: query starts, seq lens,
-        # the kernel's programs, then the block tables
-        self.max_tiles = self.num_tiles(n, s)
-        self.int32s = torch.zeros(2 * s + 1 + self.max_tiles + s * max_blocks, dtype=torch.int32, device=device)
-        self.query_start, self.seq_lens, self.tiles, self.block_tables = self._int32_views(self.int32s)
+        # the split plan, the kernel's programs, then the block tables
+        self.plan_size = split_region_size() if splitting else 0
+        self.max_tiles = self.num_tiles(n, s, split=splitting is not None)
+        self.int32s = torch.zeros(2 * s + 1 + self.plan_size + self.max_tiles + s * max_blocks, dtype=torch.int32,
+                                  device=device)
+        self.query_start, self.seq_lens, split_plan, self.tiles, self.block_tables = self._int32_views(self.int32s)
+        self.splits = (PrefillSplits.allocate(split_plan, splitting.kv_heads, splitting.block_m, splitting.head_dim)
+                       if splitting else None)
         self.tiles.fill_(-1)
         pin = device.type == "cuda"
         self.staging = PinnedSets(lambda: PrefillStaging(self.i64.shape[0], self.int32s.shape[0], pin,
                                                          self._int32_views))
 
     def _int32_views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        s, tiles = self.max_seqs, self.max_tiles
-        return (flat[:s + 1], flat[s + 1:2 * s + 1], flat[2 * s + 1:2 * s + 1 + tiles],
-                flat[2 * s + 1 + tiles:].view(s, self.max_blocks))
+        s, plan, tiles = self.max_seqs, self.plan_size, self.max_tiles
+        return (flat[:s + 1], flat[s + 1:2 * s + 1], flat[2 * s + 1:2 * s + 1 + plan],
+                flat[2 * s + 1 + plan:2 * s + 1 + plan + tiles], flat[2 * s + 1 + plan + tiles:].view(s, self.max_blocks))
 
     def token_rows(self, bucket: int, flat: torch.Tensor | None = None) -> torch.Tensor:
         """[3, bucket]: the ids, positions and cache slots a bucket's graph reads (of `flat`, a
         host copy, when given)."""
         return (self.i64 if flat is None else flat)[:3 * bucket].view(3, bucket)
 
-    def num_tiles(self, bucket: int, seqs: int) -> int:
-        """Programs a bucket's step over `seqs` sequences may need: each one's last tile may be partial."""
-        return -(-bucket // self.block_q) + min(seqs, bucket)
+    def num_tiles(self, bucket: int, seqs: int, split: bool = False) -> int:
+        """Programs a bucket's step over `seqs` sequences may need: each one's last tile may be
+        partial; a split step's parts take more."""
+        tiles = -(-bucket // self.block_q) + min(seqs, bucket)
+        return max(tiles, self.splitting.list_room()) if split else tiles
 
-    def meta(self, bucket: int, seqs: int, prompts_only: bool = False) -> AttentionMetadata:
-        """The graph's view of the first `seqs` sequences; `prompts_only`: no decode launch."""
+    def meta(self, bucket: int, seqs: int, prompts_only: bool = False, split: bool = False) -> AttentionMetadata:
+        """The graph's view of the first `seqs` sequences; `prompts_only`: no decode launch;
+        `split`: its long tiles may be split (prefill_splits.py)."""
         return AttentionMetadata(
             slot_mapping=self.token_rows(bucket)[2],
             query_start_loc=self.query_start[:seqs + 1],
@@ -145,8 +172,9 @@ class PrefillBuffers:
             # the bucket's rows, all "owned": the kernel leaves padding rows as they are
             query_lens_host=[bucket],
             seq_lens_host=[bucket],
-            prefill_tiles=self.tiles[:self.num_tiles(bucket, seqs)],
+            prefill_tiles=self.tiles[:self.num_tiles(bucket, seqs, split)],
             split_decode_rows=not prompts_only,
+            prefill_splits=self.splits if split else None,
         )
 
     def clear(self, bucket: int) -> None:
@@ -157,14 +185,17 @@ class PrefillBuffers:
         self.query_start.zero_()
         self.seq_lens.zero_()
         self.tiles.fill_(-1)
+        if self.splits is not None:
+            self.splits.merges.fill_(-1)
 
-    def stage(self, work: list[SequenceWork], bucket: int, seqs: int, prev_tokens: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, list[SequenceWork]]:
+    def stage(self, work: list[SequenceWork], bucket: int, seqs: int, prev_tokens: torch.Tensor | None = None,
+              may_split: bool = False) -> tuple[torch.Tensor, list[SequenceWork], bool]:
         """Write a step of len(work) <= seqs sequences into the first rows, padding the rest, for the
-        graph of `seqs` sequences over `bucket` tokens; `prev_tokens` fill pending ids. Returns the
-        device indices of the sampling rows and their sequences."""
+        graph of `seqs` sequences over `bucket` tokens; `prev_tokens` fill pending ids; `may_split`:
+        plan splits where the step is small. Returns the device indices of the sampling rows, their
+        sequences, and whether the step was split (its split graph must run it)."""
         host = self.staging.next_free()
-        count, num = self.num_tiles(bucket, seqs), len(work)
+        count, num = self.num_tiles(bucket, seqs, may_split), len(work)
         rows = host.i64_np[:3 * bucket].reshape(3, bucket)   # ids, positions, cache slots
         query_start, seq_lens, tables = host.query_start, host.seq_lens, host.tables
         lens = [w.num_new for w in work]
@@ -197,14 +228,20 @@ class PrefillBuffers:
             last_rows = query_start[1:num + 1][[w.params is not None for w in work]] - 1
         uploaded = 3 * bucket + len(last_rows)
         host.i64_np[3 * bucket:uploaded] = last_rows
-        prefill_tiles(lens, self.block_q, host.tiles[:count])
+        entries = prefill_tiles(lens, self.block_q, host.tiles[:count])
+        split = False
+        if may_split:
+            shape = self.splitting
+            split = entries != plan_splits(host.tiles, entries, lens, seq_lens, self.block_q, shape.unit,
+                                           shape.kv_heads, shape.num_sms, host.split_plan)
         self.i64[:uploaded].copy_(host.i64[:uploaded], non_blocking=True)
-        head = 2 * self.max_seqs + 1 + count   # query starts, seq lens and this bucket's programs
+        # query starts, seq lens, the split plan and this bucket's programs
+        head = 2 * self.max_seqs + 1 + self.plan_size + count
         self.int32s[:head].copy_(host.i32[:head], non_blocking=True)
         self.block_tables[:num].copy_(host.block_tables[:num], non_blocking=True)
         host.mark_uploaded()
         fill_pending_tokens(self.token_rows(bucket)[0], work, query_start, prev_tokens)
-        return self.i64[3 * bucket:uploaded], sampling
+        return self.i64[3 * bucket:uploaded], sampling, split
 
 
 class PrefillGraphs:
@@ -217,26 +254,27 @@ class PrefillGraphs:
         self.sizes = prefill_token_buckets(config.max_num_batched_tokens)
         self.max_tokens = self.sizes[-1]
         self.max_seqs = min(config.max_num_seqs, MAX_GRAPH_SEQS)
-        hf = model.config
-        block_q = prefill_block_q(hf.num_attention_heads, hf.num_key_value_heads, head_dim_of(hf), config.dtype,
-                                  self.device)
+        shape = split_shape(config)
+        # a sliding window bounds each row's keys already; the kernel splits none
+        windowed = any(layer.self_attn.window for layer in model.model.layers)
+        self.split_sizes = set() if windowed else set(split_buckets(self.sizes, shape))
         self.buffers = PrefillBuffers(self.max_tokens, -(-config.max_model_len // config.block_size), self.device,
-                                      self.max_seqs, block_q, config.max_model_len, config.block_size)
+                                      self.max_seqs, shape.block_q, config.max_model_len, config.block_size,
+                                      splitting=shape if self.split_sizes else None)
         self.prompt_seqs = min(self.max_seqs, PROMPT_GRAPH_SEQS)
-        # keyed by (bucket, prompts only)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        # keyed by (bucket, prompts only, split)
+        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool, bool], torch.Tensor] = {}
         self._capture(show_progress)
 
     def graph_seqs(self, prompts_only: bool) -> int:
         """Sequences the prompts-only or the mixed graph of a bucket holds."""
         return self.prompt_seqs if prompts_only else self.max_seqs
 
-    def _step(self, bucket: int, prompts_only: bool) -> torch.Tensor:
+    def _step(self, bucket: int, prompts_only: bool, split: bool) -> torch.Tensor:
         b = self.buffers
         ids, positions, _ = b.token_rows(bucket)
-        return self.model(ids, positions,
-                          b.meta(bucket, self.graph_seqs(prompts_only), prompts_only))
+        return self.model(ids, positions, b.meta(bucket, self.graph_seqs(prompts_only), prompts_only, split))
 
     @torch.inference_mode()
     def _capture(self, show_progress: bool) -> None:
@@ -245,7 +283,8 @@ class PrefillGraphs:
             for bucket in tqdm(reversed(self.sizes), total=len(self.sizes), desc="Capturing prefill graphs",
                                disable=not show_progress):
                 self.buffers.clear(bucket)
-                for key in ((bucket, False), (bucket, True)):
+                kinds = ((False, False), (True, False)) + (((True, True),) if bucket in self.split_sizes else ())
+                for key in ((bucket, *kind) for kind in kinds):
                     self._step(*key)   # warm-up: compiles for this shape stay out of the graph
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
@@ -263,9 +302,11 @@ class PrefillGraphs:
         stream order before its next replay) and their sequences."""
         bucket = self.bucket(sum(w.num_new for w in work))
         prompts_only = len(work) <= self.prompt_seqs and all(w.num_new > 1 for w in work)
-        rows, sampling = self.buffers.stage(work, bucket, self.graph_seqs(prompts_only), prev_tokens)
-        self.graphs[bucket, prompts_only].replay()
-        return self.outputs[bucket, prompts_only][rows], sampling
+        rows, sampling, split = self.buffers.stage(work, bucket, self.graph_seqs(prompts_only), prev_tokens,
+                                                   may_split=prompts_only and bucket in self.split_sizes)
+        key = (bucket, prompts_only, split)
+        self.graphs[key].replay()
+        return self.outputs[key][rows], sampling
 
     def bucket(self, tokens: int) -> int:
         return next(s for s in self.sizes if s >= tokens)

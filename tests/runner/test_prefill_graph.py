@@ -17,7 +17,8 @@ from nanoserve.runner.batch import SequenceWork
 from nanoserve.runner.inputs import build_inputs
 from nanoserve.runner.attention.triton_prefill import prefill_block_q
 from nanoserve.runner.models.decoder import head_dim_of
-from nanoserve.runner.prefill_graph import PrefillBuffers, fits_prefill_graph, prefill_token_buckets
+from nanoserve.runner.prefill_graph import (PrefillBuffers, fits_prefill_graph, prefill_token_buckets, split_buckets,
+                                            split_shape)
 
 if torch.cuda.is_available():
     pytest.skip("CPU checks of the static inputs; tests/gpu replays the graphs", allow_module_level=True)
@@ -40,23 +41,25 @@ def ids(n: int, seed: int) -> list[int]:
 SEQS = 6   # the buffers' sequences: a step of fewer leaves some empty
 
 
-def make_buffers(runner) -> PrefillBuffers:
+def make_buffers(runner, splitting: bool = False) -> PrefillBuffers:
     hf = runner.model.config
     block_q = prefill_block_q(hf.num_attention_heads, hf.num_key_value_heads, head_dim_of(hf), torch.float32,
                               runner.device)
-    return PrefillBuffers(128, 128 // runner.block_size, runner.device, SEQS, block_q, 128, runner.block_size)
+    return PrefillBuffers(128, 128 // runner.block_size, runner.device, SEQS, block_q, 128, runner.block_size,
+                          splitting=split_shape(runner.config) if splitting else None)
 
 
 def padded_forward(runner, work: list[SequenceWork], buffers: PrefillBuffers, bucket: int,
-                   seqs: int = SEQS, prompts_only: bool = False) -> torch.Tensor:
-    rows, sampling = buffers.stage(work, bucket, seqs)
+                   seqs: int = SEQS, prompts_only: bool = False, may_split: bool = False) -> torch.Tensor:
+    rows, sampling, split = buffers.stage(work, bucket, seqs, may_split=may_split)
+    padded_forward.split = split
     n = sum(w.num_new for w in work)
     # each sampling sequence's last query row, as the eager step picks them
     ends = list(itertools.accumulate(w.num_new for w in work))
     assert rows.tolist() == [end - 1 for end, w in zip(ends, work) if w.params is not None]
     assert sampling == [w for w in work if w.params is not None]
     ids, positions, _ = buffers.token_rows(bucket)
-    hidden = runner.model(ids, positions, buffers.meta(bucket, seqs, prompts_only))
+    hidden = runner.model(ids, positions, buffers.meta(bucket, seqs, prompts_only, split))
     return hidden[:n]
 
 
@@ -162,6 +165,38 @@ def test_a_lone_chunk_after_its_history_gives_the_eager_hidden_states(runner) ->
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@torch.inference_mode()
+def test_a_split_step_gives_the_eager_hidden_states_and_a_large_one_is_not_split(runner) -> None:
+    # a short chunk after a long history: one program a kv head, its keys split over the SMs
+    bs = runner.block_size
+    runner.kv_cache.tensor.zero_()
+    buffers = make_buffers(runner, splitting=True)
+    shape = buffers.splitting
+    assert shape.num_sms // shape.kv_heads >= 2   # the interpreter's SM count leaves room to split
+    prompt = ids(100, 110)
+    blocks = [9, 4, 15, 2, 11, 6, 13]
+    runner.run([SequenceWork(prompt, 100, 0, 94, blocks, None)])
+    padded_forward(runner, [SequenceWork(ids(40, 111), 40, 0, 40, [30, 31, 32], None)], buffers, 64)   # stale state
+    work = [SequenceWork(prompt, 100, 94, 6, blocks, GREEDY)]
+    got = padded_forward(runner, work, buffers, 16, seqs=2, prompts_only=True, may_split=True)
+    assert padded_forward.split
+    assert (buffers.splits.merges[0] >= 0).all() and (buffers.splits.merges[1:, 0] == -1).all()
+    want = runner.model(*(lambda i: (i.input_ids, i.positions, i.meta))(build_inputs(work, bs, runner.device)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # as many programs as the SMs or more: never split
+    wide = [SequenceWork(ids(60, 112), 60, 0, 60, [40, 41, 42, 43], GREEDY)]
+    got = padded_forward(runner, wide, buffers, 64, seqs=2, prompts_only=True, may_split=True)
+    assert not padded_forward.split
+
+
+def test_only_buckets_whose_smallest_step_is_small_get_split_graphs(runner) -> None:
+    shape = split_shape(runner.config)
+    # the interpreter's 4 "SMs" over 2 kv heads: one prompt of at most one 8-token tile is split
+    assert (shape.num_sms, shape.kv_heads, shape.block_q) == (4, 2, 8)
+    assert split_buckets([16, 32, 64, 128], shape) == [16]   # 16 holds steps of 2..16 tokens; 32 of 17..32
+    assert split_buckets([8, 16, 32], shape) == [8]
+
+
 def test_a_prompts_only_graph_launches_no_decode_kernel_and_a_mixed_one_does(runner, monkeypatch) -> None:
     from nanoserve.runner.attention import triton_kernels
     launches = []
@@ -212,7 +247,7 @@ def test_staging_puts_the_previous_launchs_ids_where_the_host_had_placeholders(r
     work = [SequenceWork(prompt, 12, 0, 12, [0], GREEDY),
             SequenceWork(history, 7, 7, 1, [1], GREEDY, prev_row=2)]
     for _ in range(3):   # both host sets, and a set used again
-        rows, _ = buffers.stage(work, 32, SEQS, prev)
+        rows, _, _ = buffers.stage(work, 32, SEQS, prev)
         token_ids, positions, slots = buffers.token_rows(32)[:, :13].tolist()
         assert token_ids == prompt + [503]
         assert positions == list(range(12)) + [7]

@@ -62,6 +62,28 @@ class PrefillSplits:
             stats=torch.empty(MAX_SLOTS, kv_heads, 2, block_m, dtype=torch.float32, device=device))
 
 
+@dataclass(frozen=True)
+class SplitShape:
+    """What a captured step's split plan and scratch are sized by."""
+
+    unit: int         # split_unit
+    kv_heads: int
+    num_sms: int
+    block_m: int      # the prefill tiles' rows and query tokens (prefill_tile_rows)
+    block_q: int
+    head_dim: int
+
+    def list_room(self) -> int:
+        """Program-list entries a split step may need: fewer than num_sms / kv_heads before, and
+        at most MAX_SLOTS more after."""
+        return (self.num_sms - 1) // self.kv_heads + MAX_SLOTS
+
+    def may_split(self, tokens: int) -> bool:
+        """Whether a step of one prompt of `tokens` has fewer programs than SMs: a bucket whose
+        smallest step is that size may be split."""
+        return -(-tokens // self.block_q) * self.kv_heads < self.num_sms
+
+
 def split_region_size() -> int:
     """int32 values of a split plan (merges, then ranges), staged with the program list."""
     return MAX_MERGES * 3 + MAX_SLOTS * 2
@@ -162,4 +184,4 @@ def merge_parts(splits: PrefillSplits, query_start_loc: torch.Tensor, seq_lens: 
         splits.merges, query_start_loc, seq_lens, splits.acc, splits.stats, out, v_scale,
         query_start_loc.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, KV_FP8=fp8,
-        num_warps=4, **pdl_launch(out.device))
+        num_warps=8, **pdl_launch(out.device))

@@ -205,10 +205,10 @@ def prefill_block_q(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
     return prefill_tile_rows(q_heads, kv_heads, head_dim, dtype, device)[1]
 
 
-def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> None:
+def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> int:
     """Fill `out` (int32) with the (sequence, tile) programs of every sequence of more than one
-    query (decode rows are paged_decode's), then -1. Raises if they do not fit: `out` holds
-    T / block_q + S entries for T tokens over S sequences."""
+    query (decode rows are paged_decode's), then -1; how many there are. Raises if they do not
+    fit: `out` holds T / block_q + S entries for T tokens over S sequences."""
     if len(query_lens) == 1:   # a lone prompt, the common graphed step: no vectorized fixed costs
         count = -(-query_lens[0] // block_q) if query_lens[0] > 1 else 0
         _check_tile_field(count, query_lens[0])
@@ -216,7 +216,7 @@ def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> N
             raise ValueError(f"{count} prefill tiles do not fit in {out.shape[0]}")
         out[:count] = np.arange(count)   # sequence 0
         out[count:] = -1
-        return
+        return count
     lens = np.asarray(query_lens, dtype=np.int64)
     if len(lens):
         _check_tile_field(-(-int(lens.max()) // block_q), int(lens.max()))
@@ -228,6 +228,7 @@ def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> N
     tile = np.arange(count) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)   # 0, 1, ... within each sequence
     out[:count] = (seqs << TILE_BITS.value) | tile
     out[count:] = -1
+    return count
 
 
 def _check_tile_field(tiles: int, tokens: int) -> None:
