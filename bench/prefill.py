@@ -46,15 +46,16 @@ def matmul_flops_per_second(size: int = 8192) -> float:
     return 2 * size ** 3 * 20 / (start.elapsed_time(end) / 1e3)
 
 
-def prefill_flops(hf, tokens: int) -> float:
-    """Matmul FLOPs of one causal prefill of `tokens` tokens (LM head on the last token only)."""
+def prefill_flops(hf, tokens: int, history: int = 0) -> float:
+    """Matmul FLOPs of one causal prefill of `tokens` tokens after `history` cached ones (LM head
+    on the last token only)."""
     d, layers = hf.hidden_size, hf.num_hidden_layers
     head_dim = head_dim_of(hf)
     q, kv = hf.num_attention_heads * head_dim, hf.num_key_value_heads * head_dim
     per_layer_weights = d * (q + 2 * kv) + q * d + 3 * d * hf.intermediate_size
     linear = 2 * tokens * per_layer_weights * layers + 2 * d * hf.vocab_size
     # QK^T and PV over the causal half: 2 matmuls x 2 FLOPs x N^2 / 2 x head_dim per q head
-    attention = 2 * tokens * tokens * head_dim * hf.num_attention_heads * layers
+    attention = 2 * tokens * (tokens + 2 * history) * head_dim * hf.num_attention_heads * layers
     return linear + attention
 
 
@@ -103,44 +104,50 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also print GPU ops, busy time, span and the longest idle gaps per prefill (torch.profiler)")
     parser.add_argument("--trace", metavar="DIR", help="with --profile: a Chrome trace per length in DIR")
+    parser.add_argument("--cached", type=int, default=0, metavar="N",
+                        help="every prompt follows the same N tokens, in the prefix cache: each length is the new "
+                             "tokens a turn of a conversation adds")
     parser.add_argument("--host", action="store_true",
                         help="also print the host's time per prefill: staging the graph's inputs, the graph launch call")
     args = parser.parse_args()
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
     lengths = [int(n) for n in args.lengths.split(",")]
-    config = config_from_file(args.config, max_model_len=max(lengths) + 1, max_num_seqs=args.max_num_seqs,
-                              max_num_batched_tokens=args.max_num_batched_tokens,
+    config = config_from_file(args.config, max_model_len=args.cached + max(lengths) + 1,
+                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                               kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
-                              prefill_cuda_graphs=args.prefill_cuda_graphs, enable_prefix_caching=False)
+                              prefill_cuda_graphs=args.prefill_cuda_graphs, enable_prefix_caching=args.cached > 0)
     llm = LLM(config=config)
     hf = config.hf_config
     rate = matmul_flops_per_second()
     rng = Random(0)
+    history = [rng.randrange(10000) for _ in range(args.cached)]
+    fresh = lambda n: history + [rng.randrange(10000) for _ in range(n)]   # noqa: E731
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     print(f"bf16 GEMM rate {rate / 1e12:.0f} TFLOP/s, {os.path.basename(args.config)}, "
           f"chunks of {args.max_num_batched_tokens}, backend {llm.engine.runner.backend.name}, kv {config.kv_cache_dtype}, "
-          f"prefill graphs {'on' if llm.engine.runner.prefill_graphs is not None else 'off'}")
+          f"prefill graphs {'on' if llm.engine.runner.prefill_graphs is not None else 'off'}"
+          + (f", after {args.cached} cached tokens" if args.cached else ""))
     print(f"{'tokens':>7} {'TTFT ms':>9} {'floor ms':>9} {'TTFT / floor':>13}")
     for n in lengths:
-        prompt = [rng.randrange(10000) for _ in range(n)]
+        prompt = fresh(n)
         llm.generate([prompt], params, use_tqdm=False)   # warm-up: compiles for this length stay out
         times = []
         for _ in range(args.repeats):
-            prompt = [rng.randrange(10000) for _ in range(n)]   # fresh ids: no prefix-cache hit either way
+            prompt = fresh(n)   # fresh ids: no prefix-cache hit past the history
             torch.cuda.synchronize()
             start = time.perf_counter()
             llm.generate([prompt], params, use_tqdm=False)
             times.append(time.perf_counter() - start)
         ttft = statistics.median(times)
-        floor = prefill_flops(hf, n) / rate
+        floor = prefill_flops(hf, n, args.cached) / rate
         print(f"{n:>7} {ttft * 1e3:>9.2f} {floor * 1e3:>9.2f} {ttft / floor:>12.2f}x")
         if args.host:
-            print_host_split(llm, lambda: llm.generate([[rng.randrange(10000) for _ in range(n)]], params,
+            print_host_split(llm, lambda: llm.generate([fresh(n)], params,
                                                        use_tqdm=False))
         if args.profile:   # a call is one whole prefill, fresh ids each time
             trace = os.path.join(args.trace, f"prefill-{n}.json") if args.trace else None
-            print_gpu_profile(lambda: llm.generate([[rng.randrange(10000) for _ in range(n)]], params,
+            print_gpu_profile(lambda: llm.generate([fresh(n)], params,
                                                    use_tqdm=False), calls=5, top=8, trace=trace, gaps=6)
     llm.close()
 
