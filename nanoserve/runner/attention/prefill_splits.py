@@ -1,13 +1,13 @@
 """Key splits for the prefill programs of a captured step too small to fill the GPU.
 
-A lone 1k prompt over 8 kv heads is 128 (query tile, kv head) programs for 132 SMs, and causal
-attention gives them unequal work: the last tile reads all 1,024 keys, the first 64. The kernel
-then lasts as long as its longest program: 33 us a layer on an H200, where four such prompts
-together run their work 1.7x as fast (BENCHMARKS.md, prefill tiles). A chunk after a long
-history (a prefix-cache hit, a chunked prompt's last part) is worse: 8 programs over all of its
-history. Where a step's programs are fewer than the SMs, the host cuts each long tile's keys
-into ranges of whole units; every part writes its unnormalized output and softmax statistics to
-a scratch slot, and `merge_parts` folds a tile's parts into its rows, as decode's split merge does.
+A step's programs are (query tile, kv head) pairs, and each reads every key up to its tile's last
+query. A chunk after a long history (a conversation's next turn found in the prefix cache, a
+chunked prompt's last part) is a few programs that each read all of that history: 64 new tokens
+after 4,096 cached ones are 8 programs over 4,160 keys on 132 SMs. Where a step's programs are
+fewer than the SMs and a split is estimated to finish sooner (split_span), the host cuts its long
+tiles' keys into ranges; every part writes its unnormalized output and softmax statistics to a
+scratch slot, and `merge_parts` folds a tile's parts into its rows, as decode's split merge does.
+A lone fresh prompt is not split: its tiles' keys already fill about one wave.
 
 In the program list (prefill_tiles) an entry is sequence << 16 | slot << 10 | query tile, where
 slot 0 is a whole tile and slot s > 0 a part whose key range is ranges[s - 1]. A merge entry is
@@ -89,13 +89,37 @@ def split_region_size() -> int:
     return MAX_MERGES * 3 + MAX_SLOTS * 2
 
 
+def split_span(ends: np.ndarray, unit: int, kv_heads: int, num_sms: int) -> int:
+    """The part length (whole units) that a step of one-wave programs ending at `ends` keys is
+    estimated to finish soonest with, or 0 where no split beats the whole tiles.
+
+    A wave of programs lasts about as long as its longest part plus a program's fixed cost (its
+    query load, softmax tail and stores), taken as a unit of keys; the merge costs two units. Measured
+    on an H100 (BENCHMARKS.md): splitting a lone 512- or 1k-token prompt into two-unit parts lost
+    0.1-0.8 ms, where a second wave of programs and the merge cost more than the longest tile's
+    keys saved; 64 tokens after 4,096 cached ones took 3.7-4.0 ms split against 5.9-6.5 whole."""
+    longest = int(ends.max())
+    whole = longest + unit
+    spans = unit * np.arange(1, -(-longest // unit), dtype=np.int64)
+    if not len(spans):
+        return 0
+    parts = -(-ends[None, :] // spans[:, None])                    # [span, tile]
+    waves = -(-parts.sum(axis=1) * kv_heads // num_sms)
+    estimate = waves * (spans + unit) + 2 * unit
+    split = parts > 1
+    fits = ((parts * split).sum(axis=1) <= MAX_SLOTS) & (split.sum(axis=1) <= MAX_MERGES)
+    estimate = np.where(fits, estimate, np.iinfo(np.int64).max)
+    best = int(np.argmin(estimate))
+    return int(spans[best]) if estimate[best] < whole else 0
+
+
 def plan_splits(tiles: np.ndarray, count: int, query_lens: list[int], seq_lens: np.ndarray, block_q: int,
                 unit: int, kv_heads: int, num_sms: int, region: np.ndarray) -> int:
     """Where the step's programs (`tiles[:count]`, prefill_tiles' entries, times kv_heads) are fewer
-    than the SMs, cut its long tiles into key ranges of about one SM's share of the step's keys (whole
-    `unit`s), longest tiles first while slots last. Writes the plan into `region`
-    (split_region_size values) and the new list into `tiles`, longest programs first; returns its
-    length, at most count + MAX_SLOTS (`tiles` must hold that many)."""
+    than the SMs and a split is estimated to pay (split_span), cut its long tiles into key ranges
+    of that span. Writes the plan into `region` (split_region_size values) and the new list into
+    `tiles`, longest programs first; returns its length, at most count + MAX_SLOTS (`tiles` must
+    hold that many)."""
     merges = region[:MAX_MERGES * 3].reshape(MAX_MERGES, 3)
     ranges = region[MAX_MERGES * 3:].reshape(MAX_SLOTS, 2)
     merges[:] = -1
@@ -105,26 +129,22 @@ def plan_splits(tiles: np.ndarray, count: int, query_lens: list[int], seq_lens: 
     seqs, tile_ids = entries >> 16, entries & TILE_FIELD
     lens = np.asarray(query_lens, dtype=np.int64)[seqs]
     ends = seq_lens[seqs].astype(np.int64) - lens + np.minimum((tile_ids + 1) * block_q, lens)
-    # the kernel lasts about as long as the larger of its longest program and one SM's share of
-    # the keys: parts of about that share, in whole units
-    span = unit * max(1, int(ends.sum()) * kv_heads // (num_sms * unit))
+    span = split_span(ends, unit, kv_heads, num_sms)
+    if not span:
+        return count
     programs: list[tuple[int, int]] = []   # (keys, entry)
     slot = merge = 0
-    for i in np.argsort(-ends, kind="stable"):
-        end, entry = int(ends[i]), int(entries[i])
-        tile_span = span
-        if -(-end // span) > MAX_SLOTS - slot:   # longer parts where the slots left are too few
-            tile_span = unit * -(-end // (unit * max(1, MAX_SLOTS - slot)))
-        parts = -(-end // tile_span)
-        if parts < 2 or merge == MAX_MERGES:
+    for end, entry in zip(ends.tolist(), entries.tolist()):
+        parts = -(-end // span)
+        if parts < 2:
             programs.append((end, entry))
             continue
         merges[merge] = (entry, slot + 1, parts)
         merge += 1
         for p in range(parts):
-            first = p * tile_span
-            ranges[slot + p] = (first, min(first + tile_span, end))
-            programs.append((min(tile_span, end - first), entry | (slot + p + 1) << SLOT_SHIFT))
+            first = p * span
+            ranges[slot + p] = (first, min(first + span, end))
+            programs.append((min(span, end - first), entry | (slot + p + 1) << SLOT_SHIFT))
         slot += parts
     programs.sort(key=lambda program: -program[0])
     tiles[:len(programs)] = [entry for _, entry in programs]
