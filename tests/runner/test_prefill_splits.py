@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve.runner.attention.prefill_splits import (MAX_MERGES, MAX_SLOTS, SLOT_SHIFT, TILE_FIELD, PrefillSplits,
-                                                       plan_splits, split_region_size, split_unit)
 from nanoserve.runner.attention.fp8 import quantize_fp8
 from nanoserve.runner.attention.kv_layout import v_cache_copy
+from nanoserve.runner.attention.prefill_splits import (MAX_MERGES, MAX_SLOTS, SLOT_FIELD, SLOT_SHIFT, TILE_FIELD,
+                                                       PrefillSplits, plan_splits, split_region_size, split_unit)
 from nanoserve.runner.attention.triton_kernels import store_kvcache
 from nanoserve.runner.attention.triton_prefill import paged_prefill, prefill_tile_rows, prefill_tiles
 from tests.runner.test_triton_attention import make_step
@@ -30,7 +30,7 @@ def parts_by_tile(tiles: np.ndarray, total: int, region: np.ndarray) -> dict[tup
     ranges = region[MAX_MERGES * 3:].reshape(MAX_SLOTS, 2)
     keys: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for entry in tiles[:total].tolist():
-        slot = (entry >> SLOT_SHIFT) & 63
+        slot = (entry >> SLOT_SHIFT) & SLOT_FIELD
         keys.setdefault((entry >> 16, entry & TILE_FIELD), []).append(tuple(ranges[slot - 1]) if slot else None)
     return keys
 
@@ -66,7 +66,7 @@ def test_a_plan_covers_each_split_tiles_keys_once_in_whole_units(query_lens, seq
     lengths = []   # the list runs longest programs first
     ranges = region[MAX_MERGES * 3:].reshape(MAX_SLOTS, 2)
     for entry in tiles[:total].tolist():
-        seq, tile, slot = entry >> 16, entry & TILE_FIELD, (entry >> SLOT_SHIFT) & 63
+        seq, tile, slot = entry >> 16, entry & TILE_FIELD, (entry >> SLOT_SHIFT) & SLOT_FIELD
         end = seq_lens[seq] - query_lens[seq] + min((tile + 1) * block_q, query_lens[seq])
         lengths.append(int(ranges[slot - 1][1] - ranges[slot - 1][0]) if slot else end)
     assert lengths == sorted(lengths, reverse=True)
@@ -78,7 +78,7 @@ def test_a_lone_fresh_prompt_is_not_split(query_lens, seq_lens):
     # measured: splitting a lone 512- or 1k-token prompt lost time on an H100 (split_span's note)
     tiles, total, region = plan(query_lens, seq_lens, 64, 256, 8, 132)
     assert total == -(-query_lens[0] // 64) and (region[:MAX_MERGES * 3] == -1).all()
-    assert all((entry >> SLOT_SHIFT) & 63 == 0 for entry in tiles[:total].tolist())
+    assert all((entry >> SLOT_SHIFT) & SLOT_FIELD == 0 for entry in tiles[:total].tolist())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's check; tests/gpu runs the kernels on the GPU")

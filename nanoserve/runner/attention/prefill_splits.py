@@ -25,9 +25,11 @@ import triton.language as tl
 
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
+SEQ_SHIFT = 16             # an entry's sequence; below it the slot, then the tile
 SLOT_SHIFT = 10            # an entry's tile field holds 1,024 tiles: 8,192 tokens of BLOCK_Q >= 8
 TILE_FIELD = (1 << SLOT_SHIFT) - 1
-MAX_SLOTS = 48             # parts a step may write (the slot field holds 63); each slot is a tile of fp32 rows a kv head
+SLOT_FIELD = (1 << (SEQ_SHIFT - SLOT_SHIFT)) - 1
+MAX_SLOTS = 48             # parts a step may write (< SLOT_FIELD); each slot is a tile of fp32 rows a kv head
 MAX_MERGES = 24            # split tiles a step may have
 
 
@@ -126,7 +128,7 @@ def plan_splits(tiles: np.ndarray, count: int, query_lens: list[int], seq_lens: 
     if count == 0 or count * kv_heads >= num_sms:
         return count
     entries = tiles[:count].astype(np.int64)
-    seqs, tile_ids = entries >> 16, entries & TILE_FIELD
+    seqs, tile_ids = entries >> SEQ_SHIFT, entries & TILE_FIELD
     lens = np.asarray(query_lens, dtype=np.int64)[seqs]
     ends = seq_lens[seqs].astype(np.int64) - lens + np.minimum((tile_ids + 1) * block_q, lens)
     span = split_span(ends, unit, kv_heads, num_sms)
@@ -151,6 +153,10 @@ def plan_splits(tiles: np.ndarray, count: int, query_lens: list[int], seq_lens: 
     return len(programs)
 
 
+_SEQ_SHIFT = tl.constexpr(SEQ_SHIFT)
+_TILE_FIELD = tl.constexpr(TILE_FIELD)
+
+
 @triton.jit
 def _merge_kernel(merges_ptr, query_start_loc_ptr, seq_lens_ptr, acc_ptr, stats_ptr, out_ptr, v_scale,
                   stride_qsl, stride_sl, stride_ot, stride_oh,
@@ -165,8 +171,8 @@ def _merge_kernel(merges_ptr, query_start_loc_ptr, seq_lens_ptr, acc_ptr, stats_
         return
     first = tl.load(merges_ptr + merge * 3 + 1)
     parts = tl.load(merges_ptr + merge * 3 + 2)
-    seq = packed >> 16
-    q_tile = packed & ((1 << 10) - 1)
+    seq = packed >> _SEQ_SHIFT
+    q_tile = packed & _TILE_FIELD
     q_start = tl.load(query_start_loc_ptr + seq * stride_qsl)
     q_len = tl.load(query_start_loc_ptr + (seq + 1) * stride_qsl) - q_start
 

@@ -181,10 +181,11 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
 
 
-TILE_BITS = tl.constexpr(16)   # a tiles entry is sequence << TILE_BITS | slot << SLOT_SHIFT | tile
+# a tiles entry is sequence << TILE_BITS | slot << SLOT_SHIFT | tile (prefill_splits.py)
+TILE_BITS = tl.constexpr(prefill_splits.SEQ_SHIFT)
 SLOT_SHIFT = tl.constexpr(prefill_splits.SLOT_SHIFT)
 TILE_MASK = tl.constexpr(prefill_splits.TILE_FIELD)
-SLOT_MASK = tl.constexpr((1 << (16 - prefill_splits.SLOT_SHIFT)) - 1)
+SLOT_MASK = tl.constexpr(prefill_splits.SLOT_FIELD)
 
 
 def _tile_rows(block_m: int, group: int) -> tuple[int, int]:
