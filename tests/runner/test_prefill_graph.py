@@ -52,6 +52,12 @@ def make_buffers(runner, splitting: bool = False) -> PrefillBuffers:
                           splitting=shape if splitting else None)
 
 
+def eager_hidden(runner, work: list[SequenceWork]) -> torch.Tensor:
+    """The hidden states of the eager forward of `work`, packed as build_inputs packs it."""
+    inputs = build_inputs(work, runner.block_size, runner.device)
+    return runner.model(inputs.input_ids, inputs.positions, inputs.meta)
+
+
 def padded_forward(runner, work: list[SequenceWork], buffers: PrefillBuffers, bucket: int,
                    seqs: int = SEQS, prompts_only: bool = False, may_split: bool = False) -> torch.Tensor:
     rows, sampling, split = buffers.stage(work, bucket, seqs, may_split=may_split)
@@ -95,7 +101,7 @@ def test_a_padded_step_gives_the_eager_hidden_states_and_stores_only_its_own_slo
     rows = buffers.token_rows(32)
     assert rows[2, n:].eq(-1).all() and rows[:2, n:].eq(0).all()
     stored = cache.clone()
-    want = runner.model(*(lambda i: (i.input_ids, i.positions, i.meta))(build_inputs(work, bs, runner.device)))
+    want = eager_hidden(runner, work)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache, stored, rtol=1e-5, atol=1e-5)   # the eager pass stored the same K/V
     slots = {blk * bs + p % bs for w in work for p in range(w.start, w.start + w.num_new)
@@ -114,7 +120,6 @@ def test_buckets_double_to_1k_then_grow_by_1k() -> None:
 
 @torch.inference_mode()
 def test_a_step_of_many_decode_rows_beside_prompts_gives_the_eager_hidden_states(runner) -> None:
-    bs = runner.block_size
     runner.kv_cache.tensor.zero_()
     histories = [(ids(5 + 5 * i, 30 + i), [40 + 2 * i, 41 + 2 * i]) for i in range(4)]   # 4 sequences to decode
     runner.run([SequenceWork(t, len(t), 0, len(t) - 1, blocks, None) for t, blocks in histories])
@@ -123,13 +128,12 @@ def test_a_step_of_many_decode_rows_beside_prompts_gives_the_eager_hidden_states
     work += [SequenceWork(t, len(t), len(t) - 1, 1, blocks, GREEDY) for t, blocks in histories[2:]]
     buffers = make_buffers(runner)
     got = padded_forward(runner, work, buffers, 32)
-    want = runner.model(*(lambda i: (i.input_ids, i.positions, i.meta))(build_inputs(work, bs, runner.device)))
+    want = eager_hidden(runner, work)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @torch.inference_mode()
 def test_a_prompts_only_graph_over_fewer_sequences_gives_the_eager_hidden_states(runner) -> None:
-    bs = runner.block_size
     runner.kv_cache.tensor.zero_()
     buffers = make_buffers(runner)
     # an earlier mixed step over every sequence leaves stale sequences and programs past the first two
@@ -141,7 +145,7 @@ def test_a_prompts_only_graph_over_fewer_sequences_gives_the_eager_hidden_states
     got = padded_forward(runner, work, buffers, 32, seqs=2, prompts_only=True)
     meta = buffers.meta(32, 2, prompts_only=True)
     assert meta.seq_lens.shape[0] == 2 and meta.prefill_tiles.shape[0] == buffers.num_tiles(32, 2)
-    want = runner.model(*(lambda i: (i.input_ids, i.positions, i.meta))(build_inputs(work, bs, runner.device)))
+    want = eager_hidden(runner, work)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -164,14 +168,13 @@ def test_a_lone_chunk_after_its_history_gives_the_eager_hidden_states(runner) ->
         assert positions[:bs + 8] == list(range(bs - 3, 2 * bs + 5))
         assert slots[:bs + 8] == [blocks[p // bs] * bs + p % bs for p in range(bs - 3, 2 * bs + 5)]
         assert slots[bs + 8:] == [-1] * (24 - bs)
-        want = runner.model(*(lambda i: (i.input_ids, i.positions, i.meta))(build_inputs(work, bs, runner.device)))
+        want = eager_hidden(runner, work)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @torch.inference_mode()
 def test_a_split_step_gives_the_eager_hidden_states_and_a_large_one_is_not_split(runner) -> None:
     # a short chunk after a long history: one program a kv head, its keys split over the SMs
-    bs = runner.block_size
     runner.kv_cache.tensor.zero_()
     buffers = make_buffers(runner, splitting=True)
     shape = buffers.splitting
@@ -184,7 +187,7 @@ def test_a_split_step_gives_the_eager_hidden_states_and_a_large_one_is_not_split
     got = padded_forward(runner, work, buffers, 16, seqs=2, prompts_only=True, may_split=True)
     assert padded_forward.split
     assert (buffers.splits.merges[0] >= 0).all() and (buffers.splits.merges[1:, 0] == -1).all()
-    want = runner.model(*(lambda i: (i.input_ids, i.positions, i.meta))(build_inputs(work, bs, runner.device)))
+    want = eager_hidden(runner, work)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # as many programs as the SMs or more: never split
     wide = [SequenceWork(ids(60, 112), 60, 0, 60, [40, 41, 42, 43], GREEDY)]
