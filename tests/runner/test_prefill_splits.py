@@ -11,7 +11,8 @@ import torch
 from nanoserve.runner.attention.fp8 import quantize_fp8
 from nanoserve.runner.attention.kv_layout import v_cache_copy
 from nanoserve.runner.attention.prefill_splits import (MAX_MERGES, MAX_SLOTS, SLOT_FIELD, SLOT_SHIFT, TILE_FIELD,
-                                                       PrefillSplits, plan_splits, split_region_size, split_unit)
+                                                       PrefillSplits, best_span, plan_splits, split_region_size,
+                                                       split_span, split_unit)
 from nanoserve.runner.attention.triton_kernels import store_kvcache
 from nanoserve.runner.attention.triton_prefill import paged_prefill, prefill_tile_rows, prefill_tiles
 from tests.runner.test_triton_attention import make_step
@@ -79,6 +80,21 @@ def test_a_lone_fresh_prompt_is_not_split(query_lens, seq_lens):
     tiles, total, region = plan(query_lens, seq_lens, 64, 256, 8, 132)
     assert total == -(-query_lens[0] // 64) and (region[:MAX_MERGES * 3] == -1).all()
     assert all((entry >> SLOT_SHIFT) & SLOT_FIELD == 0 for entry in tiles[:total].tolist())
+
+
+def test_the_shortcut_refuses_only_steps_the_estimate_would_not_split():
+    rng = np.random.default_rng(3)
+    refused = split = 0
+    for _ in range(400):
+        tiles = int(rng.integers(1, 17))
+        history = int(rng.choice([0, 0, int(rng.integers(1, 9000))]))
+        ends = history + np.minimum(np.arange(1, tiles + 1) * 64, int(rng.integers(2, tiles * 64 + 1)))
+        kv_heads = int(rng.choice([1, 2, 4, 8]))
+        full = best_span(ends, 256, kv_heads, 132)
+        assert split_span(ends, 256, kv_heads, 132) == full
+        refused += int(ends.sum()) * kv_heads / 132 + 512 >= int(ends.max())
+        split += full > 0
+    assert refused > 50 and split > 50   # both ways were taken
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's check; tests/gpu runs the kernels on the GPU")

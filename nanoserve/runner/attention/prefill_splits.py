@@ -101,7 +101,16 @@ def split_span(ends: np.ndarray, unit: int, kv_heads: int, num_sms: int) -> int:
     0.1-0.8 ms, where a second wave of programs and the merge cost more than the longest tile's
     keys saved; 64 tokens after 4,096 cached ones took 3.7-4.0 ms split against 5.9-6.5 whole."""
     longest = int(ends.max())
-    whole = longest + unit
+    # waves x span >= the keys an SM must read, so no estimate beats the whole tiles unless that
+    # share plus the fixed costs is below the longest tile (a lone fresh prompt never is)
+    if int(ends.sum()) * kv_heads / num_sms + 2 * unit >= longest:
+        return 0
+    return best_span(ends, unit, kv_heads, num_sms)
+
+
+def best_span(ends: np.ndarray, unit: int, kv_heads: int, num_sms: int) -> int:
+    """split_span's estimate over every span, without its shortcut."""
+    longest = int(ends.max())
     spans = unit * np.arange(1, -(-longest // unit), dtype=np.int64)
     if not len(spans):
         return 0
@@ -112,7 +121,7 @@ def split_span(ends: np.ndarray, unit: int, kv_heads: int, num_sms: int) -> int:
     fits = ((parts * split).sum(axis=1) <= MAX_SLOTS) & (split.sum(axis=1) <= MAX_MERGES)
     estimate = np.where(fits, estimate, np.iinfo(np.int64).max)
     best = int(np.argmin(estimate))
-    return int(spans[best]) if estimate[best] < whole else 0
+    return int(spans[best]) if estimate[best] < longest + unit else 0
 
 
 def plan_splits(tiles: np.ndarray, count: int, query_lens: list[int], seq_lens: np.ndarray, block_q: int,
