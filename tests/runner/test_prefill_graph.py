@@ -16,6 +16,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.llm import LLM
 from nanoserve.runner.batch import SequenceWork
 from nanoserve.runner.inputs import build_inputs
+from nanoserve.runner.attention.prefill_splits import SEQ_SHIFT
 from nanoserve.runner.attention.triton_prefill import prefill_block_q
 from nanoserve.runner.models.decoder import head_dim_of
 from nanoserve.runner.prefill_graph import (PrefillBuffers, fits_prefill_graph, prefill_token_buckets, split_buckets,
@@ -97,7 +98,7 @@ def test_a_padded_step_gives_the_eager_hidden_states_and_stores_only_its_own_slo
     assert buffers.query_start[len(work) + 1:].tolist() == [n] * (SEQS - len(work))
     assert buffers.seq_lens[len(work):].tolist() == [0] * (SEQS - len(work))
     tiles = buffers.tiles[:buffers.num_tiles(32, SEQS)].tolist()
-    assert sorted({t >> 16 for t in tiles if t >= 0}) == [0, 1] and tiles[-1] == -1   # c's decode row: none
+    assert sorted({t >> SEQ_SHIFT for t in tiles if t >= 0}) == [0, 1] and tiles[-1] == -1   # c's decode row: none
     rows = buffers.token_rows(32)
     assert rows[2, n:].eq(-1).all() and rows[:2, n:].eq(0).all()
     stored = cache.clone()

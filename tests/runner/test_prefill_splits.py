@@ -10,9 +10,9 @@ import torch
 
 from nanoserve.runner.attention.fp8 import quantize_fp8
 from nanoserve.runner.attention.kv_layout import v_cache_copy
-from nanoserve.runner.attention.prefill_splits import (MAX_MERGES, MAX_SLOTS, SLOT_FIELD, SLOT_SHIFT, TILE_FIELD,
-                                                       PrefillSplits, best_span, plan_splits, split_region_size,
-                                                       split_span, split_unit)
+from nanoserve.runner.attention.prefill_splits import (MAX_MERGES, MAX_SLOTS, SEQ_SHIFT, SLOT_FIELD, SLOT_SHIFT,
+                                                       TILE_FIELD, PrefillSplits, best_span, plan_splits,
+                                                       split_region_size, split_span, split_unit)
 from nanoserve.runner.attention.triton_kernels import store_kvcache
 from nanoserve.runner.attention.triton_prefill import paged_prefill, prefill_tile_rows, prefill_tiles
 from tests.runner.test_triton_attention import make_step
@@ -32,7 +32,7 @@ def parts_by_tile(tiles: np.ndarray, total: int, region: np.ndarray) -> dict[tup
     keys: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for entry in tiles[:total].tolist():
         slot = (entry >> SLOT_SHIFT) & SLOT_FIELD
-        keys.setdefault((entry >> 16, entry & TILE_FIELD), []).append(tuple(ranges[slot - 1]) if slot else None)
+        keys.setdefault((entry >> SEQ_SHIFT, entry & TILE_FIELD), []).append(tuple(ranges[slot - 1]) if slot else None)
     return keys
 
 
@@ -60,14 +60,14 @@ def test_a_plan_covers_each_split_tiles_keys_once_in_whole_units(query_lens, seq
         assert parts[0][0] == 0 and parts[-1][1] == end
         assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
         assert all(first % unit == 0 for first, _ in parts)
-        row = [m for m in merges.tolist() if m[0] == (seq << 16 | tile)]
+        row = [m for m in merges.tolist() if m[0] == (seq << SEQ_SHIFT | tile)]
         assert row and row[0][2] == len(parts)
     assert split == sum(m[0] >= 0 for m in merges.tolist()) > 0
     assert total * kv_heads <= sms   # one wave
     lengths = []   # the list runs longest programs first
     ranges = region[MAX_MERGES * 3:].reshape(MAX_SLOTS, 2)
     for entry in tiles[:total].tolist():
-        seq, tile, slot = entry >> 16, entry & TILE_FIELD, (entry >> SLOT_SHIFT) & SLOT_FIELD
+        seq, tile, slot = entry >> SEQ_SHIFT, entry & TILE_FIELD, (entry >> SLOT_SHIFT) & SLOT_FIELD
         end = seq_lens[seq] - query_lens[seq] + min((tile + 1) * block_q, query_lens[seq])
         lengths.append(int(ranges[slot - 1][1] - ranges[slot - 1][0]) if slot else end)
     assert lengths == sorted(lengths, reverse=True)
@@ -80,6 +80,18 @@ def test_a_lone_fresh_prompt_is_not_split(query_lens, seq_lens):
     tiles, total, region = plan(query_lens, seq_lens, 64, 256, 8, 132)
     assert total == -(-query_lens[0] // 64) and (region[:MAX_MERGES * 3] == -1).all()
     assert all((entry >> SLOT_SHIFT) & SLOT_FIELD == 0 for entry in tiles[:total].tolist())
+
+
+def test_an_entry_holds_the_largest_bucket_at_one_token_a_tile_and_every_graph_sequence():
+    from nanoserve.runner.prefill_graph import LARGEST_BUCKET, MAX_GRAPH_SEQS
+    out = np.empty(LARGEST_BUCKET + 1, dtype=np.int32)
+    assert prefill_tiles([LARGEST_BUCKET], 1, out) == LARGEST_BUCKET   # a query group of 128 heads
+    assert (out[:LARGEST_BUCKET] & TILE_FIELD).tolist() == list(range(LARGEST_BUCKET)) and out[-1] == -1
+    out = np.empty(MAX_GRAPH_SEQS, dtype=np.int32)
+    assert prefill_tiles([2] * MAX_GRAPH_SEQS, 64, out) == MAX_GRAPH_SEQS
+    assert (out >> SEQ_SHIFT).tolist() == list(range(MAX_GRAPH_SEQS)) and (out & TILE_FIELD == 0).all()
+    with pytest.raises(ValueError, match="more tiles than an entry holds"):
+        prefill_tiles([TILE_FIELD + 2], 1, np.empty(TILE_FIELD + 2, dtype=np.int32))
 
 
 def test_the_shortcut_refuses_only_steps_the_estimate_would_not_split():

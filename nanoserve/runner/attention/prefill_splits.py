@@ -9,9 +9,9 @@ tiles' keys into ranges; every part writes its unnormalized output and softmax s
 scratch slot, and `merge_parts` folds a tile's parts into its rows, as decode's split merge does.
 A lone fresh prompt is not split: its tiles' keys already fill about one wave.
 
-In the program list (prefill_tiles) an entry is sequence << 16 | slot << 10 | query tile, where
-slot 0 is a whole tile and slot s > 0 a part whose key range is ranges[s - 1]. A merge entry is
-(sequence << 16 | query tile, first slot, parts), -1 where unused.
+In the program list (prefill_tiles) an entry is sequence << SEQ_SHIFT | slot << SLOT_SHIFT |
+query tile, where slot 0 is a whole tile and slot s > 0 a part whose key range is ranges[s - 1]. A
+merge entry is (sequence << SEQ_SHIFT | query tile, first slot, parts), -1 where unused.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import triton.language as tl
 
 from nanoserve.runner.pdl import pdl_launch, pdl_prologue
 
-SEQ_SHIFT = 16             # an entry's sequence; below it the slot, then the tile
-SLOT_SHIFT = 10            # an entry's tile field holds 1,024 tiles: 8,192 tokens of BLOCK_Q >= 8
+SEQ_SHIFT = 21             # an entry's sequence (up to 1,024: MAX_GRAPH_SEQS is 512); below it the slot, then the tile
+SLOT_SHIFT = 15            # an entry's tile field holds 32,768 tiles: 8,192 tokens of BLOCK_Q >= 1
 TILE_FIELD = (1 << SLOT_SHIFT) - 1
 SLOT_FIELD = (1 << (SEQ_SHIFT - SLOT_SHIFT)) - 1
 MAX_SLOTS = 48             # parts a step may write (< SLOT_FIELD); each slot is a tile of fp32 rows a kv head

@@ -219,6 +219,8 @@ def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> i
         out[count:] = -1
         return count
     lens = np.asarray(query_lens, dtype=np.int64)
+    if len(lens) > 1 << (31 - prefill_splits.SEQ_SHIFT):
+        raise ValueError(f"{len(lens)} sequences are more than a tiles entry holds")
     if len(lens):
         _check_tile_field(-(-int(lens.max()) // block_q), int(lens.max()))
     per_seq = np.where(lens > 1, -(-lens // block_q), 0)
