@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [decode] [served] [served-asc] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [tiles-ab] [prefill-fp8-ab] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab] [v-store-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [prefill-turns] [decode] [served] [served-asc] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [tiles-ab] [prefill-fp8-ab] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab] [v-store-ab]
 # carry .whl (scripts/device_wheels.sh) for the parts that import the engine or the server; served also needs .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -296,6 +296,9 @@ from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--
            python3 bench/prefill.py --lengths 128,1024,4096 $flag 2>&1 | tee -a "$out/prefill-graphs.log" | grep -vE "it/s|Capturing"
          done
          python3 bench/throughput.py --num-seqs 256 --no-prefill-cuda-graphs 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
+    prefill-turns) # a conversation's next turn: new tokens after 4,096 cached ones (split prefill programs)
+         python3 bench/prefill.py --cached 4096 --lengths 64,512,1024 --repeats 9 2>&1 | tee "$out/prefill-turns.log" \
+           | grep -vE "it/s|Capturing" ;;
     prefill) python3 bench/prefill.py --host --profile --trace "$out/prefill-trace" 2>&1 | tee "$out/prefill.log" | grep -vE "it/s|Capturing"
              python3 bench/prefill.py --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/prefill.log" | grep -vE "it/s|Capturing" ;;
     decode) python3 bench/decode_step.py 2>&1 | tee "$out/decode_step.log" | grep -vE "it/s|Capturing" ;;
