@@ -156,21 +156,22 @@ def test_a_lone_chunk_after_its_history_gives_the_eager_hidden_states(runner) ->
     bs = runner.block_size
     runner.kv_cache.tensor.zero_()
     buffers = make_buffers(runner)
-    padded_forward(runner, [SequenceWork(ids(40, 100 + i), 40, 0, 40, [30 + 3 * i, 31 + 3 * i, 32 + 3 * i], None)
-                            for i in range(3)], buffers, 128)   # stale rows, tables and programs
+    padded_forward(runner, [SequenceWork(ids(20, 100 + i), 20, 0, 20, [30 + 2 * i, 31 + 2 * i], None)
+                            for i in range(3)], buffers, 64)   # stale rows, tables and programs
     prompt = ids(2 * bs + 5, 95)
     blocks = [7, 3, 12]   # out of order: a slot is its table's block, not its position's
     runner.run([SequenceWork(prompt, len(prompt), 0, bs - 3, blocks, None)])
     for params in (None, GREEDY):   # a middle chunk samples nothing; the last samples its last row
         work = [SequenceWork(prompt, len(prompt), bs - 3, bs + 8, blocks, params)]
-        got = padded_forward(runner, work, buffers, 32, seqs=2, prompts_only=True)
+        rows, sampling, _ = buffers.stage(work, 32, 2)
+        assert rows.tolist() == ([bs + 7] if params else []) and sampling == ([work[0]] if params else [])
         token_ids, positions, slots = buffers.token_rows(32).tolist()
         assert token_ids[:bs + 8] == prompt[bs - 3:2 * bs + 5] and token_ids[bs + 8:] == [0] * (24 - bs)
         assert positions[:bs + 8] == list(range(bs - 3, 2 * bs + 5))
         assert slots[:bs + 8] == [blocks[p // bs] * bs + p % bs for p in range(bs - 3, 2 * bs + 5)]
         assert slots[bs + 8:] == [-1] * (24 - bs)
-        want = eager_hidden(runner, work)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got = padded_forward(runner, work, buffers, 32, seqs=2, prompts_only=True)
+    torch.testing.assert_close(got, eager_hidden(runner, work), rtol=1e-5, atol=1e-5)
 
 
 @torch.inference_mode()
@@ -183,17 +184,15 @@ def test_a_split_step_gives_the_eager_hidden_states_and_a_large_one_is_not_split
     prompt = ids(126, 110)
     blocks = [9, 4, 15, 2, 11, 6, 13, 17]
     runner.run([SequenceWork(prompt, 126, 0, 120, blocks, None)])
-    padded_forward(runner, [SequenceWork(ids(40, 111), 40, 0, 40, [30, 31, 32], None)], buffers, 64)   # stale state
     work = [SequenceWork(prompt, 126, 120, 6, blocks, GREEDY)]
     got = padded_forward(runner, work, buffers, 16, seqs=2, prompts_only=True, may_split=True)
     assert padded_forward.split
     assert (buffers.splits.merges[0] >= 0).all() and (buffers.splits.merges[1:, 0] == -1).all()
     want = eager_hidden(runner, work)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # as many programs as the SMs or more: never split
+    # as many programs as the SMs or more (8 tiles of 8 tokens x 2 kv heads): never split
     wide = [SequenceWork(ids(60, 112), 60, 0, 60, [40, 41, 42, 43], GREEDY)]
-    got = padded_forward(runner, wide, buffers, 64, seqs=2, prompts_only=True, may_split=True)
-    assert not padded_forward.split
+    assert not buffers.stage(wide, 64, 2, may_split=True)[2]
 
 
 def test_only_buckets_whose_smallest_step_is_small_get_split_graphs(runner) -> None:
