@@ -76,7 +76,7 @@ def _prefill_kernel(
     V_TOKENS_CONTIGUOUS: tl.constexpr = False, WINDOW: tl.constexpr = 0, SPLIT: tl.constexpr = False,
 ):
     pdl_prologue(USE_PDL)
-    if TILED:   # (sequence, tile) from the host's list; -1 past its end
+    if TILED:   # (sequence, slot, tile) from the host's list; -1 past its end
         packed = tl.load(tiles_ptr + tl.program_id(0))
         if packed < 0:
             return
