@@ -210,33 +210,26 @@ def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> i
     """Fill `out` (int32) with the (sequence, tile) programs of every sequence of more than one
     query (decode rows are paged_decode's), then -1; how many there are. Raises if they do not
     fit: `out` holds T / block_q + S entries for T tokens over S sequences."""
+    longest = max(query_lens, default=0)
+    if len(query_lens) > 1 << (31 - prefill_splits.SEQ_SHIFT):
+        raise ValueError(f"{len(query_lens)} sequences are more than a tiles entry holds")
+    if -(-longest // block_q) > prefill_splits.TILE_FIELD + 1:
+        raise ValueError(f"a query of {longest} tokens has more tiles than an entry holds")
     if len(query_lens) == 1:   # a lone prompt, the common graphed step: no vectorized fixed costs
-        count = -(-query_lens[0] // block_q) if query_lens[0] > 1 else 0
-        _check_tile_field(count, query_lens[0])
-        if count > out.shape[0]:
-            raise ValueError(f"{count} prefill tiles do not fit in {out.shape[0]}")
-        out[:count] = np.arange(count)   # sequence 0
-        out[count:] = -1
-        return count
-    lens = np.asarray(query_lens, dtype=np.int64)
-    if len(lens) > 1 << (31 - prefill_splits.SEQ_SHIFT):
-        raise ValueError(f"{len(lens)} sequences are more than a tiles entry holds")
-    if len(lens):
-        _check_tile_field(-(-int(lens.max()) // block_q), int(lens.max()))
-    per_seq = np.where(lens > 1, -(-lens // block_q), 0)
-    count = int(per_seq.sum())
+        count = -(-longest // block_q) if longest > 1 else 0
+        entries = np.arange(count)   # sequence 0
+    else:
+        lens = np.asarray(query_lens, dtype=np.int64)
+        per_seq = np.where(lens > 1, -(-lens // block_q), 0)
+        count = int(per_seq.sum())
+        seqs = np.repeat(np.arange(len(lens)), per_seq)
+        tile = np.arange(count) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)   # 0, 1, ... within each sequence
+        entries = (seqs << TILE_BITS.value) | tile
     if count > out.shape[0]:
         raise ValueError(f"{count} prefill tiles do not fit in {out.shape[0]}")
-    seqs = np.repeat(np.arange(len(lens)), per_seq)
-    tile = np.arange(count) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)   # 0, 1, ... within each sequence
-    out[:count] = (seqs << TILE_BITS.value) | tile
+    out[:count] = entries
     out[count:] = -1
     return count
-
-
-def _check_tile_field(tiles: int, tokens: int) -> None:
-    if tiles > prefill_splits.TILE_FIELD + 1:
-        raise ValueError(f"a query of {tokens} tokens has more tiles than an entry holds")
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
