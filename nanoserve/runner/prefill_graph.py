@@ -37,8 +37,7 @@ from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
 from nanoserve.runner.attention.decode_splits import num_sms
-from nanoserve.runner.attention.prefill_splits import (PrefillSplits, SplitShape, plan_splits, split_region_size,
-                                                       split_unit)
+from nanoserve.runner.attention.prefill_splits import PLAN_SIZE, PrefillSplits, SplitShape, plan_splits, split_unit
 from nanoserve.runner.attention.triton_prefill import prefill_tile_rows, prefill_tiles
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
 from nanoserve.runner.inputs import PinnedSet, PinnedSets, fill_pending_tokens, write_block_tables
@@ -131,11 +130,12 @@ class PrefillBuffers:
         self.i64 = torch.zeros(3 * n + s, dtype=torch.int64, device=device)
         # int32 in one tensor, so one upload covers all but the tables: query starts, seq lens,
         # the split plan, the kernel's programs, then the block tables
-        self.plan_size = split_region_size() if splitting else 0
+        self.plan_size = PLAN_SIZE if splitting else 0
         self.max_tiles = self.num_tiles(n, s, split=splitting is not None)
         self.int32s = torch.zeros(2 * s + 1 + self.plan_size + self.max_tiles + s * max_blocks, dtype=torch.int32,
                                   device=device)
         self.query_start, self.seq_lens, split_plan, self.tiles, self.block_tables = self._int32_views(self.int32s)
+        self.tiles_at = self.tiles.storage_offset()   # the int32 values ahead of the programs, uploaded with them
         self.splits = (PrefillSplits.allocate(split_plan, splitting.kv_heads, splitting.block_m, splitting.head_dim)
                        if splitting else None)
         self.tiles.fill_(-1)
@@ -144,9 +144,10 @@ class PrefillBuffers:
                                                          self._int32_views))
 
     def _int32_views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        s, plan, tiles = self.max_seqs, self.plan_size, self.max_tiles
-        return (flat[:s + 1], flat[s + 1:2 * s + 1], flat[2 * s + 1:2 * s + 1 + plan],
-                flat[2 * s + 1 + plan:2 * s + 1 + plan + tiles], flat[2 * s + 1 + plan + tiles:].view(s, self.max_blocks))
+        """Query starts, seq lens, the split plan, the programs, the block tables."""
+        s = self.max_seqs
+        *head, tables = flat.split([s + 1, s, self.plan_size, self.max_tiles, s * self.max_blocks])
+        return (*head, tables.view(s, self.max_blocks))
 
     def token_rows(self, bucket: int, flat: torch.Tensor | None = None) -> torch.Tensor:
         """[3, bucket]: the ids, positions and cache slots a bucket's graph reads (of `flat`, a
@@ -236,7 +237,7 @@ class PrefillBuffers:
                                            shape.kv_heads, shape.num_sms, host.split_plan)
         self.i64[:uploaded].copy_(host.i64[:uploaded], non_blocking=True)
         # query starts, seq lens, the split plan and this bucket's programs
-        head = 2 * self.max_seqs + 1 + self.plan_size + count
+        head = self.tiles_at + count
         self.int32s[:head].copy_(host.i32[:head], non_blocking=True)
         self.block_tables[:num].copy_(host.block_tables[:num], non_blocking=True)
         host.mark_uploaded()

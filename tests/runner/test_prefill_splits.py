@@ -10,25 +10,24 @@ import torch
 
 from nanoserve.runner.attention.fp8 import quantize_fp8
 from nanoserve.runner.attention.kv_layout import v_cache_copy
-from nanoserve.runner.attention.prefill_splits import (MAX_MERGES, MAX_SLOTS, SEQ_SHIFT, SLOT_FIELD, SLOT_SHIFT,
-                                                       TILE_FIELD, PrefillSplits, best_span, plan_splits,
-                                                       split_region_size, split_span, split_unit)
+from nanoserve.runner.attention.prefill_splits import (MAX_SLOTS, PLAN_SIZE, SEQ_SHIFT, SLOT_FIELD, SLOT_SHIFT,
+                                                       TILE_FIELD, PrefillSplits, best_span, plan_splits, plan_views,
+                                                       split_span, split_unit)
 from nanoserve.runner.attention.triton_kernels import store_kvcache
 from nanoserve.runner.attention.triton_prefill import paged_prefill, prefill_tile_rows, prefill_tiles
-from tests.runner.test_triton_attention import make_step
 
 
 def plan(query_lens: list[int], seq_lens: list[int], block_q: int, unit: int, kv_heads: int, num_sms: int):
     count = sum(-(-n // block_q) for n in query_lens if n > 1)
     tiles = np.full(count + MAX_SLOTS, -1, dtype=np.int32)
     prefill_tiles(query_lens, block_q, tiles[:count])
-    region = np.zeros(split_region_size(), dtype=np.int32)
+    region = np.zeros(PLAN_SIZE, dtype=np.int32)
     total = plan_splits(tiles, count, query_lens, np.asarray(seq_lens), block_q, unit, kv_heads, num_sms, region)
     return tiles, total, region
 
 
 def parts_by_tile(tiles: np.ndarray, total: int, region: np.ndarray) -> dict[tuple[int, int], list[tuple[int, int]]]:
-    ranges = region[MAX_MERGES * 3:].reshape(MAX_SLOTS, 2)
+    ranges = plan_views(region)[1]
     keys: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for entry in tiles[:total].tolist():
         slot = (entry >> SLOT_SHIFT) & SLOT_FIELD
@@ -45,7 +44,7 @@ def parts_by_tile(tiles: np.ndarray, total: int, region: np.ndarray) -> dict[tup
 def test_a_plan_covers_each_split_tiles_keys_once_in_whole_units(query_lens, seq_lens, kv_heads):
     block_q, unit, sms = 64, 256, 132
     tiles, total, region = plan(query_lens, seq_lens, block_q, unit, kv_heads, sms)
-    merges = region[:MAX_MERGES * 3].reshape(MAX_MERGES, 3)
+    merges, ranges = plan_views(region)
     by_tile = parts_by_tile(tiles, total, region)
     assert sorted(by_tile) == sorted((s, t) for s, n in enumerate(query_lens) if n > 1
                                      for t in range(-(-n // block_q)))
@@ -65,7 +64,6 @@ def test_a_plan_covers_each_split_tiles_keys_once_in_whole_units(query_lens, seq
     assert split == sum(m[0] >= 0 for m in merges.tolist()) > 0
     assert total * kv_heads <= sms   # one wave
     lengths = []   # the list runs longest programs first
-    ranges = region[MAX_MERGES * 3:].reshape(MAX_SLOTS, 2)
     for entry in tiles[:total].tolist():
         seq, tile, slot = entry >> SEQ_SHIFT, entry & TILE_FIELD, (entry >> SLOT_SHIFT) & SLOT_FIELD
         end = seq_lens[seq] - query_lens[seq] + min((tile + 1) * block_q, query_lens[seq])
@@ -78,7 +76,7 @@ def test_a_plan_covers_each_split_tiles_keys_once_in_whole_units(query_lens, seq
 def test_a_lone_fresh_prompt_is_not_split(query_lens, seq_lens):
     # measured: splitting a lone 512- or 1k-token prompt lost time on an H100 (split_span's note)
     tiles, total, region = plan(query_lens, seq_lens, 64, 256, 8, 132)
-    assert total == -(-query_lens[0] // 64) and (region[:MAX_MERGES * 3] == -1).all()
+    assert total == -(-query_lens[0] // 64) and (plan_views(region)[0] == -1).all()
     assert all((entry >> SLOT_SHIFT) & SLOT_FIELD == 0 for entry in tiles[:total].tolist())
 
 
@@ -109,6 +107,31 @@ def test_the_shortcut_refuses_only_steps_the_estimate_would_not_split():
     assert refused > 50 and split > 50   # both ways were taken
 
 
+def whole_and_split(q, k_cache, v_cache, meta, scale: float, num_sms: int, **scales):
+    """The prefill kernel's output over `meta`'s step whole, then with its plan's splits and merge
+    (asserting some tile was split), and the rows of its prompts (decode rows are not the kernel's)."""
+    kv_heads, head_dim = k_cache.shape[2], q.shape[2]
+    block_m, block_q = prefill_tile_rows(q.shape[1], kv_heads, head_dim, q.dtype, q.device)
+    query_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
+    count = sum(-(-n // block_q) for n in query_lens if n > 1)
+    tiles = np.full(count + MAX_SLOTS, -1, dtype=np.int32)
+    prefill_tiles(query_lens, block_q, tiles[:count])
+    run = lambda tiles, **kw: paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,  # noqa: E731
+                                            meta.block_tables, scale, meta.max_query_len, skip_decode_rows=True,
+                                            tiles=torch.from_numpy(tiles).to(q.device), **scales, **kw)
+    whole = run(tiles[:count].copy())
+    region = torch.zeros(PLAN_SIZE, dtype=torch.int32)
+    total = plan_splits(tiles, count, query_lens, np.asarray(seq_lens), block_q, split_unit(q.device), kv_heads,
+                        num_sms, region.numpy())
+    assert total > count   # some tile was split
+    splits = PrefillSplits.allocate(region.to(q.device), kv_heads, block_m, head_dim)
+    splits.acc.fill_(float("nan"))   # a part's slot must be written before the merge reads it
+    split = run(tiles[:total].copy(), splits=splits)
+    starts = meta.query_start_loc.tolist()
+    rows = [r for i, n in enumerate(query_lens) if n > 1 for r in range(starts[i], starts[i + 1])]
+    return whole, split, rows
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's check; tests/gpu runs the kernels on the GPU")
 @pytest.mark.parametrize("fp8", [False, True], ids=["float32-cache", "fp8-cache"])
 @pytest.mark.parametrize("specs", [
@@ -117,32 +140,16 @@ def test_the_shortcut_refuses_only_steps_the_estimate_would_not_split():
     [(40, 40), (1, 77), (23, 130)],    # prompts beside a decode row (the decode kernel's)
 ], ids=["lone", "after-history", "several"])
 def test_split_tiles_give_the_unsplit_output(specs, fp8):
-    kv_heads, group, head_dim = 2, 2, 64
-    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=kv_heads, group=group,
-                                                head_dim=head_dim, dtype=torch.float32, seed=90)
+    # imported here: that module skips itself where there is a GPU, and tests/gpu imports this one
+    from tests.runner.test_triton_attention import make_step
+    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
+                                                dtype=torch.float32, seed=90)
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     scales = {}
     if fp8:
         # as the engine keeps an fp8 cache: V along tokens (kv_layout.py), read a whole block tile at a time
         k_cache, v_cache = quantize_fp8(k_cache, 0.5), v_cache_copy(quantize_fp8(v_cache, 0.25))
         scales = dict(k_scale=0.5, v_scale=0.25)
-    block_m, block_q = prefill_tile_rows(kv_heads * group, kv_heads, head_dim, torch.float32, q.device)
-    query_lens, seq_lens = [n for n, _ in specs], [s for _, s in specs]
-    count = sum(-(-n // block_q) for n in query_lens if n > 1)
-    tiles = np.full(count + MAX_SLOTS, -1, dtype=np.int32)
-    prefill_tiles(query_lens, block_q, tiles[:count])
-    run = lambda tiles, **kw: paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,  # noqa: E731
-                                            meta.block_tables, 0.125, meta.max_query_len, skip_decode_rows=True,
-                                            tiles=torch.from_numpy(tiles), **scales, **kw)
-    whole = run(tiles[:count].copy())
-    region = torch.zeros(split_region_size(), dtype=torch.int32)
     # SMs enough for every part in one wave: the interpreter's few would split nothing
-    total = plan_splits(tiles, count, query_lens, np.asarray(seq_lens), block_q, split_unit(q.device), kv_heads,
-                        256, region.numpy())
-    assert total > count   # some tile was split
-    splits = PrefillSplits.allocate(region, kv_heads, block_m, head_dim)
-    splits.acc.fill_(float("nan"))   # a part's slot must be written before the merge reads it
-    split = run(tiles[:total].copy(), splits=splits)
-    starts = meta.query_start_loc.tolist()
-    rows = [r for i, n in enumerate(query_lens) if n > 1 for r in range(starts[i], starts[i + 1])]
+    whole, split, rows = whole_and_split(q, k_cache, v_cache, meta, 0.125, 256, **scales)
     torch.testing.assert_close(split[rows], whole[rows], rtol=1e-5, atol=1e-5)

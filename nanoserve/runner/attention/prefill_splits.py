@@ -55,11 +55,11 @@ class PrefillSplits:
 
     @staticmethod
     def allocate(int32_region: torch.Tensor, kv_heads: int, block_m: int, head_dim: int) -> "PrefillSplits":
-        """Views of `int32_region` (MAX_MERGES * 3 + MAX_SLOTS * 2 values) and fresh scratch."""
+        """Views of `int32_region` (PLAN_SIZE values) and fresh scratch."""
         device = int32_region.device
+        merges, ranges = plan_views(int32_region)
         return PrefillSplits(
-            merges=int32_region[:MAX_MERGES * 3].view(MAX_MERGES, 3),
-            ranges=int32_region[MAX_MERGES * 3:].view(MAX_SLOTS, 2),
+            merges=merges, ranges=ranges,
             acc=torch.empty(MAX_SLOTS, kv_heads, block_m, head_dim, dtype=torch.float32, device=device),
             stats=torch.empty(MAX_SLOTS, kv_heads, 2, block_m, dtype=torch.float32, device=device))
 
@@ -86,9 +86,13 @@ class SplitShape:
         return -(-tokens // self.block_q) * self.kv_heads < self.num_sms
 
 
-def split_region_size() -> int:
-    """int32 values of a split plan (merges, then ranges), staged with the program list."""
-    return MAX_MERGES * 3 + MAX_SLOTS * 2
+PLAN_SIZE = MAX_MERGES * 3 + MAX_SLOTS * 2   # int32 values of a split plan, staged with the program list
+
+
+def plan_views(region):
+    """The merges [MAX_MERGES, 3] and part ranges [MAX_SLOTS, 2] of a plan's int32 `region` (numpy
+    or torch), as views."""
+    return region[:MAX_MERGES * 3].reshape(MAX_MERGES, 3), region[MAX_MERGES * 3:].reshape(MAX_SLOTS, 2)
 
 
 def split_span(ends: np.ndarray, unit: int, kv_heads: int, num_sms: int) -> int:
@@ -128,11 +132,10 @@ def plan_splits(tiles: np.ndarray, count: int, query_lens: list[int], seq_lens: 
                 unit: int, kv_heads: int, num_sms: int, region: np.ndarray) -> int:
     """Where the step's programs (`tiles[:count]`, prefill_tiles' entries, times kv_heads) are fewer
     than the SMs and a split is estimated to pay (split_span), cut its long tiles into key ranges
-    of that span. Writes the plan into `region` (split_region_size values) and the new list into
+    of that span. Writes the plan into `region` (PLAN_SIZE values) and the new list into
     `tiles`, longest programs first; returns its length, at most count + MAX_SLOTS (`tiles` must
     hold that many)."""
-    merges = region[:MAX_MERGES * 3].reshape(MAX_MERGES, 3)
-    ranges = region[MAX_MERGES * 3:].reshape(MAX_SLOTS, 2)
+    merges, ranges = plan_views(region)
     merges[:] = -1
     if count == 0 or count * kv_heads >= num_sms:
         return count
