@@ -36,6 +36,7 @@ from torch import nn
 from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
+from nanoserve.positions import layer_windows
 from nanoserve.runner.attention.decode_splits import num_sms
 from nanoserve.runner.attention.prefill_splits import PLAN_SIZE, PrefillSplits, SplitShape, plan_splits, split_unit
 from nanoserve.runner.attention.triton_prefill import prefill_tile_rows, prefill_tiles
@@ -80,14 +81,25 @@ def split_buckets(sizes: list[int], shape: SplitShape) -> list[int]:
     return [bucket for below, bucket in zip([1] + sizes, sizes) if shape.may_split(below + 1)]
 
 
+def model_split_buckets(config: EngineConfig) -> list[int]:
+    """The buckets that get a split graph for `config`'s model: none where a layer has a sliding
+    window, which bounds each row's keys already (the kernel splits none)."""
+    if any(layer_windows(config.hf_config, config.max_model_len)):
+        return []
+    return split_buckets(prefill_token_buckets(config.max_num_batched_tokens), split_shape(config))
+
+
 def prefill_graph_bytes(config: EngineConfig, hidden_size: int, activation_peak: int) -> int:
     """What the prefill graphs keep allocated, for KV sizing: their pool holds the largest bucket's
     activations (at most the profiled peak of a full token budget), every graph's output (two a
     bucket, three where a step may be split) and the splits' scratch."""
-    sizes = prefill_token_buckets(config.max_num_batched_tokens)
-    shape = split_shape(config)
-    outputs = (2 * sum(sizes) + sum(split_buckets(sizes, shape))) * hidden_size * config.dtype.itemsize
-    return activation_peak + outputs + PrefillSplits.scratch_bytes(shape.kv_heads, shape.block_m, shape.head_dim)
+    split = model_split_buckets(config)
+    outputs = (2 * sum(prefill_token_buckets(config.max_num_batched_tokens)) + sum(split)) * hidden_size
+    scratch = 0
+    if split:
+        shape = split_shape(config)
+        scratch = PrefillSplits.scratch_bytes(shape.kv_heads, shape.block_m, shape.head_dim)
+    return activation_peak + outputs * config.dtype.itemsize + scratch
 
 
 def fits_prefill_graph(work: list[SequenceWork], max_tokens: int, max_seqs: int) -> bool:
@@ -256,9 +268,7 @@ class PrefillGraphs:
         self.max_tokens = self.sizes[-1]
         self.max_seqs = min(config.max_num_seqs, MAX_GRAPH_SEQS)
         shape = split_shape(config)
-        # a sliding window bounds each row's keys already; the kernel splits none
-        windowed = any(layer.self_attn.window for layer in model.model.layers)
-        self.split_sizes = set() if windowed else set(split_buckets(self.sizes, shape))
+        self.split_sizes = set(model_split_buckets(config))
         self.buffers = PrefillBuffers(self.max_tokens, -(-config.max_model_len // config.block_size), self.device,
                                       self.max_seqs, shape.block_q, config.max_model_len, config.block_size,
                                       splitting=shape if self.split_sizes else None)

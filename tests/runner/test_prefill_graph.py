@@ -19,8 +19,8 @@ from nanoserve.runner.inputs import build_inputs
 from nanoserve.runner.attention.prefill_splits import SEQ_SHIFT
 from nanoserve.runner.attention.triton_prefill import prefill_block_q
 from nanoserve.runner.models.decoder import head_dim_of
-from nanoserve.runner.prefill_graph import (PrefillBuffers, fits_prefill_graph, prefill_token_buckets, split_buckets,
-                                            split_shape)
+from nanoserve.runner.prefill_graph import (PrefillBuffers, fits_prefill_graph, model_split_buckets,
+                                            prefill_graph_bytes, prefill_token_buckets, split_buckets, split_shape)
 
 if torch.cuda.is_available():
     pytest.skip("CPU checks of the static inputs; tests/gpu replays the graphs", allow_module_level=True)
@@ -225,6 +225,18 @@ def test_which_steps_fit() -> None:
     assert fits_prefill_graph([one(1)] * 300 + [one(600)], 1024, 512)
     assert not fits_prefill_graph([one(600), one(600)], 1024, 4)
     assert not fits_prefill_graph([one(10, prompt_logprobs=1)], 1024, 4)
+
+
+def test_a_model_with_a_sliding_window_gets_no_split_graphs_nor_their_memory(tmp_path) -> None:
+    from tests.conftest import _random_model
+    sizes = {}
+    for window in (None, 32):
+        folder = _random_model(tmp_path / f"w{window}", "mistral", num_key_value_heads=1, sliding_window=window)
+        config = EngineConfig(model=folder, device="cpu", max_model_len=128, max_num_batched_tokens=128,
+                              max_num_seqs=4)
+        sizes[window] = (model_split_buckets(config), prefill_graph_bytes(config, 64, 0))
+    assert sizes[None][0] == split_buckets(prefill_token_buckets(128), split_shape(config)) != []
+    assert sizes[32][0] == [] and sizes[32][1] < sizes[None][1]
 
 
 @pytest.mark.parametrize("kwargs, why", [
