@@ -11,7 +11,7 @@ from starlette.responses import Response
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.engine.async_engine import RequestStream, RequestUpdate
-from nanoserve.sampling_params import SamplingParams, max_tokens_in_context
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.errors import APIError
 from nanoserve.server.logprobs import chat_logprobs
 from nanoserve.server.metrics import RequestTimer
@@ -261,7 +261,6 @@ async def start_chat(request: Request, state: ServerState, req: ChatCompletionRe
             exc.param = "messages"   # the prompt a chat request has: its rendered messages
         raise
     timer.request_id = chat.id
-    timer.prompt(sum(chat.prompt_lens), req.n,
-                 max_tokens_in_context(params.max_tokens, max(chat.prompt_lens), state.engine.config.max_model_len))
+    timer.prompt(chat.prompt_lens, req.n, params.max_tokens, state.engine.config.max_model_len)
     state.budget.watch(request.scope, stream, chat.id)
     return chat, stream

@@ -239,9 +239,7 @@ async def create_completion(request: Request) -> Response:
                                priority=req.priority)
     state.budget.watch(request.scope, stream, completion.id)
     timer.request_id = completion.id
-    max_model_len = state.engine.config.max_model_len
-    timer.prompt(sum(completion.prompt_lens), req.n,
-                 max_tokens_in_context(params.max_tokens, max(completion.prompt_lens), max_model_len))
+    timer.prompt(completion.prompt_lens, req.n, params.max_tokens, state.engine.config.max_model_len)
     if req.stream:
         return sse_response(completion.events(stream, timer), stream.close)
     body = await cancel_on_disconnect(request, completion.collect(stream, timer))

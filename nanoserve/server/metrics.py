@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from nanoserve.engine.messages import STEP_TOKEN_BUCKETS, EngineStats
+from nanoserve.sampling_params import max_tokens_in_context
 
 logger = logging.getLogger("nanoserve.requests")
 
@@ -218,9 +219,11 @@ class RequestTimer:
         self.timing: tuple[float, float] | None = None   # (queued, first run to first token), from the engine
         self.logged = False
 
-    def prompt(self, num_tokens: int, n: int = 1, max_tokens: int = 0) -> None:
-        """The request's prompt tokens (all its prompts), its n and its resolved max_tokens."""
-        self.num_prompt_tokens, self.n, self.max_tokens = num_tokens, n, max_tokens
+    def prompt(self, prompt_lens: list[int], n: int, max_tokens: int | None, max_model_len: int) -> None:
+        """The request's prompts' lengths, its n, and its max_tokens as the engine resolves it (within
+        the longest prompt's room in the context)."""
+        self.num_prompt_tokens, self.n = sum(prompt_lens), n
+        self.max_tokens = max_tokens_in_context(max_tokens, max(prompt_lens), max_model_len)
 
     def tokens(self, num_tokens: int, choice: int = 0) -> None:
         """A choice's update of `num_tokens` tokens has come. Its tokens since the choice's last update
