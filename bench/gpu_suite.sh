@@ -298,7 +298,10 @@ from nanoserve.benchmarks.throughput import main; main(['--num-seqs', '256', '--
          python3 bench/throughput.py --num-seqs 256 --no-prefill-cuda-graphs 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
     prefill-turns) # a conversation's next turn: new tokens after 4,096 cached ones (split prefill programs)
          python3 bench/prefill.py --cached 4096 --lengths 64,512,1024 --repeats 9 2>&1 | tee "$out/prefill-turns.log" \
-           | grep -vE "it/s|Capturing" ;;
+           | grep -vE "it/s|Capturing"
+         # the same turns admitted beside 4 decoding streams (a mixed step), key splits allowed and refused
+         python3 bench/prefill.py --cached 4096 --lengths 64,512 --repeats 9 --beside 4 2>&1 \
+           | tee -a "$out/prefill-turns.log" | grep -vE "it/s|Capturing" ;;
     prefill) python3 bench/prefill.py --host --profile --trace "$out/prefill-trace" 2>&1 | tee "$out/prefill.log" | grep -vE "it/s|Capturing"
              python3 bench/prefill.py --config bench/configs/qwen3-8b.json 2>&1 | tee -a "$out/prefill.log" | grep -vE "it/s|Capturing" ;;
     decode) python3 bench/decode_step.py 2>&1 | tee "$out/decode_step.log" | grep -vE "it/s|Capturing" ;;

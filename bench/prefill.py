@@ -8,6 +8,10 @@ warm-up of the same length, so compiles stay out. The floor is the step's matmul
 per weight per token plus causal attention (QK^T and PV, half of N x N per head), at the bf16
 matmul rate measured in the same run (a large square GEMM). Weights and KV traffic are ignored:
 at these lengths a prefill is compute-bound.
+
+`--cached N` puts the same N tokens, found in the prefix cache, ahead of every prompt (a
+conversation's next turn); `--beside K` then times the step that admits each turn beside K
+decoding streams, with the prefill graphs' key splits allowed and refused.
 """
 
 from __future__ import annotations
@@ -90,6 +94,56 @@ def print_host_split(llm: LLM, fn, calls: int = 30) -> None:
           f"{1e6 * spent['launch'] / calls:.0f} us")
 
 
+def print_turns_beside_streams(llm: LLM, lengths: list[int], history: list[int], streams: int, repeats: int,
+                               rng: Random) -> None:
+    """The step that admits a turn of n new tokens after `history` (in the cache) beside `streams`
+    sequences each decoding at context 1k: its time through ModelRunner.run (graph replay, LM head,
+    sampling, the sync), median of `repeats`, with the prefill graphs' key splits allowed and with
+    them refused. The runner is driven directly, over blocks of its own: the engine's prefix cache
+    is overwritten, so nothing may generate after this."""
+    from nanoserve.runner.batch import SequenceWork
+
+    runner = llm.engine.runner
+    graphs, bs = runner.prefill_graphs, runner.block_size
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    next_block = 0
+
+    def blocks(tokens: int) -> list[int]:
+        nonlocal next_block
+        next_block += -(-tokens // bs)
+        return list(range(next_block - -(-tokens // bs), next_block))
+
+    decoding = []
+    for _ in range(streams):   # each stream's 1,024 tokens in the cache, then its next token to decode
+        ids = [rng.randrange(10000) for _ in range(1025)]
+        decoding.append(SequenceWork(ids, 1025, 1024, 1, blocks(1025), params))
+        runner.run([SequenceWork(ids, 1025, 0, 1024, decoding[-1].block_table, None)])
+    print(f"the step admitting a turn after {len(history)} cached tokens beside {streams} decoding streams "
+          f"(context 1k), ms")
+    print(f"{'tokens':>7} {'split allowed':>14} {'never split':>12}")
+    split_sizes = graphs.split_sizes if graphs is not None else set()
+    for n in lengths:
+        ids = history + [rng.randrange(10000) for _ in range(n)]
+        table = blocks(len(ids))
+        runner.run([SequenceWork(ids, len(ids), 0, len(history), table, None)])
+        step = decoding + [SequenceWork(ids, len(ids), len(history), n, table, params)]
+        row = []
+        for allowed in (split_sizes, set()):
+            if graphs is not None:
+                graphs.split_sizes = allowed
+            runner.run(step)   # warm-up
+            times = []
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                runner.run(step)
+                times.append(time.perf_counter() - start)
+            row.append(statistics.median(times) * 1e3)
+        if graphs is not None:
+            graphs.split_sizes = split_sizes
+        print(f"{n:>7} {row[0]:>14.2f} {row[1]:>12.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="bench/configs/qwen3-0.6b.json")
@@ -107,14 +161,17 @@ def main() -> None:
     parser.add_argument("--cached", type=int, default=0, metavar="N",
                         help="every prompt follows the same N tokens, in the prefix cache: each length is the new "
                              "tokens a turn of a conversation adds")
+    parser.add_argument("--beside", type=int, default=0, metavar="K",
+                        help="then time the step that admits each turn (after --cached tokens) beside K streams "
+                             "decoding at context 1k, with the prefill key splits allowed and refused")
     parser.add_argument("--host", action="store_true",
                         help="also print the host's time per prefill: staging the graph's inputs, the graph launch call")
     args = parser.parse_args()
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
     lengths = [int(n) for n in args.lengths.split(",")]
-    config = config_from_file(args.config, max_model_len=args.cached + max(lengths) + 1,
-                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    config = config_from_file(args.config, max_model_len=max(args.cached + max(lengths) + 1, 1025),
+                              max_num_seqs=max(args.max_num_seqs, args.beside + 1), max_num_batched_tokens=args.max_num_batched_tokens,
                               kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
                               prefill_cuda_graphs=args.prefill_cuda_graphs, enable_prefix_caching=args.cached > 0)
     llm = LLM(config=config)
@@ -149,6 +206,8 @@ def main() -> None:
             trace = os.path.join(args.trace, f"prefill-{n}.json") if args.trace else None
             print_gpu_profile(lambda: llm.generate([fresh(n)], params,
                                                    use_tqdm=False), calls=5, top=8, trace=trace, gaps=6)
+    if args.beside:
+        print_turns_beside_streams(llm, lengths, history, args.beside, args.repeats, rng)
     llm.close()
 
 

@@ -23,6 +23,10 @@ holds up to PROMPT_GRAPH_SEQS sequences of more than one query each, and has no 
 lone prompt would otherwise pay, every layer, a decode launch of max_seqs x kv-heads programs that
 return at once and max_seqs empty prefill programs (graphs sized for 256 sequences took a lone 1k
 prompt from 4.03 to 4.68 ms on an H200).
+
+A bucket whose steps can leave SMs idle (model_split_buckets) has split variants of both, replayed
+when the staged plan cuts long tiles' keys over more programs (prefill_splits.py): a turn after a
+long cached history, alone or beside running streams.
 """
 
 from __future__ import annotations
@@ -92,9 +96,9 @@ def model_split_buckets(config: EngineConfig) -> list[int]:
 def prefill_graph_bytes(config: EngineConfig, hidden_size: int, activation_peak: int) -> int:
     """What the prefill graphs keep allocated, for KV sizing: their pool holds the largest bucket's
     activations (at most the profiled peak of a full token budget), every graph's output (two a
-    bucket, three where a step may be split) and the splits' scratch."""
+    bucket, four where a step may be split) and the splits' scratch."""
     split = model_split_buckets(config)
-    outputs = (2 * sum(prefill_token_buckets(config.max_num_batched_tokens)) + sum(split)) * hidden_size
+    outputs = 2 * (sum(prefill_token_buckets(config.max_num_batched_tokens)) + sum(split)) * hidden_size
     scratch = 0
     if split:
         shape = split_shape(config)
@@ -294,7 +298,8 @@ class PrefillGraphs:
             for bucket in tqdm(reversed(self.sizes), total=len(self.sizes), desc="Capturing prefill graphs",
                                disable=not show_progress):
                 self.buffers.clear(bucket)
-                kinds = ((False, False), (True, False)) + (((True, True),) if bucket in self.split_sizes else ())
+                splits = (False, True) if bucket in self.split_sizes else (False,)
+                kinds = itertools.product((False, True), splits)   # (prompts only, split)
                 for key in ((bucket, *kind) for kind in kinds):
                     self._step(*key)   # warm-up: compiles for this shape stay out of the graph
                     graph = torch.cuda.CUDAGraph()
@@ -314,7 +319,7 @@ class PrefillGraphs:
         bucket = self.bucket(sum(w.num_new for w in work))
         prompts_only = len(work) <= self.prompt_seqs and all(w.num_new > 1 for w in work)
         rows, sampling, split = self.buffers.stage(work, bucket, self.graph_seqs(prompts_only), prev_tokens,
-                                                   may_split=prompts_only and bucket in self.split_sizes)
+                                                   may_split=bucket in self.split_sizes)
         key = (bucket, prompts_only, split)
         self.graphs[key].replay()
         return self.outputs[key][rows], sampling

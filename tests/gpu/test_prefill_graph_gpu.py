@@ -59,6 +59,31 @@ def test_a_turn_after_a_cached_history_is_split_and_gives_transformers_greedy_to
     llm.close()
 
 
+def test_a_turn_after_a_cached_history_beside_a_running_stream_is_split_and_gives_transformers_greedy_tokens(
+        qwen3_06b):
+    # two at a time, the first of each pair ending sooner: each later turn is admitted beside the
+    # other's decode row, a mixed step whose prompt's keys the mixed split graph splits
+    llm = LLM(qwen3_06b, dtype="float32", device="cuda", max_model_len=4096, max_num_seqs=2,
+              num_kvcache_blocks=64, prefill_cuda_graphs=True)
+    buffers = llm.engine.runner.prefill_graphs.buffers
+    mixed_splits = []
+    stage = buffers.stage
+
+    def recorded(work, *args, **kwargs):
+        out = stage(work, *args, **kwargs)
+        mixed_splits.append(out[2] and any(w.num_new == 1 for w in work))
+        return out
+
+    buffers.stage = recorded
+    prompts = random_prompts(5, 10000, 20, 100, seed=22, shared_prefix=3000)
+    ours = greedy(llm, prompts[:1])   # computes the history, which the prefix cache then holds
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 30, 30, 30)]
+    ours += [o.token_ids for o in llm.generate(prompts[1:], params, use_tqdm=False)]
+    assert sum(mixed_splits) >= 2
+    assert_transformers_greedy(qwen3_06b, prompts, ours)
+    llm.close()
+
+
 def test_a_card_too_full_for_the_cache_names_the_prefill_graphs_memory(qwen3_06b):
     with pytest.raises(ValueError, match=r"--no-prefill-cuda-graphs\), which frees \d+\.\d\d GiB"):
         LLM(qwen3_06b, device="cuda", max_model_len=1024, gpu_memory_utilization=0.01)

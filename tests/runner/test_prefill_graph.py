@@ -195,6 +195,27 @@ def test_a_split_step_gives_the_eager_hidden_states_and_a_large_one_is_not_split
     assert not buffers.stage(wide, 64, 2, may_split=True)[2]
 
 
+@torch.inference_mode()
+def test_a_split_step_beside_decode_rows_gives_the_eager_hidden_states(runner) -> None:
+    # a turn after a long history arriving while two streams decode: the mixed graph's layout, its
+    # prompt's keys split, the decode rows left to the decode launch
+    runner.kv_cache.tensor.zero_()
+    buffers = make_buffers(runner, splitting=True)
+    prompt = ids(126, 120)
+    blocks = [9, 4, 15, 2, 11, 6, 13, 17]
+    histories = [(ids(12 + 7 * i, 130 + i), [40 + 2 * i, 41 + 2 * i]) for i in range(2)]
+    runner.run([SequenceWork(prompt, 126, 0, 118, blocks, None)]
+               + [SequenceWork(t, len(t), 0, len(t) - 1, b, None) for t, b in histories])
+    work = [SequenceWork(t, len(t), len(t) - 1, 1, b, GREEDY) for t, b in histories[:1]]
+    work.append(SequenceWork(prompt, 126, 118, 8, blocks, GREEDY))
+    work += [SequenceWork(t, len(t), len(t) - 1, 1, b, GREEDY) for t, b in histories[1:]]
+    got = padded_forward(runner, work, buffers, 16, may_split=True)
+    assert padded_forward.split
+    merges = buffers.splits.merges
+    assert merges[0, 0] >> SEQ_SHIFT == 1 and (merges[1:, 0] == -1).all()   # the prompt's one tile, split
+    torch.testing.assert_close(got, eager_hidden(runner, work), rtol=1e-5, atol=1e-5)
+
+
 def test_only_buckets_whose_smallest_step_is_small_get_split_graphs(runner) -> None:
     shape = split_shape(runner.config)
     # the interpreter's 4 "SMs" over 2 kv heads: one prompt of at most one 8-token tile is split
