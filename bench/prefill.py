@@ -110,8 +110,8 @@ def print_turns_beside_streams(llm: LLM, lengths: list[int], history: list[int],
 
     def blocks(tokens: int) -> list[int]:
         nonlocal next_block
-        next_block += -(-tokens // bs)
-        return list(range(next_block - -(-tokens // bs), next_block))
+        first, next_block = next_block, next_block - (-tokens // bs)
+        return list(range(first, next_block))
 
     decoding = []
     for _ in range(streams):   # each stream's 1,024 tokens in the cache, then its next token to decode
