@@ -216,6 +216,21 @@ def test_a_split_step_beside_decode_rows_gives_the_eager_hidden_states(runner) -
     torch.testing.assert_close(got, eager_hidden(runner, work), rtol=1e-5, atol=1e-5)
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("prompts_only, split", list(itertools.product((False, True), (False, True))))
+def test_each_graphs_capture_step_runs_over_cleared_buffers_and_stores_nothing(runner, prompts_only, split) -> None:
+    # what PrefillGraphs._capture runs, warm-up and capture alike, for each of a small bucket's graphs
+    buffers = make_buffers(runner, splitting=True)
+    cache = runner.kv_cache.tensor
+    cache.normal_()
+    before = cache.clone()
+    buffers.clear(16)
+    ids_, positions, _ = buffers.token_rows(16)
+    hidden = runner.model(ids_, positions, buffers.meta(16, 2 if prompts_only else SEQS, prompts_only, split))
+    assert hidden.shape[0] == 16 and torch.isfinite(hidden).all()
+    assert torch.equal(cache, before)
+
+
 def test_only_buckets_whose_smallest_step_is_small_get_split_graphs(runner) -> None:
     shape = split_shape(runner.config)
     # the interpreter's 4 "SMs" over 2 kv heads: one prompt of at most one 8-token tile is split
