@@ -133,7 +133,7 @@ def variants(target: GPUTarget):
                 yield (f"prefill {cache[1:]} window", _prefill_kernel, io, dict(prefill, WINDOW=4096, SPLIT=False),
                        options)
                 yield (f"prefill {cache[1:]} parts' merge", _merge_kernel,
-                       dict(merges_ptr="*i32", query_start_loc_ptr="*i32", seq_lens_ptr="*i32", acc_ptr="*fp32",
+                       dict(merges_ptr="*i32", query_start_loc_ptr="*i32", acc_ptr="*fp32",
                             stats_ptr="*fp32", out_ptr="*bf16"),
                        dict(GROUP=2, BLOCK_Q=tiles["BLOCK_M"] // 2, BLOCK_M=tiles["BLOCK_M"], HEAD_DIM=128, KV_FP8=fp8,
                             USE_PDL=flags["USE_PDL"]), dict(num_warps=8, num_stages=1))

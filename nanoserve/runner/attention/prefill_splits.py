@@ -170,8 +170,8 @@ _TILE_FIELD = tl.constexpr(TILE_FIELD)
 
 
 @triton.jit
-def _merge_kernel(merges_ptr, query_start_loc_ptr, seq_lens_ptr, acc_ptr, stats_ptr, out_ptr, v_scale,
-                  stride_qsl, stride_sl, stride_ot, stride_oh,
+def _merge_kernel(merges_ptr, query_start_loc_ptr, acc_ptr, stats_ptr, out_ptr, v_scale,
+                  stride_qsl, stride_ot, stride_oh,
                   GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                   KV_FP8: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
@@ -214,12 +214,12 @@ def _merge_kernel(merges_ptr, query_start_loc_ptr, seq_lens_ptr, acc_ptr, stats_
              o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
 
 
-def merge_parts(splits: PrefillSplits, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
-                group: int, block_q: int, block_m: int, fp8: bool, v_scale: float) -> None:
+def merge_parts(splits: PrefillSplits, query_start_loc: torch.Tensor, out: torch.Tensor, group: int, block_q: int,
+                block_m: int, fp8: bool, v_scale: float) -> None:
     """Write each split tile's rows of `out` from its parts (launched after the prefill kernel)."""
     kv_heads, head_dim = splits.acc.shape[1], splits.acc.shape[3]
     _merge_kernel[(MAX_MERGES, kv_heads)](
-        splits.merges, query_start_loc, seq_lens, splits.acc, splits.stats, out, v_scale,
-        query_start_loc.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1),
+        splits.merges, query_start_loc, splits.acc, splits.stats, out, v_scale,
+        query_start_loc.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, KV_FP8=fp8,
         num_warps=8, **pdl_launch(out.device))

@@ -307,5 +307,5 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         **cfg, **pdl_launch(q.device),
     )
     if splits is not None:
-        prefill_splits.merge_parts(splits, query_start_loc, seq_lens, out, group, block_q, block_m, fp8, v_scale)
+        prefill_splits.merge_parts(splits, query_start_loc, out, group, block_q, block_m, fp8, v_scale)
     return out
