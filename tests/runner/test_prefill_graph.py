@@ -219,7 +219,9 @@ def test_a_split_step_beside_decode_rows_gives_the_eager_hidden_states(runner) -
 @torch.inference_mode()
 @pytest.mark.parametrize("prompts_only, split", list(itertools.product((False, True), (False, True))))
 def test_each_graphs_capture_step_runs_over_cleared_buffers_and_stores_nothing(runner, prompts_only, split) -> None:
-    # what PrefillGraphs._capture runs, warm-up and capture alike, for each of a small bucket's graphs
+    # what PrefillGraphs._capture runs, warm-up and capture alike, for each of a small bucket's graphs.
+    # Every row is padding: attention leaves its rows as the output's memory held them (NaN, maybe),
+    # which nobody reads; what matters is that the step runs and stores nothing
     buffers = make_buffers(runner, splitting=True)
     cache = runner.kv_cache.tensor
     cache.normal_()
@@ -227,7 +229,7 @@ def test_each_graphs_capture_step_runs_over_cleared_buffers_and_stores_nothing(r
     buffers.clear(16)
     ids_, positions, _ = buffers.token_rows(16)
     hidden = runner.model(ids_, positions, buffers.meta(16, 2 if prompts_only else SEQS, prompts_only, split))
-    assert hidden.shape[0] == 16 and torch.isfinite(hidden).all()
+    assert hidden.shape[0] == 16
     assert torch.equal(cache, before)
 
 
