@@ -17,8 +17,6 @@ from nanoserve.engine.llm import LLM
 from nanoserve.runner.batch import SequenceWork
 from nanoserve.runner.inputs import build_inputs
 from nanoserve.runner.attention.prefill_splits import SEQ_SHIFT
-from nanoserve.runner.attention.triton_prefill import prefill_block_q
-from nanoserve.runner.models.decoder import head_dim_of
 from nanoserve.runner.prefill_graph import (PrefillBuffers, fits_prefill_graph, model_split_buckets,
                                             prefill_graph_bytes, prefill_token_buckets, split_buckets, split_shape)
 
@@ -44,12 +42,9 @@ SEQS = 6   # the buffers' sequences: a step of fewer leaves some empty
 
 
 def make_buffers(runner, splitting: bool = False) -> PrefillBuffers:
-    hf = runner.model.config
-    block_q = prefill_block_q(hf.num_attention_heads, hf.num_key_value_heads, head_dim_of(hf), torch.float32,
-                              runner.device)
     # 16 SMs: the interpreter's 4 leave a step of 2 kv heads no room to split into
     shape = dataclasses.replace(split_shape(runner.config), num_sms=16)
-    return PrefillBuffers(128, 128 // runner.block_size, runner.device, SEQS, block_q, 128, runner.block_size,
+    return PrefillBuffers(128, 128 // runner.block_size, runner.device, SEQS, shape.block_q, 128, runner.block_size,
                           splitting=shape if splitting else None)
 
 

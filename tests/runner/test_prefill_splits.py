@@ -18,12 +18,15 @@ from nanoserve.runner.attention.triton_prefill import paged_prefill, prefill_til
 
 
 def plan(query_lens: list[int], seq_lens: list[int], block_q: int, unit: int, kv_heads: int, num_sms: int):
+    """The step's split program list, its length and the plan's region, as the staging writes them,
+    and the unsplit list."""
     count = sum(-(-n // block_q) for n in query_lens if n > 1)
     tiles = np.full(count + MAX_SLOTS, -1, dtype=np.int32)
     prefill_tiles(query_lens, block_q, tiles[:count])
+    whole = tiles[:count].copy()
     region = np.zeros(PLAN_SIZE, dtype=np.int32)
     total = plan_splits(tiles, count, query_lens, np.asarray(seq_lens), block_q, unit, kv_heads, num_sms, region)
-    return tiles, total, region
+    return tiles, total, region, whole
 
 
 def parts_by_tile(tiles: np.ndarray, total: int, region: np.ndarray) -> dict[tuple[int, int], list[tuple[int, int]]]:
@@ -43,7 +46,7 @@ def parts_by_tile(tiles: np.ndarray, total: int, region: np.ndarray) -> dict[tup
 ])
 def test_a_plan_covers_each_split_tiles_keys_once_in_whole_units(query_lens, seq_lens, kv_heads):
     block_q, unit, sms = 64, 256, 132
-    tiles, total, region = plan(query_lens, seq_lens, block_q, unit, kv_heads, sms)
+    tiles, total, region, _ = plan(query_lens, seq_lens, block_q, unit, kv_heads, sms)
     merges, ranges = plan_views(region)
     by_tile = parts_by_tile(tiles, total, region)
     assert sorted(by_tile) == sorted((s, t) for s, n in enumerate(query_lens) if n > 1
@@ -75,7 +78,7 @@ def test_a_plan_covers_each_split_tiles_keys_once_in_whole_units(query_lens, seq
                          ids=["lone-1k", "lone-512", "fills-the-gpu"])
 def test_a_lone_fresh_prompt_is_not_split(query_lens, seq_lens):
     # measured: splitting a lone 512- or 1k-token prompt lost time on an H100 (split_span's note)
-    tiles, total, region = plan(query_lens, seq_lens, 64, 256, 8, 132)
+    tiles, total, region, _ = plan(query_lens, seq_lens, 64, 256, 8, 132)
     assert total == -(-query_lens[0] // 64) and (plan_views(region)[0] == -1).all()
     assert all((entry >> SLOT_SHIFT) & SLOT_FIELD == 0 for entry in tiles[:total].tolist())
 
@@ -112,19 +115,15 @@ def whole_and_split(q, k_cache, v_cache, meta, scale: float, num_sms: int, **sca
     (asserting some tile was split), and the rows of its prompts (decode rows are not the kernel's)."""
     kv_heads, head_dim = k_cache.shape[2], q.shape[2]
     block_m, block_q = prefill_tile_rows(q.shape[1], kv_heads, head_dim, q.dtype, q.device)
-    query_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
-    count = sum(-(-n // block_q) for n in query_lens if n > 1)
-    tiles = np.full(count + MAX_SLOTS, -1, dtype=np.int32)
-    prefill_tiles(query_lens, block_q, tiles[:count])
+    query_lens = meta.query_lens_host
+    tiles, total, region, unsplit = plan(query_lens, meta.seq_lens_host, block_q, split_unit(q.device), kv_heads,
+                                         num_sms)
+    assert total > len(unsplit)   # some tile was split
     run = lambda tiles, **kw: paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,  # noqa: E731
                                             meta.block_tables, scale, meta.max_query_len, skip_decode_rows=True,
                                             tiles=torch.from_numpy(tiles).to(q.device), **scales, **kw)
-    whole = run(tiles[:count].copy())
-    region = torch.zeros(PLAN_SIZE, dtype=torch.int32)
-    total = plan_splits(tiles, count, query_lens, np.asarray(seq_lens), block_q, split_unit(q.device), kv_heads,
-                        num_sms, region.numpy())
-    assert total > count   # some tile was split
-    splits = PrefillSplits.allocate(region.to(q.device), kv_heads, block_m, head_dim)
+    whole = run(unsplit)
+    splits = PrefillSplits.allocate(torch.from_numpy(region).to(q.device), kv_heads, block_m, head_dim)
     splits.acc.fill_(float("nan"))   # a part's slot must be written before the merge reads it
     split = run(tiles[:total].copy(), splits=splits)
     starts = meta.query_start_loc.tolist()
