@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from random import Random
 
 import torch
@@ -94,8 +95,8 @@ def print_host_split(llm: LLM, fn, calls: int = 30) -> None:
           f"{1e6 * spent['launch'] / calls:.0f} us")
 
 
-def print_turns_beside_streams(llm: LLM, lengths: list[int], history: list[int], streams: int, repeats: int,
-                               rng: Random) -> None:
+def print_turns_beside_streams(llm: LLM, lengths: list[int], history: list[int],
+                               random_ids: Callable[[int], list[int]], streams: int, repeats: int) -> None:
     """The step that admits a turn of n new tokens after `history` (in the cache) beside `streams`
     sequences each decoding at context 1k: its time through ModelRunner.run (graph replay, LM head,
     sampling, the sync), median of `repeats`, with the prefill graphs' key splits allowed and with
@@ -115,7 +116,7 @@ def print_turns_beside_streams(llm: LLM, lengths: list[int], history: list[int],
 
     decoding = []
     for _ in range(streams):   # each stream's 1,024 tokens in the cache, then its next token to decode
-        ids = [rng.randrange(10000) for _ in range(1025)]
+        ids = random_ids(1025)
         decoding.append(SequenceWork(ids, 1025, 1024, 1, blocks(1025), params))
         runner.run([SequenceWork(ids, 1025, 0, 1024, decoding[-1].block_table, None)])
     print(f"the step admitting a turn after {len(history)} cached tokens beside {streams} decoding streams "
@@ -123,7 +124,7 @@ def print_turns_beside_streams(llm: LLM, lengths: list[int], history: list[int],
     print(f"{'tokens':>7} {'split allowed':>14} {'never split':>12}")
     split_sizes = graphs.split_sizes if graphs is not None else set()
     for n in lengths:
-        ids = history + [rng.randrange(10000) for _ in range(n)]
+        ids = history + random_ids(n)
         table = blocks(len(ids))
         runner.run([SequenceWork(ids, len(ids), 0, len(history), table, None)])
         step = decoding + [SequenceWork(ids, len(ids), len(history), n, table, params)]
@@ -171,15 +172,17 @@ def main() -> None:
         os.makedirs(args.trace, exist_ok=True)
     lengths = [int(n) for n in args.lengths.split(",")]
     config = config_from_file(args.config, max_model_len=max(args.cached + max(lengths) + 1, 1025),
-                              max_num_seqs=max(args.max_num_seqs, args.beside + 1), max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_num_seqs=max(args.max_num_seqs, args.beside + 1),
+                              max_num_batched_tokens=args.max_num_batched_tokens,
                               kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
                               prefill_cuda_graphs=args.prefill_cuda_graphs, enable_prefix_caching=args.cached > 0)
     llm = LLM(config=config)
     hf = config.hf_config
     rate = matmul_flops_per_second()
     rng = Random(0)
-    history = [rng.randrange(10000) for _ in range(args.cached)]
-    fresh = lambda n: history + [rng.randrange(10000) for _ in range(n)]   # noqa: E731
+    random_ids = lambda n: [rng.randrange(10000) for _ in range(n)]   # noqa: E731
+    history = random_ids(args.cached)
+    fresh = lambda n: history + random_ids(n)   # noqa: E731
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     print(f"bf16 GEMM rate {rate / 1e12:.0f} TFLOP/s, {os.path.basename(args.config)}, "
           f"chunks of {args.max_num_batched_tokens}, backend {llm.engine.runner.backend.name}, kv {config.kv_cache_dtype}, "
@@ -207,7 +210,7 @@ def main() -> None:
             print_gpu_profile(lambda: llm.generate([fresh(n)], params,
                                                    use_tqdm=False), calls=5, top=8, trace=trace, gaps=6)
     if args.beside:
-        print_turns_beside_streams(llm, lengths, history, args.beside, args.repeats, rng)
+        print_turns_beside_streams(llm, lengths, history, random_ids, args.beside, args.repeats)
     llm.close()
 
 
