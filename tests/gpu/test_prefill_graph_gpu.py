@@ -4,6 +4,8 @@ mixed with decode rows."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from nanoserve import LLM, SamplingParams
@@ -11,6 +13,20 @@ from tests.conftest import random_prompts
 from tests.gpu.conftest import assert_transformers_greedy
 
 pytestmark = pytest.mark.gpu
+
+
+def record_stages(llm: LLM, what: Callable[[list, bool], object]) -> list:
+    """What `what(work, split)` says of each step the prefill graphs stage from now on."""
+    buffers = llm.engine.runner.prefill_graphs.buffers
+    seen, stage = [], buffers.stage
+
+    def recorded(work, *args, **kwargs):
+        out = stage(work, *args, **kwargs)
+        seen.append(what(work, out[2]))
+        return out
+
+    buffers.stage = recorded
+    return seen
 
 
 def greedy(llm: LLM, prompts: list[list[int]], tokens: int = 24) -> list[list[int]]:
@@ -48,10 +64,7 @@ def test_a_turn_after_a_cached_history_is_split_and_gives_transformers_greedy_to
     # few programs over all of it, which the graphs split (prefill_splits.py) and merge
     llm = LLM(qwen3_06b, dtype="float32", device="cuda", max_model_len=4096, max_num_seqs=1,
               num_kvcache_blocks=64, prefill_cuda_graphs=True)
-    buffers = llm.engine.runner.prefill_graphs.buffers
-    splits = []
-    stage = buffers.stage
-    buffers.stage = lambda *a, **kw: (lambda out: splits.append(out[2]) or out)(stage(*a, **kw))
+    splits = record_stages(llm, lambda work, split: split)
     prompts = random_prompts(4, 10000, 20, 100, seed=21, shared_prefix=3000)
     ours = greedy(llm, prompts)
     assert sum(splits) >= 3   # the first prompt computes the history; the others only their own tokens
@@ -65,16 +78,7 @@ def test_a_turn_after_a_cached_history_beside_a_running_stream_is_split_and_give
     # other's decode row, a mixed step whose prompt's keys the mixed split graph splits
     llm = LLM(qwen3_06b, dtype="float32", device="cuda", max_model_len=4096, max_num_seqs=2,
               num_kvcache_blocks=64, prefill_cuda_graphs=True)
-    buffers = llm.engine.runner.prefill_graphs.buffers
-    mixed_splits = []
-    stage = buffers.stage
-
-    def recorded(work, *args, **kwargs):
-        out = stage(work, *args, **kwargs)
-        mixed_splits.append(out[2] and any(w.num_new == 1 for w in work))
-        return out
-
-    buffers.stage = recorded
+    mixed_splits = record_stages(llm, lambda work, split: split and any(w.num_new == 1 for w in work))
     prompts = random_prompts(5, 10000, 20, 100, seed=22, shared_prefix=3000)
     ours = greedy(llm, prompts[:1])   # computes the history, which the prefix cache then holds
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 30, 30, 30)]
