@@ -11,6 +11,7 @@ graph (as the runner replays decode) and timed with triton.testing.do_bench (med
     python bench/attention_kernels.py --kv-cache-dtype fp8   # an e4m3 cache (no flash-attn column)
     python bench/attention_kernels.py --prefill-sweep --group 2   # prefill tiles for lone prompts
     python bench/attention_kernels.py --ragged   # unequal contexts: split counts and launch order
+    python bench/attention_kernels.py --prefill-order   # prefill programs longest first, heads side by side
     python bench/attention_kernels.py --launch-order   # a sequence's kv heads side by side, or head by head
     python bench/attention_kernels.py --ahead   # each tile's block read a tile ahead, or per key
 """
@@ -21,6 +22,7 @@ import argparse
 import os
 import sys
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -34,7 +36,8 @@ from nanoserve.runner.attention.decode_splits import num_decode_splits  # noqa: 
 from nanoserve.runner.attention.fp8 import FP8_DTYPE  # noqa: E402
 from nanoserve.runner.attention.kv_layout import v_cache_copy  # noqa: E402
 from nanoserve.runner.attention.triton_decode import paged_decode  # noqa: E402
-from nanoserve.runner.attention.triton_prefill import paged_prefill  # noqa: E402
+from nanoserve.runner.attention.prefill_splits import SEQ_SHIFT, TILE_FIELD  # noqa: E402
+from nanoserve.runner.attention.triton_prefill import paged_prefill, prefill_tiles  # noqa: E402
 
 Q_HEADS = 16   # --group sets it
 BATCHES, CONTEXTS = (1, 16, 256), (1024, 8192, 32768)
@@ -216,6 +219,63 @@ def split_sweep(caches: Caches) -> None:
         print(f"batch {batch:3d} ctx {context:5d}  " + "  ".join(row))
 
 
+def longest_first(tiles: np.ndarray, count: int, q_lens: list[int], seq_lens: list[int], block_q: int) -> None:
+    """Reorder `tiles[:count]` (prefill_tiles' entries) by the keys each reads, most first."""
+    entries = tiles[:count].astype(np.int64)
+    seqs, tile = entries >> SEQ_SHIFT, entries & TILE_FIELD
+    lens, ctx = np.asarray(q_lens)[seqs], np.asarray(seq_lens)[seqs]
+    ends = ctx - lens + np.minimum((tile + 1) * block_q, lens)
+    tiles[:count] = entries[np.argsort(-ends, kind="stable")]
+
+
+def prefill_order_sweep(caches: Caches) -> None:
+    """Prefill programs from a staged list (as a captured step runs them): the list in sequence and
+    tile order or longest first, launched head by head or a tile's kv heads side by side, for a
+    few tile configs. TFLOP/s; each output checked against the untiled default's."""
+    rng = np.random.default_rng(0)
+    cases = {"1x1k": [1024], "1x2k": [2048], "1x4k": [4096], "1x16k": [16384], "4x1k": [1024] * 4,
+             "16x100-1k": rng.integers(100, 1025, 16).tolist(), "1x512": [512]}
+    configs = [(128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 64, 4, 2), (128, 64, 8, 3)]
+    group = Q_HEADS // KV_HEADS
+    print(f"\nprefill launch order, {Q_HEADS} q heads (TFLOP/s): BLOCK_M / BLOCK_N / warps / stages, "
+          "list order (t: sequence and tile, L: longest first), heads (o: outer, f: a tile's side by side)")
+    print("config            " + "".join(f"{name:>11}" for name in cases))
+    inputs = []
+    for lens in cases.values():
+        longest = max(lens)
+        _, tables = caches.tables(len(lens), longest)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device="cuda")
+        cu[1:] = seq_lens.cumsum(0)
+        q = torch.randn(sum(lens), Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        expected = paged_prefill(q, caches.k, caches.v, cu, seq_lens, tables, HEAD_DIM ** -0.5, longest)
+        flops = sum(4 * n * (n + 1) / 2 * Q_HEADS * HEAD_DIM for n in lens)
+        inputs.append((lens, q, cu, seq_lens, tables, expected, flops))
+    for block_m, block_n, warps, stages in configs:
+        block_q = max(block_m, group) // group
+        for order in ("t", "L"):
+            for heads in ("o", "f"):
+                cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+                           HEADS_FAST=heads == "f")
+                cells = []
+                for lens, q, cu, seq_lens, tables, expected, flops in inputs:
+                    host = np.empty(sum(-(-n // block_q) for n in lens) + len(lens), dtype=np.int32)
+                    count = prefill_tiles(lens, block_q, host)
+                    if order == "L":
+                        longest_first(host, count, lens, lens, block_q)
+                    tiles = torch.from_numpy(host[:count]).cuda()
+                    run = (lambda q=q, cu=cu, seq_lens=seq_lens, tables=tables, tiles=tiles, n=max(lens):
+                           paged_prefill(q, caches.k, caches.v, cu, seq_lens, tables, HEAD_DIM ** -0.5, n,
+                                         config=cfg, tiles=tiles))
+                    try:
+                        err = (run().float() - expected.float()).abs().max().item()
+                        cells.append(f"{flops / graph_time_us(run) / 1e6:10.1f}{'!' if err > 2e-2 else ' '}")
+                    except Exception as e:   # out of shared memory or registers
+                        cells.append(f"{type(e).__name__[:10]:>11}")
+                print(f"{block_m:4d} {block_n:4d} {warps} {stages} {order} {heads}     " + "".join(cells), flush=True)
+    print("! = differs from the untiled default by more than 2e-2")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiles", action="store_true", help="also sweep the decode tile config")
@@ -228,6 +288,8 @@ def main() -> None:
                         help="only sweep an e4m3 cache's tiles (no table)")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="only sweep the prefill kernel's tiles for lone prompts (no table)")
+    parser.add_argument("--prefill-order", action="store_true",
+                        help="only weigh prefill launch orders (longest first, heads side by side) by tile config")
     parser.add_argument("--launch-order", action="store_true",
                         help="only weigh a sequence's kv heads side by side against head by head (no table)")
     parser.add_argument("--ahead", action="store_true",
@@ -243,6 +305,9 @@ def main() -> None:
         return
     if args.prefill_sweep:
         prefill_sweep(Caches(4 * 16384 * 2, DTYPE))
+        return
+    if args.prefill_order:
+        prefill_order_sweep(Caches(4 * 16384 * 2, DTYPE))
         return
     if args.ragged:
         ragged_sweep(Q_HEADS)

@@ -366,6 +366,10 @@ def test_prefill_over_a_staged_tile_list_gives_the_same_bits_as_over_the_grid() 
     starts = meta.query_start_loc.tolist()
     prompt_rows = [r for i, (n, _) in enumerate(specs) if n > 1 for r in range(starts[i], starts[i + 1])]
     assert torch.equal(over_tiles[prompt_rows], over_grid[prompt_rows])
+    # any order of the list, a tile's kv heads launched side by side: the same bits
+    shuffled = np.concatenate([np.random.default_rng(3).permutation(real), tiles[len(real):]])
+    heads_fast = run(tiles=torch.from_numpy(shuffled), config={"HEADS_FAST": True})
+    assert torch.equal(heads_fast[prompt_rows], over_grid[prompt_rows])
     with pytest.raises(ValueError, match="do not fit"):
         prefill_tiles([n for n, _ in specs], block_q, tiles[:2].copy())
     for n in (1, 2, block_q, 3 * block_q + 1):   # a lone sequence's own path lists what the general one does

@@ -74,10 +74,19 @@ def _prefill_kernel(
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, LAST_TILES_FIRST: tl.constexpr,
     SKIP_DECODE_ROWS: tl.constexpr, TILED: tl.constexpr, USE_PDL: tl.constexpr,
     V_TOKENS_CONTIGUOUS: tl.constexpr = False, WINDOW: tl.constexpr = 0, SPLIT: tl.constexpr = False,
+    HEADS_FAST: tl.constexpr = False,
 ):
     pdl_prologue(USE_PDL)
+    if HEADS_FAST:   # a tile's kv heads launch side by side: grid (kv heads, tiles)
+        kv_head = tl.program_id(0)
+        entry = tl.program_id(1)
+        kv_heads = tl.num_programs(0)
+    else:
+        kv_head = tl.program_id(2)
+        entry = tl.program_id(0)
+        kv_heads = tl.num_programs(2)
     if TILED:   # (sequence, slot, tile) from the host's list; -1 past its end
-        packed = tl.load(tiles_ptr + tl.program_id(0))
+        packed = tl.load(tiles_ptr + entry)
         if packed < 0:
             return
         seq = packed >> TILE_BITS
@@ -85,11 +94,10 @@ def _prefill_kernel(
         slot = (packed >> SLOT_SHIFT) & SLOT_MASK   # 0: the whole tile; else a part (prefill_splits.py)
     else:
         slot = 0
-        seq = tl.program_id(0)
+        seq = entry
         q_tile = tl.program_id(1)
         if LAST_TILES_FIRST:   # causal: a late tile reads the most keys; started first, it ends no later
             q_tile = tl.num_programs(1) - 1 - q_tile
-    kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq * stride_qsl)
     q_len = tl.load(query_start_loc_ptr + (seq + 1) * stride_qsl) - q_start
     if q_tile * BLOCK_Q >= q_len:   # the grid is sized for the longest query of the batch
@@ -169,7 +177,7 @@ def _prefill_kernel(
 
     if SPLIT:
         if slot > 0:   # the merge folds this part into its tile's rows
-            at = ((slot - 1) * tl.num_programs(2) + kv_head).to(tl.int64)
+            at = ((slot - 1) * kv_heads + kv_head).to(tl.int64)
             tl.store(part_acc_ptr + at * BLOCK_M * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], acc)
             tl.store(part_stats_ptr + at * 2 * BLOCK_M + offs_m, m)
             tl.store(part_stats_ptr + at * 2 * BLOCK_M + BLOCK_M + offs_m, l)
@@ -259,8 +267,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     Rows past num_query_tokens (query_start_loc[-1], when the caller pads the batch) are zeroed.
     k_scale / v_scale apply to an fp8 cache only; config's keys replace the tile choice's (benchmarks, tests).
     skip_decode_rows: sequences of one query are left unwritten, for paged_decode to fill (a mixed step).
-    tiles: the programs to run, from `prefill_tiles` with `prefill_block_q`'s tiles (no config
-    then); decode rows have none, as with skip_decode_rows.
+    tiles: the programs to run, from `prefill_tiles` with `prefill_block_q`'s tiles (or, with a
+    config, with its BLOCK_Q); decode rows have none, as with skip_decode_rows.
     window: a sliding window's span: the query at position p attends keys p - window < k <= p (None: all).
     splits: the split plan `tiles` were staged with (prefill_splits.plan_splits) and its scratch;
     the parts' merge is launched after the kernel. Not with a window.
@@ -282,15 +290,17 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out[num_query_tokens:].zero_()
     num_seqs = seq_lens.shape[0]
     if tiles is not None:
-        if config or tiles.dtype != torch.int32 or tiles.dim() != 1 or tiles.stride(0) != 1:
-            raise ValueError("tiles: a contiguous int32 list from prefill_tiles, with the default tiles")
-        grid = (tiles.shape[0], 1, kv_heads)
+        if tiles.dtype != torch.int32 or tiles.dim() != 1 or tiles.stride(0) != 1:
+            raise ValueError("tiles: a contiguous int32 list from prefill_tiles")
+        grid = (kv_heads, tiles.shape[0], 1) if cfg.get("HEADS_FAST") else (tiles.shape[0], 1, kv_heads)
         if splits is not None and (window or splits.acc.shape[2] != block_m
                                    or prefill_splits.split_unit(q.device) % cfg["BLOCK_N"]):
             raise ValueError("splits: no window, the default tiles' rows, parts of whole key tiles")
     else:
         if splits is not None:
             raise ValueError("splits need a staged tile list")
+        if cfg.get("HEADS_FAST"):
+            raise ValueError("HEADS_FAST needs a staged tile list")
         grid = (num_seqs, triton.cdiv(max_query_len, block_q), kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, tiles if tiles is not None else seq_lens,
