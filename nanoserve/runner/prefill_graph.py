@@ -43,7 +43,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.positions import layer_windows
 from nanoserve.runner.attention.decode_splits import num_sms
 from nanoserve.runner.attention.prefill_splits import PLAN_SIZE, PrefillSplits, SplitShape, plan_splits, split_unit
-from nanoserve.runner.attention.triton_prefill import prefill_tile_rows, prefill_tiles
+from nanoserve.runner.attention.triton_prefill import LONGEST_FIRST, prefill_tile_rows, prefill_tiles
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
 from nanoserve.runner.inputs import PinnedSet, PinnedSets, fill_pending_tokens, write_block_tables
 from nanoserve.runner.layers.linear import building_graphs
@@ -245,7 +245,7 @@ class PrefillBuffers:
             last_rows = query_start[1:num + 1][[w.params is not None for w in work]] - 1
         uploaded = 3 * bucket + len(last_rows)
         host.i64_np[3 * bucket:uploaded] = last_rows
-        entries = prefill_tiles(lens, self.block_q, host.tiles[:count])
+        entries = prefill_tiles(lens, self.block_q, host.tiles[:count], seq_lens if LONGEST_FIRST else None)
         split = False
         if may_split:
             shape = self.splitting

@@ -350,6 +350,7 @@ def test_prefill_leaves_a_mixed_steps_decode_rows_to_the_decode_kernel(monkeypat
 def test_prefill_over_a_staged_tile_list_gives_the_same_bits_as_over_the_grid() -> None:
     import numpy as np
 
+    from nanoserve.runner.attention.prefill_splits import SEQ_SHIFT, TILE_FIELD
     from nanoserve.runner.attention.triton_prefill import prefill_block_q, prefill_tiles
     specs = [(1, 38), (23, 23), (9, 49), (1, 5), (40, 40)]
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
@@ -370,12 +371,25 @@ def test_prefill_over_a_staged_tile_list_gives_the_same_bits_as_over_the_grid() 
     shuffled = np.concatenate([np.random.default_rng(3).permutation(real), tiles[len(real):]])
     heads_fast = run(tiles=torch.from_numpy(shuffled), config={"HEADS_FAST": True})
     assert torch.equal(heads_fast[prompt_rows], over_grid[prompt_rows])
+    # listed longest first: the same programs, by the keys each reads
+    longest = np.empty_like(tiles)
+    seq_lens = meta.seq_lens.numpy().astype(np.int64)
+    assert prefill_tiles([n for n, _ in specs], block_q, longest, seq_lens) == len(real)
+    assert sorted(longest[:len(real)].tolist()) == sorted(real.tolist())
+    seqs, tile = longest[:len(real)] >> SEQ_SHIFT, longest[:len(real)] & TILE_FIELD
+    lens = np.array([n for n, _ in specs])[seqs]
+    ends = seq_lens[seqs] - lens + np.minimum((tile + 1) * block_q, lens)
+    assert (np.diff(ends) <= 0).all() and ends[0] > ends[-1]
     with pytest.raises(ValueError, match="do not fit"):
         prefill_tiles([n for n, _ in specs], block_q, tiles[:2].copy())
     for n in (1, 2, block_q, 3 * block_q + 1):   # a lone sequence's own path lists what the general one does
         alone, beside = np.full(8, 7, dtype=np.int32), np.full(9, 7, dtype=np.int32)
         prefill_tiles([n], block_q, alone)
         prefill_tiles([n, 1], block_q, beside)   # a decode row after it adds no program
+        assert alone.tolist() == beside[:8].tolist() and beside[8] == -1
+        history = np.array([n + 40, 41])
+        prefill_tiles([n], block_q, alone, history)
+        prefill_tiles([n, 1], block_q, beside, history)
         assert alone.tolist() == beside[:8].tolist() and beside[8] == -1
     with pytest.raises(ValueError, match="do not fit"):
         prefill_tiles([3 * block_q + 1], block_q, np.empty(3, dtype=np.int32))

@@ -21,6 +21,7 @@ query could need S x T / BLOCK_Q programs.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -214,10 +215,16 @@ def prefill_block_q(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
     return prefill_tile_rows(q_heads, kv_heads, head_dim, dtype, device)[1]
 
 
-def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> int:
+# NANOSERVE_PREFILL_LONGEST_FIRST=1: a staged step lists its programs by the keys they read, most
+# first, and launches a tile's kv heads side by side (bench/attention_kernels.py --prefill-order)
+LONGEST_FIRST = os.environ.get("NANOSERVE_PREFILL_LONGEST_FIRST", "0") == "1"
+
+
+def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray, seq_lens: np.ndarray | None = None) -> int:
     """Fill `out` (int32) with the (sequence, tile) programs of every sequence of more than one
     query (decode rows are paged_decode's), then -1; how many there are. Raises if they do not
-    fit: `out` holds T / block_q + S entries for T tokens over S sequences."""
+    fit: `out` holds T / block_q + S entries for T tokens over S sequences. With `seq_lens` (each
+    sequence's keys), the programs that read the most keys come first."""
     longest = max(query_lens, default=0)
     if len(query_lens) > 1 << (31 - prefill_splits.SEQ_SHIFT):
         raise ValueError(f"{len(query_lens)} sequences are more than a tiles entry holds")
@@ -225,7 +232,8 @@ def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> i
         raise ValueError(f"a query of {longest} tokens has more tiles than an entry holds")
     if len(query_lens) == 1:   # a lone prompt, the common graphed step: no vectorized fixed costs
         count = -(-longest // block_q) if longest > 1 else 0
-        entries = np.arange(count)   # sequence 0
+        # sequence 0; a later tile reads more keys
+        entries = np.arange(count - 1, -1, -1) if seq_lens is not None else np.arange(count)
     else:
         lens = np.asarray(query_lens, dtype=np.int64)
         per_seq = np.where(lens > 1, -(-lens // block_q), 0)
@@ -233,6 +241,10 @@ def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray) -> i
         seqs = np.repeat(np.arange(len(lens)), per_seq)
         tile = np.arange(count) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)   # 0, 1, ... within each sequence
         entries = (seqs << TILE_BITS.value) | tile
+        if seq_lens is not None:
+            query = lens[seqs]
+            ends = seq_lens[:len(lens)][seqs] - query + np.minimum((tile + 1) * block_q, query)
+            entries = entries[np.argsort(-ends, kind="stable")]
     if count > out.shape[0]:
         raise ValueError(f"{count} prefill tiles do not fit in {out.shape[0]}")
     out[:count] = entries
