@@ -235,7 +235,7 @@ def prefill_order_sweep(caches: Caches) -> None:
     rng = np.random.default_rng(0)
     cases = {"1x1k": [1024], "1x2k": [2048], "1x4k": [4096], "1x16k": [16384], "4x1k": [1024] * 4,
              "16x100-1k": rng.integers(100, 1025, 16).tolist(), "1x512": [512]}
-    configs = [(128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 64, 4, 2), (128, 64, 8, 3)]
+    configs = [(128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 2)]
     group = Q_HEADS // KV_HEADS
     print(f"\nprefill launch order, {Q_HEADS} q heads (TFLOP/s): BLOCK_M / BLOCK_N / warps / stages, "
           "list order (t: sequence and tile, L: longest first), heads (o: outer, f: a tile's side by side)")
