@@ -367,10 +367,11 @@ def test_prefill_over_a_staged_tile_list_gives_the_same_bits_as_over_the_grid() 
     starts = meta.query_start_loc.tolist()
     prompt_rows = [r for i, (n, _) in enumerate(specs) if n > 1 for r in range(starts[i], starts[i + 1])]
     assert torch.equal(over_tiles[prompt_rows], over_grid[prompt_rows])
-    # any order of the list, a tile's kv heads launched side by side: the same bits
-    shuffled = np.concatenate([np.random.default_rng(3).permutation(real), tiles[len(real):]])
-    heads_fast = run(tiles=torch.from_numpy(shuffled), config={"HEADS_FAST": True})
-    assert torch.equal(heads_fast[prompt_rows], over_grid[prompt_rows])
+    # any order of the list, a tile's kv heads launched side by side or head by head: the same bits
+    shuffled = torch.from_numpy(np.concatenate([np.random.default_rng(3).permutation(real), tiles[len(real):]]))
+    for heads_fast in (True, False):
+        out = run(tiles=shuffled, config={"HEADS_FAST": heads_fast})
+        assert torch.equal(out[prompt_rows], over_grid[prompt_rows])
     # listed longest first: the same programs, by the keys each reads
     longest = np.empty_like(tiles)
     seq_lens = meta.seq_lens.numpy().astype(np.int64)

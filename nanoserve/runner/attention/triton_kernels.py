@@ -16,7 +16,7 @@ from nanoserve.runner.attention.decode_tiles import decode_config
 from nanoserve.runner.attention.triton_decode import paged_decode
 from nanoserve.runner.attention.triton_fp8 import to_fp8
 from nanoserve.runner.attention.triton_paged import store_kv_rows
-from nanoserve.runner.attention.triton_prefill import LONGEST_FIRST, paged_prefill
+from nanoserve.runner.attention.triton_prefill import paged_prefill
 from nanoserve.runner.attention.triton_rope_store import qkv_rope_store
 from nanoserve.runner.layers.rotary import NewTokenRope
 from nanoserve.runner.batch import AttentionMetadata
@@ -27,7 +27,6 @@ __all__ = ["TritonBackend", "paged_decode", "paged_prefill", "qkv_rope_store", "
 # launches a layer, which an eager mixed step pays on the host. On an H200 (attention_kernels.py's
 # mixed lines) the split already won at 32 decode rows of 1k keys: 77.7 against 96.8 us.
 MIXED_MIN_DECODE_ROWS = 32
-HEADS_FAST = {"HEADS_FAST": True}   # with LONGEST_FIRST: a staged list's tile launches its kv heads side by side
 # a decode-only step of at most this many rows does its q/k norm, rotary and K/V store inside the
 # decode kernel; larger ones launch them first, as a step with prompts does (NANOSERVE_DECODE_ROPE=0:
 # always). On an H200 at 1k contexts (BENCHMARKS.md) it took batch 1 from 0.999 to 0.977 ms (bf16) and
@@ -166,8 +165,7 @@ class TritonBackend:
                             meta.block_tables, scale, meta.max_query_len,
                             num_query_tokens=meta.num_query_tokens,
                             k_scale=k_scale, v_scale=v_scale, skip_decode_rows=mixed, tiles=meta.prefill_tiles,
-                            window=window, splits=meta.prefill_splits, config=HEADS_FAST
-                            if LONGEST_FIRST and meta.prefill_tiles is not None else None)
+                            window=window, splits=meta.prefill_splits)
         if mixed:
             paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
                          k_scale=k_scale, v_scale=v_scale, query_start_loc=meta.query_start_loc, out=out,

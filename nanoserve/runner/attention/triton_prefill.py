@@ -16,7 +16,9 @@ cache is read as in triton_decode.
 The grid covers every sequence times the longest query's tiles, or (`tiles`, for a captured graph
 of many sequences) a list of (sequence, tile) pairs staged by the host, `prefill_tiles`: a bucket
 of T tokens over S sequences needs at most T / BLOCK_Q + S of them, where sequences x the longest
-query could need S x T / BLOCK_Q programs.
+query could need S x T / BLOCK_Q programs. The list runs longest first and a tile's kv heads
+launch side by side, so the waves after the first hold the short programs: the last wave ends
+soon after the others instead of starting a long tile late.
 """
 
 from __future__ import annotations
@@ -215,9 +217,10 @@ def prefill_block_q(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
     return prefill_tile_rows(q_heads, kv_heads, head_dim, dtype, device)[1]
 
 
-# NANOSERVE_PREFILL_LONGEST_FIRST=1: a staged step lists its programs by the keys they read, most
-# first, and launches a tile's kv heads side by side (bench/attention_kernels.py --prefill-order)
-LONGEST_FIRST = os.environ.get("NANOSERVE_PREFILL_LONGEST_FIRST", "0") == "1"
+# a staged step lists its programs by the keys they read, most first, and launches a tile's kv heads
+# side by side: a lone 2k-4k prompt's attention ran 20-37% faster on an H100, its TTFT 10-14% lower
+# (BENCHMARKS.md); NANOSERVE_PREFILL_LONGEST_FIRST=0 restores sequence order, head by head
+LONGEST_FIRST = os.environ.get("NANOSERVE_PREFILL_LONGEST_FIRST", "1") == "1"
 
 
 def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray, seq_lens: np.ndarray | None = None) -> int:
@@ -292,7 +295,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
     # launching the last query tiles first helped no default config (the prefill sweep): off unless asked
-    cfg = {"LAST_TILES_FIRST": False, **_prefill_config(head_dim, q.dtype, q.device), **(config or {})}
+    cfg = {"LAST_TILES_FIRST": False, "HEADS_FAST": tiles is not None and LONGEST_FIRST,
+           **_prefill_config(head_dim, q.dtype, q.device), **(config or {})}
     v_tokens = tokens_contiguous(v_cache)
     if v_tokens:   # such V is read a whole tile at a time, in tiles within one block (kv_layout.py)
         cfg["BLOCK_N"] = min(cfg["BLOCK_N"], block_size)
