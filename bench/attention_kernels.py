@@ -36,7 +36,6 @@ from nanoserve.runner.attention.decode_splits import num_decode_splits  # noqa: 
 from nanoserve.runner.attention.fp8 import FP8_DTYPE  # noqa: E402
 from nanoserve.runner.attention.kv_layout import v_cache_copy  # noqa: E402
 from nanoserve.runner.attention.triton_decode import paged_decode  # noqa: E402
-from nanoserve.runner.attention.prefill_splits import SEQ_SHIFT, TILE_FIELD  # noqa: E402
 from nanoserve.runner.attention.triton_prefill import paged_prefill, prefill_tiles  # noqa: E402
 
 Q_HEADS = 16   # --group sets it
@@ -219,15 +218,6 @@ def split_sweep(caches: Caches) -> None:
         print(f"batch {batch:3d} ctx {context:5d}  " + "  ".join(row))
 
 
-def longest_first(tiles: np.ndarray, count: int, q_lens: list[int], seq_lens: list[int], block_q: int) -> None:
-    """Reorder `tiles[:count]` (prefill_tiles' entries) by the keys each reads, most first."""
-    entries = tiles[:count].astype(np.int64)
-    seqs, tile = entries >> SEQ_SHIFT, entries & TILE_FIELD
-    lens, ctx = np.asarray(q_lens)[seqs], np.asarray(seq_lens)[seqs]
-    ends = ctx - lens + np.minimum((tile + 1) * block_q, lens)
-    tiles[:count] = entries[np.argsort(-ends, kind="stable")]
-
-
 def prefill_order_sweep(caches: Caches) -> None:
     """Prefill programs from a staged list (as a captured step runs them): the list in sequence and
     tile order or longest first, launched head by head or a tile's kv heads side by side, for a
@@ -260,9 +250,7 @@ def prefill_order_sweep(caches: Caches) -> None:
                 cells = []
                 for lens, q, cu, seq_lens, tables, expected, flops in inputs:
                     host = np.empty(sum(-(-n // block_q) for n in lens) + len(lens), dtype=np.int32)
-                    count = prefill_tiles(lens, block_q, host)
-                    if order == "L":
-                        longest_first(host, count, lens, lens, block_q)
+                    count = prefill_tiles(lens, block_q, host, np.asarray(lens) if order == "L" else None)
                     tiles = torch.from_numpy(host[:count]).cuda()
                     run = (lambda q=q, cu=cu, seq_lens=seq_lens, tables=tables, tiles=tiles, n=max(lens):
                            paged_prefill(q, caches.k, caches.v, cu, seq_lens, tables, HEAD_DIM ** -0.5, n,
