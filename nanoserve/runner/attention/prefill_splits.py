@@ -95,6 +95,14 @@ def plan_views(region):
     return region[:MAX_MERGES * 3].reshape(MAX_MERGES, 3), region[MAX_MERGES * 3:].reshape(MAX_SLOTS, 2)
 
 
+def keys_read(seqs: np.ndarray, tiles: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray,
+              block_q: int) -> np.ndarray:
+    """The keys each program (sequence `seqs[i]`, query tile `tiles[i]`) reads: its sequence's
+    history, then its queries up to the tile's last."""
+    lens = query_lens[seqs]
+    return seq_lens[seqs].astype(np.int64) - lens + np.minimum((tiles + 1) * block_q, lens)
+
+
 def split_span(ends: np.ndarray, unit: int, kv_heads: int, num_sms: int) -> int:
     """The part length (whole units) that a step of one-wave programs ending at `ends` keys is
     estimated to finish soonest with, or 0 where no split beats the whole tiles.
@@ -140,9 +148,8 @@ def plan_splits(tiles: np.ndarray, count: int, query_lens: list[int], seq_lens: 
     if count == 0 or count * kv_heads >= num_sms:
         return count
     entries = tiles[:count].astype(np.int64)
-    seqs, tile_ids = entries >> SEQ_SHIFT, entries & TILE_FIELD
-    lens = np.asarray(query_lens, dtype=np.int64)[seqs]
-    ends = seq_lens[seqs].astype(np.int64) - lens + np.minimum((tile_ids + 1) * block_q, lens)
+    ends = keys_read(entries >> SEQ_SHIFT, entries & TILE_FIELD, np.asarray(query_lens, dtype=np.int64), seq_lens,
+                     block_q)
     span = split_span(ends, unit, kv_heads, num_sms)
     if not span:
         return count

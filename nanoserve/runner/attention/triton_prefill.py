@@ -245,9 +245,7 @@ def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray, seq_
         tile = np.arange(count) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)   # 0, 1, ... within each sequence
         entries = (seqs << TILE_BITS.value) | tile
         if seq_lens is not None:
-            query = lens[seqs]
-            ends = seq_lens[:len(lens)][seqs] - query + np.minimum((tile + 1) * block_q, query)
-            entries = entries[np.argsort(-ends, kind="stable")]
+            entries = entries[np.argsort(-prefill_splits.keys_read(seqs, tile, lens, seq_lens, block_q), kind="stable")]
     if count > out.shape[0]:
         raise ValueError(f"{count} prefill tiles do not fit in {out.shape[0]}")
     out[:count] = entries
