@@ -66,17 +66,19 @@ def kv_bytes(batch: int, context: int, caches: Caches) -> int:
     return 2 * batch * context * KV_HEADS * HEAD_DIM * caches.k.element_size()
 
 
-def prompts(caches: Caches, seqs: int, prompt: int) -> tuple:
-    """(seq_lens, tables, query starts, q, causal FLOPs of QK^T + PV) of `seqs` fresh prompts of
-    `prompt` tokens each, over shuffled blocks of `caches`."""
-    seq_lens, tables = caches.tables(seqs, prompt)
-    cu = torch.arange(0, (seqs + 1) * prompt, prompt, dtype=torch.int32, device="cuda")
-    q = torch.randn(seqs * prompt, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    return seq_lens, tables, cu, q, 4 * seqs * (prompt * (prompt + 1) / 2) * Q_HEADS * HEAD_DIM
+def prompts(caches: Caches, lens: list[int]) -> tuple:
+    """(seq_lens, tables, query starts, q, causal FLOPs of QK^T + PV) of fresh prompts of `lens`
+    tokens, over shuffled blocks of `caches`."""
+    _, tables = caches.tables(len(lens), max(lens))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device="cuda")
+    cu[1:] = seq_lens.cumsum(0)
+    q = torch.randn(sum(lens), Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    return seq_lens, tables, cu, q, sum(4 * (n * (n + 1) / 2) * Q_HEADS * HEAD_DIM for n in lens)
 
 
 def prefill_line(caches: Caches, seqs: int = 16, prompt: int = 1024) -> str:
-    seq_lens, tables, cu, q, flops = prompts(caches, seqs, prompt)
+    seq_lens, tables, cu, q, flops = prompts(caches, [prompt] * seqs)
     us = graph_time_us(lambda: paged_prefill(q, caches.k, caches.v, cu, seq_lens, tables,
                                              HEAD_DIM ** -0.5, prompt))
     line = f"prefill {seqs}x{prompt} causal: triton {us:8.1f} us {flops / us / 1e6:6.1f} TFLOP/s"
@@ -133,7 +135,7 @@ def prefill_layouts() -> None:
         (f"tokens {m} x {n}, {w} warps, {st} stages", tokens, dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st))
         for m, n, w, st in ((64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2))]
     for seqs, prompt in ((1, 1024), (4, 1024), (1, 4096)):
-        seq_lens, tables, cu, q, flops = prompts(rows, seqs, prompt)
+        seq_lens, tables, cu, q, flops = prompts(rows, [prompt] * seqs)
         want = None
         for label, v, config in configs:
             def run(v=v, config=config) -> torch.Tensor:
@@ -153,7 +155,7 @@ def prefill_sweep(caches: Caches) -> None:
     cases = [(1, 1024), (4, 1024), (1, 4096), (1, 16384)]
     inputs = []
     for seqs, prompt in cases:
-        seq_lens, tables, cu, q, flops = prompts(caches, seqs, prompt)
+        seq_lens, tables, cu, q, flops = prompts(caches, [prompt] * seqs)
         run = (lambda q=q, cu=cu, seq_lens=seq_lens, tables=tables, prompt=prompt, **cfg:
                paged_prefill(q, caches.k, caches.v, cu, seq_lens, tables, HEAD_DIM ** -0.5, prompt, **cfg))
         inputs.append((run, run(), flops))
@@ -232,14 +234,8 @@ def prefill_order_sweep(caches: Caches) -> None:
     print("config            " + "".join(f"{name:>11}" for name in cases))
     inputs = []
     for lens in cases.values():
-        longest = max(lens)
-        _, tables = caches.tables(len(lens), longest)
-        seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device="cuda")
-        cu[1:] = seq_lens.cumsum(0)
-        q = torch.randn(sum(lens), Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-        expected = paged_prefill(q, caches.k, caches.v, cu, seq_lens, tables, HEAD_DIM ** -0.5, longest)
-        flops = sum(4 * n * (n + 1) / 2 * Q_HEADS * HEAD_DIM for n in lens)
+        seq_lens, tables, cu, q, flops = prompts(caches, lens)
+        expected = paged_prefill(q, caches.k, caches.v, cu, seq_lens, tables, HEAD_DIM ** -0.5, max(lens))
         inputs.append((lens, q, cu, seq_lens, tables, expected, flops))
     for block_m, block_n, warps, stages in configs:
         block_q = max(block_m, group) // group
