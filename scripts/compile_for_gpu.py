@@ -127,7 +127,7 @@ def variants(target: GPUTarget):
             prefill = dict(GROUP=2, BLOCK_Q=tiles["BLOCK_M"] // 2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None,
                            KV_FP8=fp8, LAST_TILES_FIRST=on, SKIP_DECODE_ROWS=on, TILED=on,
                            V_TOKENS_CONTIGUOUS=fp8 and on, USE_PDL=flags["USE_PDL"], WINDOW=0, SPLIT=on,
-                           HEADS_FAST=on, stride_qsl=1, **unit, **tiles)
+                           HEADS_FAST=on, ENTRIES=2 if on else 1, stride_qsl=1, **unit, **tiles)
             yield f"prefill {cache[1:]} flags {'on' if on else 'off'}", _prefill_kernel, io, prefill, options
             if on:
                 yield (f"prefill {cache[1:]} window", _prefill_kernel, io, dict(prefill, WINDOW=4096, SPLIT=False),

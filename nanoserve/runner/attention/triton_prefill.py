@@ -77,7 +77,7 @@ def _prefill_kernel(
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, LAST_TILES_FIRST: tl.constexpr,
     SKIP_DECODE_ROWS: tl.constexpr, TILED: tl.constexpr, USE_PDL: tl.constexpr,
     V_TOKENS_CONTIGUOUS: tl.constexpr = False, WINDOW: tl.constexpr = 0, SPLIT: tl.constexpr = False,
-    HEADS_FAST: tl.constexpr = False,
+    HEADS_FAST: tl.constexpr = False, ENTRIES: tl.constexpr = 1,
 ):
     pdl_prologue(USE_PDL)
     if HEADS_FAST:   # a tile's kv heads launch side by side: grid (kv heads, tiles)
@@ -88,6 +88,39 @@ def _prefill_kernel(
         kv_head = tl.program_id(2)
         entry = tl.program_id(0)
         kv_heads = tl.num_programs(2)
+    # ENTRIES 2: a program runs list entries 2e and 2e + 1, a long tile and a short one (pair_tiles), so
+    # the programs of a one-wave step read about the same number of keys
+    for i in tl.static_range(ENTRIES):
+        _prefill_entry(
+            entry * ENTRIES + i, kv_head, kv_heads,
+            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+            query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tiles_ptr, ranges_ptr, part_acc_ptr, part_stats_ptr,
+            scale_log2, v_scale,
+            stride_qt, stride_qh,
+            stride_kb, stride_kt, stride_kh,
+            stride_vb, stride_vt, stride_vh, stride_vd,
+            stride_bt, stride_qsl, stride_sl, stride_ot, stride_oh,
+            GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, KV_FP8, LAST_TILES_FIRST,
+            SKIP_DECODE_ROWS, TILED, V_TOKENS_CONTIGUOUS, WINDOW, SPLIT)
+
+
+@triton.jit
+def _prefill_entry(
+    entry, kv_head, kv_heads,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tiles_ptr, ranges_ptr, part_acc_ptr, part_stats_ptr,
+    scale_log2, v_scale,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_bt, stride_qsl, stride_sl, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr, LAST_TILES_FIRST: tl.constexpr,
+    SKIP_DECODE_ROWS: tl.constexpr, TILED: tl.constexpr, V_TOKENS_CONTIGUOUS: tl.constexpr, WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """One program's tile: a staged list's entry, or the grid's (sequence, query tile), for kv_head."""
     if TILED:   # (sequence, slot, tile) from the host's list; -1 past its end
         packed = tl.load(tiles_ptr + entry)
         if packed < 0:
@@ -223,11 +256,14 @@ def prefill_block_q(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
 LONGEST_FIRST = os.environ.get("NANOSERVE_PREFILL_LONGEST_FIRST", "1") == "1"
 
 
-def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray, seq_lens: np.ndarray | None = None) -> int:
+def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray, seq_lens: np.ndarray | None = None,
+                  pairs: bool = False) -> int:
     """Fill `out` (int32) with the (sequence, tile) programs of every sequence of more than one
     query (decode rows are paged_decode's), then -1; how many there are. Raises if they do not
     fit: `out` holds T / block_q + S entries for T tokens over S sequences. With `seq_lens` (each
-    sequence's keys), the programs that read the most keys come first."""
+    sequence's keys), the programs that read the most keys come first; with `pairs` too, as pairs
+    of the i-th longest and the i-th shortest, for a kernel that runs two entries a program (an
+    odd count's middle entry beside -1, so `out` holds one entry more)."""
     longest = max(query_lens, default=0)
     if len(query_lens) > 1 << (31 - prefill_splits.SEQ_SHIFT):
         raise ValueError(f"{len(query_lens)} sequences are more than a tiles entry holds")
@@ -246,10 +282,15 @@ def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray, seq_
         entries = (seqs << TILE_BITS.value) | tile
         if seq_lens is not None:
             entries = entries[np.argsort(-prefill_splits.keys_read(seqs, tile, lens, seq_lens, block_q), kind="stable")]
-    if count > out.shape[0]:
+    if count + (pairs and count % 2) > out.shape[0]:
         raise ValueError(f"{count} prefill tiles do not fit in {out.shape[0]}")
-    out[:count] = entries
     out[count:] = -1
+    if pairs:
+        half = -(-count // 2)
+        out[0:2 * half:2] = entries[:half]
+        out[1:2 * (count - half):2] = entries[::-1][:count - half]
+    else:
+        out[:count] = entries
     return count
 
 
@@ -306,15 +347,19 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if tiles is not None:
         if tiles.dtype != torch.int32 or tiles.dim() != 1 or tiles.stride(0) != 1:
             raise ValueError("tiles: a contiguous int32 list from prefill_tiles")
-        grid = (kv_heads, tiles.shape[0], 1) if cfg.get("HEADS_FAST") else (tiles.shape[0], 1, kv_heads)
+        entries = cfg.get("ENTRIES", 1)   # list entries a program runs (prefill_tiles' pairs: 2)
+        if tiles.shape[0] % entries:
+            raise ValueError(f"tiles: a list of {tiles.shape[0]} entries for programs of {entries}")
+        programs = tiles.shape[0] // entries
+        grid = (kv_heads, programs, 1) if cfg.get("HEADS_FAST") else (programs, 1, kv_heads)
         if splits is not None and (window or splits.acc.shape[2] != block_m
                                    or prefill_splits.split_unit(q.device) % cfg["BLOCK_N"]):
             raise ValueError("splits: no window, the default tiles' rows, parts of whole key tiles")
     else:
         if splits is not None:
             raise ValueError("splits need a staged tile list")
-        if cfg.get("HEADS_FAST"):
-            raise ValueError("HEADS_FAST needs a staged tile list")
+        if cfg.get("HEADS_FAST") or cfg.get("ENTRIES", 1) > 1:
+            raise ValueError("HEADS_FAST and ENTRIES need a staged tile list")
         grid = (num_seqs, triton.cdiv(max_query_len, block_q), kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, tiles if tiles is not None else seq_lens,
