@@ -36,7 +36,8 @@ from nanoserve.runner.attention.decode_splits import num_decode_splits  # noqa: 
 from nanoserve.runner.attention.fp8 import FP8_DTYPE  # noqa: E402
 from nanoserve.runner.attention.kv_layout import v_cache_copy  # noqa: E402
 from nanoserve.runner.attention.triton_decode import paged_decode  # noqa: E402
-from nanoserve.runner.attention.triton_prefill import paged_prefill, prefill_tiles  # noqa: E402
+from nanoserve.runner.attention.prefill_programs import prefill_tiles  # noqa: E402
+from nanoserve.runner.attention.triton_prefill import paged_prefill  # noqa: E402
 
 Q_HEADS = 16   # --group sets it
 BATCHES, CONTEXTS = (1, 16, 256), (1024, 8192, 32768)

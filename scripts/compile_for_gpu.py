@@ -34,7 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from nanoserve.runner.attention.decode_tiles import decode_config  # noqa: E402
 from nanoserve.runner.attention.triton_decode import _decode_kernel, _merge_splits_kernel  # noqa: E402
 from nanoserve.runner.attention.prefill_splits import _merge_kernel  # noqa: E402
-from nanoserve.runner.attention.triton_prefill import _prefill_config, _prefill_kernel  # noqa: E402
+from nanoserve.runner.attention.triton_prefill import _pairs_config, _prefill_config, _prefill_kernel  # noqa: E402
 from nanoserve.runner.layers.rms_norm_kernel import _rms_norm_kernel  # noqa: E402
 from nanoserve.runner.layers.small_gemm import _skinny_kernel, skinny_config  # noqa: E402
 
@@ -132,6 +132,10 @@ def variants(target: GPUTarget):
             if on:
                 yield (f"prefill {cache[1:]} window", _prefill_kernel, io, dict(prefill, WINDOW=4096, SPLIT=False),
                        options)
+                pairs = _pairs_config(128, torch.bfloat16, CUDA)   # a one-wave step's (prefill_programs.py)
+                pair_options = dict(num_warps=pairs.pop("num_warps"), num_stages=pairs.pop("num_stages"))
+                yield (f"prefill {cache[1:]} pairs", _prefill_kernel, io,
+                       dict(prefill, SPLIT=False, **pairs, BLOCK_Q=pairs["BLOCK_M"] // 2), pair_options)
                 yield (f"prefill {cache[1:]} parts' merge", _merge_kernel,
                        dict(merges_ptr="*i32", query_start_loc_ptr="*i32", acc_ptr="*fp32",
                             stats_ptr="*fp32", out_ptr="*bf16"),

@@ -351,7 +351,8 @@ def test_prefill_over_a_staged_tile_list_gives_the_same_bits_as_over_the_grid() 
     import numpy as np
 
     from nanoserve.runner.attention.prefill_splits import SEQ_SHIFT, TILE_FIELD
-    from nanoserve.runner.attention.triton_prefill import prefill_block_q, prefill_tiles
+    from nanoserve.runner.attention.prefill_programs import prefill_tiles
+    from nanoserve.runner.attention.triton_prefill import prefill_block_q
     specs = [(1, 38), (23, 23), (9, 49), (1, 5), (40, 40)]
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
                                                 dtype=torch.float32, seed=80)
