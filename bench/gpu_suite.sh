@@ -73,7 +73,7 @@ for part in $parts; do
              | tee -a "$out/prefill-order.log" | grep -vE "it/s|Capturing|Warn"; done ;;
     pairs-ab) # one-wave prefill steps with programs in pairs (a long tile and a short one) against the default
          # tiles: the launch-order sweep (P rows), then lone prompts' TTFT with NANOSERVE_PREFILL_PAIRS off and on
-         python3 bench/attention_kernels.py --prefill-order --group 2 2>&1 | tee "$out/pairs-sweep.log" | grep -v Warn
+         for g in 2 4; do python3 bench/attention_kernels.py --prefill-order --group $g 2>&1 | tee "$out/pairs-sweep-g$g.log" | grep -v Warn; done
          for flag in 0 1 0 1; do echo "NANOSERVE_PREFILL_PAIRS=$flag"
            NANOSERVE_PREFILL_PAIRS=$flag python3 bench/prefill.py --lengths 256,512,1024,2048 --repeats 9 2>&1 \
              | tee -a "$out/pairs-ab.log" | grep -vE "it/s|Capturing|Warn"; done ;;
