@@ -8,6 +8,7 @@ import json
 import random
 from pathlib import Path
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -345,6 +346,19 @@ def test_pythonic_replies_that_open_no_call_are_content(text):
 def test_a_pythonic_value_that_is_no_literal_ends_the_list_there(text, arguments):
     parsed = TOOL_PARSERS["pythonic"]().parse(text, final=True)
     assert [(c.name, c.arguments) for c in parsed.calls] == [("f", arguments)] and parsed.content == ""
+
+
+def test_a_pythonic_string_that_escapes_a_surrogate_reads_back_as_written_whole_and_streamed():
+    # Python's "\ud83d\ude00" is two surrogates, and "\ud800" one: UTF-8 cannot encode either, so the
+    # response's serializer raised (a 500 whole, a stream ended by an internal error)
+    text = '[f(a="\\ud800", b={"k\\udc00": "\\ud83d\\ude00 \\u2603"})]'
+    plan = ToolPlan("auto", TOOL_PARSERS["pythonic"]())
+    whole, finish = ChoiceReader(plan, None).message(text, "stop")
+    deltas = stream(ChoiceReader(plan, None), text, "stop")
+    orjson.dumps(whole), orjson.dumps(deltas)
+    arguments = whole["tool_calls"][0]["function"]["arguments"]
+    assert finish == "tool_calls" and json.loads(arguments) == {"a": "\ud800", "b": {"k\udc00": "\U0001f600 \u2603"}}
+    assert "".join(c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", [])) == arguments
 
 
 def test_pythonic_calls_streamed_in_any_split_reassemble_to_the_whole_parse():

@@ -14,7 +14,8 @@ import ast
 import json
 import re
 
-from nanoserve.server.tool_parsers.base import _WHITESPACE, MAX_TOOL_CALLS, Parsed, PartialCall, ToolParser
+from nanoserve.server.tool_parsers.base import (
+    _LONE_SURROGATE, _WHITESPACE, MAX_TOOL_CALLS, Parsed, PartialCall, ToolParser)
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SPACES = re.compile(r"[ \t]*")
@@ -152,8 +153,7 @@ class PythonicStream:
 
     def _write_argument(self, text: str) -> bool:
         try:
-            value = json.dumps(ast.literal_eval(text[self.value_at:self.pos].strip()), ensure_ascii=False,
-                               allow_nan=False)
+            value = _as_json(ast.literal_eval(text[self.value_at:self.pos].strip()))
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return self._end()   # no literal, or none JSON can hold (a set, bytes, nan)
         call = self.calls[-1]
@@ -178,3 +178,11 @@ class PythonicStream:
     def _end(self) -> bool:
         self.state = "ended" if self.calls else "content"
         return False
+
+
+def _as_json(value: object) -> str:
+    """A literal's JSON. A string may escape surrogates ("\\ud800"; Python's "\\ud83d\\ude00" is two of
+    them), which UTF-8 cannot encode (the response's serializer raised: a 500): each is written as
+    JSON's escape, so that a client reads the string back as the model wrote it."""
+    written = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", written)
