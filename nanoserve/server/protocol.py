@@ -55,6 +55,10 @@ Items = Annotated[list[T], FIRST_ERROR]
 # Unbounded, 10 MB of it came back three times in a Responses stream
 Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                      Field(max_length=16)]
+# OpenAI's bound on safety_identifier and prompt_cache_key (it states none on the older user: a
+# metadata value's). A Responses stream echoes them three times: 10 MB of user made a 30 MB stream
+Identifier = Annotated[str, Field(max_length=64)]
+User = Annotated[str, Field(max_length=512)]
 
 
 class Strict(BaseModel):
@@ -169,13 +173,13 @@ class SamplingFields(Strict):
     guided_choice: Items[str] | None = None
     guided_grammar: str | None = None
     # OpenAI's bookkeeping: accepted and ignored, none of them changes the output
-    user: str | None = None
+    user: User | None = None
     metadata: Metadata | None = None
     store: bool | None = None
     service_tier: str | None = None
-    prompt_cache_key: str | None = None
+    prompt_cache_key: Identifier | None = None
     prompt_cache_retention: Literal["in-memory", "24h"] | None = None   # prefixes stay while blocks allow
-    safety_identifier: str | None = None
+    safety_identifier: Identifier | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:

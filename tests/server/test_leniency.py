@@ -189,3 +189,15 @@ def test_metadata_past_openais_bounds_is_a_400_naming_it(server, metadata, named
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "metadata": largest},
                    timeout=30)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("field, bound", [("safety_identifier", 64), ("prompt_cache_key", 64), ("user", 512)])
+def test_an_identifier_past_its_bound_is_a_400_naming_it(server, field, bound):
+    # each came back three times in a Responses stream: 10 MB of it made a 30 MB stream
+    for path, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}),
+                       ("/v1/responses", {"input": PROMPT, "max_output_tokens": 2, "stream": True})):
+        r = httpx.post(f"{server.url}{path}", json={**body, field: "u" * (bound + 1)}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, r.text[:300])
+        r = httpx.post(f"{server.url}{path}", json={**body, field: "u" * bound}, timeout=30)
+        assert r.status_code == 200, (path, r.text[:300])
