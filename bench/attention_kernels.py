@@ -36,8 +36,7 @@ from nanoserve.runner.attention.decode_splits import num_decode_splits  # noqa: 
 from nanoserve.runner.attention.fp8 import FP8_DTYPE  # noqa: E402
 from nanoserve.runner.attention.kv_layout import v_cache_copy  # noqa: E402
 from nanoserve.runner.attention.triton_decode import paged_decode  # noqa: E402
-from nanoserve.runner.attention.prefill_programs import prefill_tiles  # noqa: E402
-from nanoserve.runner.attention.triton_prefill import paged_prefill  # noqa: E402
+from nanoserve.runner.attention.triton_prefill import paged_prefill, prefill_tiles  # noqa: E402
 
 Q_HEADS = 16   # --group sets it
 BATCHES, CONTEXTS = (1, 16, 256), (1024, 8192, 32768)
@@ -228,11 +227,10 @@ def prefill_order_sweep(caches: Caches) -> None:
     rng = np.random.default_rng(0)
     cases = {"1x1k": [1024], "1x2k": [2048], "1x4k": [4096], "1x16k": [16384], "4x1k": [1024] * 4,
              "16x100-1k": rng.integers(100, 1025, 16).tolist(), "1x512": [512]}
-    configs = [(128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2)]
+    configs = [(128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 2)]
     group = Q_HEADS // KV_HEADS
     print(f"\nprefill launch order, {Q_HEADS} q heads (TFLOP/s): BLOCK_M / BLOCK_N / warps / stages, "
-          "list order (t: sequence and tile, L: longest first, P: longest first, a program runs the i-th "
-          "longest and the i-th shortest), heads (o: outer, f: a tile's side by side)")
+          "list order (t: sequence and tile, L: longest first), heads (o: outer, f: a tile's side by side)")
     print("config            " + "".join(f"{name:>11}" for name in cases))
     inputs = []
     for lens in cases.values():
@@ -241,24 +239,24 @@ def prefill_order_sweep(caches: Caches) -> None:
         inputs.append((lens, q, cu, seq_lens, tables, expected, flops))
     for block_m, block_n, warps, stages in configs:
         block_q = max(block_m, group) // group
-        for order, heads in (("t", "o"), ("t", "f"), ("L", "o"), ("L", "f"), ("P", "f")):
-            cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-                       HEADS_FAST=heads == "f", ENTRIES=2 if order == "P" else 1)
-            cells = []
-            for lens, q, cu, seq_lens, tables, expected, flops in inputs:
-                host = np.empty(sum(-(-n // block_q) for n in lens) + len(lens) + 1, dtype=np.int32)
-                count = prefill_tiles(lens, block_q, host, np.asarray(lens) if order != "t" else None,
-                                      pairs=order == "P")
-                tiles = torch.from_numpy(host[:count + count % 2 if order == "P" else count]).cuda()
-                run = (lambda q=q, cu=cu, seq_lens=seq_lens, tables=tables, tiles=tiles, n=max(lens):
-                       paged_prefill(q, caches.k, caches.v, cu, seq_lens, tables, HEAD_DIM ** -0.5, n,
-                                     config=cfg, tiles=tiles))
-                try:
-                    err = (run().float() - expected.float()).abs().max().item()
-                    cells.append(f"{flops / graph_time_us(run) / 1e6:10.1f}{'!' if err > 2e-2 else ' '}")
-                except Exception as e:   # out of shared memory or registers
-                    cells.append(f"{type(e).__name__[:10]:>11}")
-            print(f"{block_m:4d} {block_n:4d} {warps} {stages} {order} {heads}     " + "".join(cells), flush=True)
+        for order in ("t", "L"):
+            for heads in ("o", "f"):
+                cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+                           HEADS_FAST=heads == "f")
+                cells = []
+                for lens, q, cu, seq_lens, tables, expected, flops in inputs:
+                    host = np.empty(sum(-(-n // block_q) for n in lens) + len(lens), dtype=np.int32)
+                    count = prefill_tiles(lens, block_q, host, np.asarray(lens) if order == "L" else None)
+                    tiles = torch.from_numpy(host[:count]).cuda()
+                    run = (lambda q=q, cu=cu, seq_lens=seq_lens, tables=tables, tiles=tiles, n=max(lens):
+                           paged_prefill(q, caches.k, caches.v, cu, seq_lens, tables, HEAD_DIM ** -0.5, n,
+                                         config=cfg, tiles=tiles))
+                    try:
+                        err = (run().float() - expected.float()).abs().max().item()
+                        cells.append(f"{flops / graph_time_us(run) / 1e6:10.1f}{'!' if err > 2e-2 else ' '}")
+                    except Exception as e:   # out of shared memory or registers
+                        cells.append(f"{type(e).__name__[:10]:>11}")
+                print(f"{block_m:4d} {block_n:4d} {warps} {stages} {order} {heads}     " + "".join(cells), flush=True)
     print("! = differs from the untiled default by more than 2e-2")
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [prefill-turns] [decode] [served] [served-asc] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [prefill-order] [pairs-ab] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [tiles-ab] [prefill-fp8-ab] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab] [v-store-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [prefill-turns] [decode] [served] [served-asc] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [prefill-order] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [tiles-ab] [prefill-fp8-ab] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab] [v-store-ab]
 # carry .whl (scripts/device_wheels.sh) for the parts that import the engine or the server; served also needs .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -71,12 +71,6 @@ for part in $parts; do
          for flag in 0 1 0 1; do echo "NANOSERVE_PREFILL_LONGEST_FIRST=$flag"
            NANOSERVE_PREFILL_LONGEST_FIRST=$flag python3 bench/prefill.py --lengths 1024,2048,4096 --repeats 9 2>&1 \
              | tee -a "$out/prefill-order.log" | grep -vE "it/s|Capturing|Warn"; done ;;
-    pairs-ab) # one-wave prefill steps with programs in pairs (a long tile and a short one) against the default
-         # tiles: the launch-order sweep (P rows), then lone prompts' TTFT with NANOSERVE_PREFILL_PAIRS off and on
-         for g in 2 4; do python3 bench/attention_kernels.py --prefill-order --group $g 2>&1 | tee "$out/pairs-sweep-g$g.log" | grep -v Warn; done
-         for flag in 0 1 0 1; do echo "NANOSERVE_PREFILL_PAIRS=$flag"
-           NANOSERVE_PREFILL_PAIRS=$flag python3 bench/prefill.py --lengths 256,512,1024,2048 --repeats 9 2>&1 \
-             | tee -a "$out/pairs-ab.log" | grep -vE "it/s|Capturing|Warn"; done ;;
     decode-report) # registers, shared memory and Nsight Compute's view of the decode kernel, bf16 and fp8 caches
          # (REPORT_ARGS="--batch 16" for another shape)
          ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)

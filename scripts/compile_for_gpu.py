@@ -34,7 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from nanoserve.runner.attention.decode_tiles import decode_config  # noqa: E402
 from nanoserve.runner.attention.triton_decode import _decode_kernel, _merge_splits_kernel  # noqa: E402
 from nanoserve.runner.attention.prefill_splits import _merge_kernel  # noqa: E402
-from nanoserve.runner.attention.triton_prefill import _pairs_config, _prefill_config, _prefill_kernel  # noqa: E402
+from nanoserve.runner.attention.triton_prefill import _prefill_config, _prefill_kernel  # noqa: E402
 from nanoserve.runner.layers.rms_norm_kernel import _rms_norm_kernel  # noqa: E402
 from nanoserve.runner.layers.small_gemm import _skinny_kernel, skinny_config  # noqa: E402
 
@@ -127,15 +127,11 @@ def variants(target: GPUTarget):
             prefill = dict(GROUP=2, BLOCK_Q=tiles["BLOCK_M"] // 2, HEAD_DIM=128, BLOCK_SIZE=256, PRECISION=None,
                            KV_FP8=fp8, LAST_TILES_FIRST=on, SKIP_DECODE_ROWS=on, TILED=on,
                            V_TOKENS_CONTIGUOUS=fp8 and on, USE_PDL=flags["USE_PDL"], WINDOW=0, SPLIT=on,
-                           HEADS_FAST=on, ENTRIES=2 if on else 1, stride_qsl=1, **unit, **tiles)
+                           HEADS_FAST=on, stride_qsl=1, **unit, **tiles)
             yield f"prefill {cache[1:]} flags {'on' if on else 'off'}", _prefill_kernel, io, prefill, options
             if on:
                 yield (f"prefill {cache[1:]} window", _prefill_kernel, io, dict(prefill, WINDOW=4096, SPLIT=False),
                        options)
-                pairs = _pairs_config(128, torch.bfloat16, CUDA)   # a one-wave step's (prefill_programs.py)
-                pair_options = dict(num_warps=pairs.pop("num_warps"), num_stages=pairs.pop("num_stages"))
-                yield (f"prefill {cache[1:]} pairs", _prefill_kernel, io,
-                       dict(prefill, SPLIT=False, **pairs, BLOCK_Q=pairs["BLOCK_M"] // 2), pair_options)
                 yield (f"prefill {cache[1:]} parts' merge", _merge_kernel,
                        dict(merges_ptr="*i32", query_start_loc_ptr="*i32", acc_ptr="*fp32",
                             stats_ptr="*fp32", out_ptr="*bf16"),

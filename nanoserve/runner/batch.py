@@ -103,8 +103,6 @@ class AttentionMetadata:
     split_decode_rows: bool | None = None
     # a captured small step's key splits and their scratch (Triton prefill: prefill_splits.py)
     prefill_splits: PrefillSplits | None = None
-    # a captured one-wave step's: prefill_tiles lists pairs, two a program (triton_prefill.pairs_fit)
-    prefill_pairs: bool = False
 
     @property
     def decode_only(self) -> bool:

@@ -43,8 +43,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.positions import layer_windows
 from nanoserve.runner.attention.decode_splits import num_sms
 from nanoserve.runner.attention.prefill_splits import PLAN_SIZE, PrefillSplits, SplitShape, plan_splits, split_unit
-from nanoserve.runner.attention.prefill_programs import LONGEST_FIRST, PAIRS, pairs_fit, prefill_tiles
-from nanoserve.runner.attention.triton_prefill import prefill_pair_rows, prefill_tile_rows
+from nanoserve.runner.attention.triton_prefill import LONGEST_FIRST, prefill_tile_rows, prefill_tiles
 from nanoserve.runner.batch import AttentionMetadata, SequenceWork
 from nanoserve.runner.inputs import PinnedSet, PinnedSets, fill_pending_tokens, write_block_tables
 from nanoserve.runner.layers.linear import building_graphs
@@ -79,19 +78,6 @@ def split_shape(config: EngineConfig) -> SplitShape:
     block_m, block_q = prefill_tile_rows(hf.num_attention_heads, hf.num_key_value_heads, head_dim, config.dtype,
                                          device)
     return SplitShape(split_unit(device), hf.num_key_value_heads, num_sms(device), block_m, block_q, head_dim)
-
-
-def paired_buckets(config: EngineConfig) -> tuple[int | None, list[int]]:
-    """The query tokens of a paired step's tiles, and the buckets whose steps run their programs in
-    pairs (triton_prefill.pairs_fit): none unless NANOSERVE_PREFILL_PAIRS=1, or where a layer has a
-    sliding window."""
-    hf, device = config.hf_config, torch.device(config.device)
-    rows = prefill_pair_rows(hf.num_attention_heads, hf.num_key_value_heads, head_dim_of(hf), config.dtype, device)
-    if not PAIRS or rows is None or any(layer_windows(config.hf_config, config.max_model_len)):
-        return None, []
-    sms = num_sms(device)
-    return rows[1], [bucket for bucket in prefill_token_buckets(config.max_num_batched_tokens)
-                     if pairs_fit(bucket, rows[1], hf.num_key_value_heads, sms)]
 
 
 def split_buckets(sizes: list[int], shape: SplitShape) -> list[int]:
@@ -147,14 +133,11 @@ class PrefillBuffers:
     pinned host copies a step is written into, so that staging is a handful of uploads."""
 
     def __init__(self, max_tokens: int, max_blocks: int, device: torch.device, max_seqs: int,
-                 block_q: int, max_model_len: int, block_size: int, splitting: SplitShape | None = None,
-                 pair_block_q: int | None = None, paired: list[int] = ()) -> None:
+                 block_q: int, max_model_len: int, block_size: int, splitting: SplitShape | None = None) -> None:
         """block_q: the prefill kernel's query tokens per program (prefill_block_q), which the
-        staged program list counts in. splitting: how split steps are planned (None: never).
-        paired: the buckets whose unsplit steps list pairs of tiles of pair_block_q tokens."""
+        staged program list counts in. splitting: how split steps are planned (None: never)."""
         n, s = max_tokens, max_seqs
         self.block_q, self.block_size = block_q, block_size
-        self.pair_block_q, self.paired = pair_block_q, frozenset(paired)
         self.splitting = splitting
         self.max_seqs, self.max_blocks = s, max_blocks
         self.max_model_len = max_model_len
@@ -164,7 +147,7 @@ class PrefillBuffers:
         # int32 in one tensor, so one upload covers all but the tables: query starts, seq lens,
         # the split plan, the kernel's programs, then the block tables
         self.plan_size = PLAN_SIZE if splitting else 0
-        self.max_tiles = max(self.num_tiles(bucket, s, split=splitting is not None) for bucket in (n, *paired))
+        self.max_tiles = self.num_tiles(n, s, split=splitting is not None)
         self.int32s = torch.zeros(2 * s + 1 + self.plan_size + self.max_tiles + s * max_blocks, dtype=torch.int32,
                                   device=device)
         self.query_start, self.seq_lens, split_plan, self.tiles, self.block_tables = self._int32_views(self.int32s)
@@ -188,11 +171,8 @@ class PrefillBuffers:
         return (self.i64 if flat is None else flat)[:3 * bucket].view(3, bucket)
 
     def num_tiles(self, bucket: int, seqs: int, split: bool = False) -> int:
-        """List entries a bucket's step over `seqs` sequences may need: each one's last tile may be
-        partial; a split step's parts take more; pairs take an even count of smaller tiles."""
-        if bucket in self.paired and not split:
-            tiles = -(-bucket // self.pair_block_q) + min(seqs, bucket)
-            return tiles + tiles % 2
+        """Programs a bucket's step over `seqs` sequences may need: each one's last tile may be
+        partial; a split step's parts take more."""
         tiles = -(-bucket // self.block_q) + min(seqs, bucket)
         return max(tiles, self.splitting.list_room()) if split else tiles
 
@@ -212,7 +192,6 @@ class PrefillBuffers:
             prefill_tiles=self.tiles[:self.num_tiles(bucket, seqs, split)],
             split_decode_rows=not prompts_only,
             prefill_splits=self.splits if split else None,
-            prefill_pairs=bucket in self.paired and not split,
         )
 
     def clear(self, bucket: int) -> None:
@@ -233,8 +212,7 @@ class PrefillBuffers:
         plan splits where the step is small. Returns the device indices of the sampling rows, their
         sequences, and whether the step was split (its split graph must run it)."""
         host = self.staging.next_free()
-        num = len(work)
-        count = max(self.num_tiles(bucket, seqs, may_split), self.num_tiles(bucket, seqs))
+        count, num = self.num_tiles(bucket, seqs, may_split), len(work)
         rows = host.i64_np[:3 * bucket].reshape(3, bucket)   # ids, positions, cache slots
         query_start, seq_lens, tables = host.query_start, host.seq_lens, host.tables
         lens = [w.num_new for w in work]
@@ -267,15 +245,12 @@ class PrefillBuffers:
             last_rows = query_start[1:num + 1][[w.params is not None for w in work]] - 1
         uploaded = 3 * bucket + len(last_rows)
         host.i64_np[3 * bucket:uploaded] = last_rows
-        split, pairs = False, bucket in self.paired
-        if may_split or not pairs:
-            entries = prefill_tiles(lens, self.block_q, host.tiles[:count], seq_lens if LONGEST_FIRST else None)
+        entries = prefill_tiles(lens, self.block_q, host.tiles[:count], seq_lens if LONGEST_FIRST else None)
+        split = False
         if may_split:
             shape = self.splitting
             split = entries != plan_splits(host.tiles, entries, lens, seq_lens, self.block_q, shape.unit,
                                            shape.kv_heads, shape.num_sms, host.split_plan)
-        if pairs and not split:
-            prefill_tiles(lens, self.pair_block_q, host.tiles[:count], seq_lens, pairs=True)
         self.i64[:uploaded].copy_(host.i64[:uploaded], non_blocking=True)
         # query starts, seq lens, the split plan and this bucket's programs
         head = self.tiles_at + count
@@ -298,11 +273,9 @@ class PrefillGraphs:
         self.max_seqs = min(config.max_num_seqs, MAX_GRAPH_SEQS)
         shape = split_shape(config)
         self.split_sizes = set(model_split_buckets(config))
-        pair_block_q, paired = paired_buckets(config)
         self.buffers = PrefillBuffers(self.max_tokens, -(-config.max_model_len // config.block_size), self.device,
                                       self.max_seqs, shape.block_q, config.max_model_len, config.block_size,
-                                      splitting=shape if self.split_sizes else None,
-                                      pair_block_q=pair_block_q, paired=paired)
+                                      splitting=shape if self.split_sizes else None)
         self.prompt_seqs = min(self.max_seqs, PROMPT_GRAPH_SEQS)
         # keyed by (bucket, prompts only, split)
         self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}

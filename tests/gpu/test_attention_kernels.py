@@ -244,32 +244,6 @@ def test_triton_mixed_step_of_many_decode_rows_beside_prompts(dtype, block_size,
                   block_size=block_size, group=group, head_dim=head_dim, seed=seed + 300)
 
 
-@pytest.mark.parametrize("dtype,block_size,head_dim,group,seed", [c for c in KERNEL_CASES if c[3] > 1])
-def test_triton_prefill_in_pairs_of_a_long_and_a_short_tile_beside_decode_rows(dtype, block_size, head_dim, group,
-                                                                              seed):
-    # a captured one-wave step's list: pairs of the longest and the shortest tiles, two a program
-    import dataclasses
-
-    import numpy as np
-
-    from nanoserve.runner.attention.prefill_programs import prefill_tiles
-    from nanoserve.runner.attention.triton_prefill import prefill_pair_rows
-    specs = prefill_specs(random.Random(seed + 400), max_len=700, decodes=5)
-    q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=block_size, kv_heads=2, group=group,
-                                                head_dim=head_dim, dtype=dtype, seed=seed + 400)
-    _, block_q = prefill_pair_rows(2 * group, 2, head_dim, dtype, q.device)
-    lens = [n for n, _ in specs]
-    host = np.empty(sum(lens) // block_q + len(lens) + 1, dtype=np.int32)
-    count = prefill_tiles(lens, block_q, host, np.array([s for _, s in specs]), pairs=True)
-    assert count > 2
-    paired = dataclasses.replace(meta, prefill_tiles=torch.from_numpy(host[:len(host) // 2 * 2]).cuda(),
-                                 prefill_pairs=True, split_decode_rows=True)
-    scale = head_dim ** -0.5
-    ref_out, _, _ = reference(q, k, v, k_cache, v_cache, meta, scale)
-    out = TritonBackend().forward(q, k, v, k_cache, v_cache, paired, scale)
-    assert_close(out, ref_out, dtype)
-
-
 def test_triton_prefill_long_prompt_over_long_history():
     check_backend(TritonBackend(), [(3000, 9000), (1, 5000), (1500, 1500)], dtype=torch.bfloat16,
                   block_size=64, group=2, head_dim=128, seed=9, kv_heads=8)

@@ -58,28 +58,6 @@ def test_graphed_prefill_gives_transformers_greedy_tokens(qwen3_06b, max_num_seq
     llm.close()
 
 
-def test_steps_in_pairs_of_a_long_and_a_short_tile_give_transformers_greedy_tokens(qwen3_06b, monkeypatch):
-    from nanoserve.runner import prefill_graph
-    monkeypatch.setattr(prefill_graph, "PAIRS", True)
-    llm = LLM(qwen3_06b, dtype="float32", device="cuda", max_model_len=1024, max_num_seqs=4,
-              max_num_batched_tokens=300, num_kvcache_blocks=64, prefill_cuda_graphs=True)
-    buffers = llm.engine.runner.prefill_graphs.buffers
-    assert buffers.paired   # on an H100 or H200, every bucket: the largest (300 tokens) is 10 tiles of 32 a kv head
-    paired, stage = [], buffers.stage
-
-    def recorded(work, bucket, *args, **kwargs):
-        out = stage(work, bucket, *args, **kwargs)
-        paired.append(bucket in buffers.paired and not out[2])
-        return out
-
-    buffers.stage = recorded
-    # 300-token chunks; a short one after a long history may be split instead
-    prompts = random_prompts(6, 10000, 5, 700, seed=13)
-    ours = greedy(llm, prompts)
-    assert sum(paired) >= 3
-    assert_transformers_greedy(qwen3_06b, prompts, ours)
-    llm.close()
-
 
 def test_a_turn_after_a_cached_history_is_split_and_gives_transformers_greedy_tokens(qwen3_06b):
     # each prompt adds 20-100 tokens to a shared 3,000-token history found in the prefix cache: a

@@ -41,11 +41,11 @@ def ids(n: int, seed: int) -> list[int]:
 SEQS = 6   # the buffers' sequences: a step of fewer leaves some empty
 
 
-def make_buffers(runner, splitting: bool = False, paired: tuple[int, ...] = ()) -> PrefillBuffers:
+def make_buffers(runner, splitting: bool = False) -> PrefillBuffers:
     # 16 SMs: the interpreter's 4 leave a step of 2 kv heads no room to split into
     shape = dataclasses.replace(split_shape(runner.config), num_sms=16)
     return PrefillBuffers(128, 128 // runner.block_size, runner.device, SEQS, shape.block_q, 128, runner.block_size,
-                          splitting=shape if splitting else None, pair_block_q=shape.block_q, paired=list(paired))
+                          splitting=shape if splitting else None)
 
 
 def eager_hidden(runner, work: list[SequenceWork]) -> torch.Tensor:
@@ -209,46 +209,6 @@ def test_a_split_step_beside_decode_rows_gives_the_eager_hidden_states(runner) -
     merges = buffers.splits.merges
     assert merges[0, 0] >> SEQ_SHIFT == 1 and (merges[1:, 0] == -1).all()   # the prompt's one tile, split
     torch.testing.assert_close(got, eager_hidden(runner, work), rtol=1e-5, atol=1e-5)
-
-
-@torch.inference_mode()
-def test_a_paired_step_gives_the_eager_hidden_states_and_a_split_one_keeps_its_own_list(runner) -> None:
-    # a bucket whose programs run two a program: the longest beside the shortest, beside decode rows
-    runner.kv_cache.tensor.zero_()
-    buffers = make_buffers(runner, splitting=True, paired=(16, 32, 64))
-    histories = [(ids(9 + 4 * i, 140 + i), [44 + 2 * i, 45 + 2 * i]) for i in range(2)]
-    runner.run([SequenceWork(t, len(t), 0, len(t) - 1, b, None) for t, b in histories])
-    decode = [SequenceWork(t, len(t), len(t) - 1, 1, b, GREEDY) for t, b in histories]
-    work = [SequenceWork(ids(27, 150), 27, 0, 27, [50, 51], GREEDY), decode[0],
-            SequenceWork(ids(11, 151), 11, 0, 11, [52, 53], None), decode[1]]
-    got = padded_forward(runner, work, buffers, 64)
-    meta = buffers.meta(64, SEQS)
-    assert meta.prefill_pairs and meta.prefill_tiles.shape[0] == buffers.num_tiles(64, SEQS)
-    assert meta.prefill_tiles.shape[0] % 2 == 0
-    # 4 + 2 tiles of 8 tokens, in pairs: the first prompt's last tile beside the second's first
-    listed = meta.prefill_tiles.tolist()
-    assert listed[:2] == [3, 2 << SEQ_SHIFT] and sorted(listed[:6]) == sorted([0, 1, 2, 3, 2 << SEQ_SHIFT,
-                                                                              2 << SEQ_SHIFT | 1])
-    torch.testing.assert_close(got, eager_hidden(runner, work), rtol=1e-5, atol=1e-5)
-    # a small turn after a long history in a paired bucket that may split: split, over the default list
-    prompt = ids(126, 160)
-    blocks = [9, 4, 15, 2, 11, 6, 13, 17]
-    runner.run([SequenceWork(prompt, 126, 0, 120, blocks, None)])
-    turn = [SequenceWork(prompt, 126, 120, 6, blocks, GREEDY)]
-    got = padded_forward(runner, turn, buffers, 16, seqs=2, prompts_only=True, may_split=True)
-    assert padded_forward.split and not buffers.meta(16, 2, True, split=True).prefill_pairs
-    torch.testing.assert_close(got, eager_hidden(runner, turn), rtol=1e-5, atol=1e-5)
-
-
-def test_steps_are_paired_only_when_asked_and_where_their_pairs_fill_a_wave(runner, monkeypatch) -> None:
-    from nanoserve.runner import prefill_graph
-    from nanoserve.runner.attention.prefill_programs import pairs_fit
-    assert prefill_graph.paired_buckets(runner.config) == (None, []) or prefill_graph.PAIRS
-    monkeypatch.setattr(prefill_graph, "PAIRS", True)
-    block_q, buckets = prefill_graph.paired_buckets(runner.config)
-    # the interpreter's 4 "SMs", 2 kv heads, tiles of 8 tokens: 8 programs in pairs fill a wave
-    assert block_q == 8 and buckets == [16, 32]
-    assert pairs_fit(1024, 32, 8, 132) and not pairs_fit(2048, 32, 8, 132)   # 0.6B on an H100
 
 
 @torch.inference_mode()

@@ -14,8 +14,7 @@ from nanoserve.runner.attention.prefill_splits import (MAX_SLOTS, PLAN_SIZE, SEQ
                                                        TILE_FIELD, PrefillSplits, best_span, plan_splits, plan_views,
                                                        split_span, split_unit)
 from nanoserve.runner.attention.triton_kernels import store_kvcache
-from nanoserve.runner.attention.prefill_programs import prefill_tiles
-from nanoserve.runner.attention.triton_prefill import paged_prefill, prefill_tile_rows
+from nanoserve.runner.attention.triton_prefill import paged_prefill, prefill_tile_rows, prefill_tiles
 
 
 def plan(query_lens: list[int], seq_lens: list[int], block_q: int, unit: int, kv_heads: int, num_sms: int):

@@ -351,8 +351,7 @@ def test_prefill_over_a_staged_tile_list_gives_the_same_bits_as_over_the_grid() 
     import numpy as np
 
     from nanoserve.runner.attention.prefill_splits import SEQ_SHIFT, TILE_FIELD
-    from nanoserve.runner.attention.prefill_programs import prefill_tiles
-    from nanoserve.runner.attention.triton_prefill import prefill_block_q
+    from nanoserve.runner.attention.triton_prefill import prefill_block_q, prefill_tiles
     specs = [(1, 38), (23, 23), (9, 49), (1, 5), (40, 40)]
     q, k, v, k_cache, v_cache, meta = make_step(specs, block_size=16, kv_heads=2, group=2, head_dim=64,
                                                 dtype=torch.float32, seed=80)
@@ -382,19 +381,6 @@ def test_prefill_over_a_staged_tile_list_gives_the_same_bits_as_over_the_grid() 
     lens = np.array([n for n, _ in specs])[seqs]
     ends = seq_lens[seqs] - lens + np.minimum((tile + 1) * block_q, lens)
     assert (np.diff(ends) <= 0).all() and ends[0] > ends[-1]
-    # in pairs, the i-th longest beside the i-th shortest, a program running both: the same bits
-    paired = np.empty(len(tiles) + 1, dtype=np.int32)
-    assert prefill_tiles([n for n, _ in specs], block_q, paired, seq_lens, pairs=True) == len(real)
-    order = longest[:len(real)].tolist()
-    half = -(-len(order) // 2)
-    assert paired[0:2 * half:2].tolist() == order[:half]
-    assert paired[1:2 * half:2].tolist() == order[::-1][:len(order) - half] + [-1] * (len(order) % 2)
-    assert (paired[2 * half:] == -1).all()
-    paired = paired[:len(paired) // 2 * 2]
-    out = run(tiles=torch.from_numpy(paired), config={"HEADS_FAST": True, "ENTRIES": 2})
-    assert torch.equal(out[prompt_rows], over_grid[prompt_rows])
-    with pytest.raises(ValueError, match="entries for programs of 2"):
-        run(tiles=torch.from_numpy(paired[:-1].copy()), config={"HEADS_FAST": True, "ENTRIES": 2})
     with pytest.raises(ValueError, match="do not fit"):
         prefill_tiles([n for n, _ in specs], block_q, tiles[:2].copy())
     for n in (1, 2, block_q, 3 * block_q + 1):   # a lone sequence's own path lists what the general one does

@@ -165,7 +165,7 @@ class TritonBackend:
                             meta.block_tables, scale, meta.max_query_len,
                             num_query_tokens=meta.num_query_tokens,
                             k_scale=k_scale, v_scale=v_scale, skip_decode_rows=mixed, tiles=meta.prefill_tiles,
-                            window=window, splits=meta.prefill_splits, pairs=meta.prefill_pairs)
+                            window=window, splits=meta.prefill_splits)
         if mixed:
             paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
                          k_scale=k_scale, v_scale=v_scale, query_start_loc=meta.query_start_loc, out=out,

@@ -14,13 +14,19 @@ the kv head's query group, so each K/V tile is loaded once for the whole group (
 cache is read as in triton_decode.
 
 The grid covers every sequence times the longest query's tiles, or (`tiles`, for a captured graph
-of many sequences) a list of (sequence, tile) programs staged by the host (prefill_programs.py): a
-bucket of T tokens over S sequences needs at most T / BLOCK_Q + S of them, where sequences x the
-longest query could need S x T / BLOCK_Q programs.
+of many sequences) a list of (sequence, tile) pairs staged by the host, `prefill_tiles`: a bucket
+of T tokens over S sequences needs at most T / BLOCK_Q + S of them, where sequences x the longest
+query could need S x T / BLOCK_Q programs. The list runs longest first and a tile's kv heads
+launch side by side, so the waves after the first hold the short programs: the last wave ends
+soon after the others instead of starting a long tile late.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -28,7 +34,6 @@ import triton.language as tl
 from nanoserve.runner.attention import prefill_splits
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.kv_layout import tokens_contiguous
-from nanoserve.runner.attention.prefill_programs import LONGEST_FIRST
 from nanoserve.runner.attention.triton_paged import (
     check_shapes, dot_precision, load_kv_block_tile, load_kv_tile, online_softmax_step, softmax_scale_log2,
     window_keys,
@@ -72,7 +77,7 @@ def _prefill_kernel(
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, LAST_TILES_FIRST: tl.constexpr,
     SKIP_DECODE_ROWS: tl.constexpr, TILED: tl.constexpr, USE_PDL: tl.constexpr,
     V_TOKENS_CONTIGUOUS: tl.constexpr = False, WINDOW: tl.constexpr = 0, SPLIT: tl.constexpr = False,
-    HEADS_FAST: tl.constexpr = False, ENTRIES: tl.constexpr = 1,
+    HEADS_FAST: tl.constexpr = False,
 ):
     pdl_prologue(USE_PDL)
     if HEADS_FAST:   # a tile's kv heads launch side by side: grid (kv heads, tiles)
@@ -83,39 +88,6 @@ def _prefill_kernel(
         kv_head = tl.program_id(2)
         entry = tl.program_id(0)
         kv_heads = tl.num_programs(2)
-    # ENTRIES 2: a program runs list entries 2e and 2e + 1, a long tile and a short one (pair_tiles), so
-    # the programs of a one-wave step read about the same number of keys
-    for i in tl.static_range(ENTRIES):
-        _prefill_entry(
-            entry * ENTRIES + i, kv_head, kv_heads,
-            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-            query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tiles_ptr, ranges_ptr, part_acc_ptr, part_stats_ptr,
-            scale_log2, v_scale,
-            stride_qt, stride_qh,
-            stride_kb, stride_kt, stride_kh,
-            stride_vb, stride_vt, stride_vh, stride_vd,
-            stride_bt, stride_qsl, stride_sl, stride_ot, stride_oh,
-            GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, KV_FP8, LAST_TILES_FIRST,
-            SKIP_DECODE_ROWS, TILED, V_TOKENS_CONTIGUOUS, WINDOW, SPLIT)
-
-
-@triton.jit
-def _prefill_entry(
-    entry, kv_head, kv_heads,
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tiles_ptr, ranges_ptr, part_acc_ptr, part_stats_ptr,
-    scale_log2, v_scale,
-    stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh, stride_vd,
-    stride_bt, stride_qsl, stride_sl, stride_ot, stride_oh,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, KV_FP8: tl.constexpr, LAST_TILES_FIRST: tl.constexpr,
-    SKIP_DECODE_ROWS: tl.constexpr, TILED: tl.constexpr, V_TOKENS_CONTIGUOUS: tl.constexpr, WINDOW: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    """One program's tile: a staged list's entry, or the grid's (sequence, query tile), for kv_head."""
     if TILED:   # (sequence, slot, tile) from the host's list; -1 past its end
         packed = tl.load(tiles_ptr + entry)
         if packed < 0:
@@ -245,21 +217,40 @@ def prefill_block_q(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
     return prefill_tile_rows(q_heads, kv_heads, head_dim, dtype, device)[1]
 
 
-def _pairs_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict | None:
-    """The tiles of a paired step (ENTRIES 2, prefill_tiles' pairs), or None where none is chosen.
-    Rows of 64: a one-wave step of the default tiles has as many programs, half as long at most."""
-    if device.type != "cuda":   # the interpreter's tiles, in pairs
-        return dict(_prefill_config(head_dim, dtype, device), ENTRIES=2)
-    if head_dim > 128:   # not swept
-        return None
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, ENTRIES=2)   # float32's default tiles
+# a staged step lists its programs by the keys they read, most first, and launches a tile's kv heads
+# side by side: a lone 2k-4k prompt's attention ran 20-37% faster on an H100, its TTFT 10-14% lower
+# (BENCHMARKS.md); NANOSERVE_PREFILL_LONGEST_FIRST=0 restores sequence order, head by head
+LONGEST_FIRST = os.environ.get("NANOSERVE_PREFILL_LONGEST_FIRST", "1") == "1"
 
 
-def prefill_pair_rows(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-                      ) -> tuple[int, int] | None:
-    """(BLOCK_M, BLOCK_Q) of a paired step's tiles, or None where steps are not paired."""
-    cfg = _pairs_config(head_dim, dtype, device)
-    return _tile_rows(cfg["BLOCK_M"], q_heads // kv_heads) if cfg else None
+def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray, seq_lens: np.ndarray | None = None) -> int:
+    """Fill `out` (int32) with the (sequence, tile) programs of every sequence of more than one
+    query (decode rows are paged_decode's), then -1; how many there are. Raises if they do not
+    fit: `out` holds T / block_q + S entries for T tokens over S sequences. With `seq_lens` (each
+    sequence's keys), the programs that read the most keys come first."""
+    longest = max(query_lens, default=0)
+    if len(query_lens) > 1 << (31 - prefill_splits.SEQ_SHIFT):
+        raise ValueError(f"{len(query_lens)} sequences are more than a tiles entry holds")
+    if -(-longest // block_q) > prefill_splits.TILE_FIELD + 1:
+        raise ValueError(f"a query of {longest} tokens has more tiles than an entry holds")
+    if len(query_lens) == 1:   # a lone prompt, the common graphed step: no vectorized fixed costs
+        count = -(-longest // block_q) if longest > 1 else 0
+        # sequence 0; a later tile reads more keys
+        entries = np.arange(count - 1, -1, -1) if seq_lens is not None else np.arange(count)
+    else:
+        lens = np.asarray(query_lens, dtype=np.int64)
+        per_seq = np.where(lens > 1, -(-lens // block_q), 0)
+        count = int(per_seq.sum())
+        seqs = np.repeat(np.arange(len(lens)), per_seq)
+        tile = np.arange(count) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)   # 0, 1, ... within each sequence
+        entries = (seqs << TILE_BITS.value) | tile
+        if seq_lens is not None:
+            entries = entries[np.argsort(-prefill_splits.keys_read(seqs, tile, lens, seq_lens, block_q), kind="stable")]
+    if count > out.shape[0]:
+        raise ValueError(f"{count} prefill tiles do not fit in {out.shape[0]}")
+    out[:count] = entries
+    out[count:] = -1
+    return count
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -283,8 +274,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   num_query_tokens: int | None = None, k_scale: float = 1.0,
                   v_scale: float = 1.0, config: dict | None = None,
                   skip_decode_rows: bool = False, tiles: torch.Tensor | None = None,
-                  window: int | None = None, splits: prefill_splits.PrefillSplits | None = None,
-                  pairs: bool = False) -> torch.Tensor:
+                  window: int | None = None, splits: prefill_splits.PrefillSplits | None = None) -> torch.Tensor:
     """Causal attention of packed queries q [tokens, q_heads, dim] over their paged keys.
 
     Rows past num_query_tokens (query_start_loc[-1], when the caller pads the batch) are zeroed.
@@ -295,7 +285,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     window: a sliding window's span: the query at position p attends keys p - window < k <= p (None: all).
     splits: the split plan `tiles` were staged with (prefill_splits.plan_splits) and its scratch;
     the parts' merge is launched after the kernel. Not with a window.
-    pairs: `tiles` lists pairs (prefill_tiles' pairs, with prefill_pair_rows' tiles), run two a program.
     """
     window = window_keys(window)
     check_shapes(q, k_cache, v_cache, block_tables)
@@ -304,11 +293,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache)
     # launching the last query tiles first helped no default config (the prefill sweep): off unless asked
-    tiling = _pairs_config(head_dim, q.dtype, q.device) if pairs else _prefill_config(head_dim, q.dtype, q.device)
-    if tiling is None:
-        raise ValueError("pairs: no paired tiles for this dtype and head size")
-    cfg = {"LAST_TILES_FIRST": False, "HEADS_FAST": tiles is not None and (LONGEST_FIRST or pairs),
-           **tiling, **(config or {})}
+    cfg = {"LAST_TILES_FIRST": False, "HEADS_FAST": tiles is not None and LONGEST_FIRST,
+           **_prefill_config(head_dim, q.dtype, q.device), **(config or {})}
     v_tokens = tokens_contiguous(v_cache)
     if v_tokens:   # such V is read a whole tile at a time, in tiles within one block (kv_layout.py)
         cfg["BLOCK_N"] = min(cfg["BLOCK_N"], block_size)
@@ -320,19 +306,15 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if tiles is not None:
         if tiles.dtype != torch.int32 or tiles.dim() != 1 or tiles.stride(0) != 1:
             raise ValueError("tiles: a contiguous int32 list from prefill_tiles")
-        entries = cfg.get("ENTRIES", 1)   # list entries a program runs (prefill_tiles' pairs: 2)
-        if tiles.shape[0] % entries:
-            raise ValueError(f"tiles: a list of {tiles.shape[0]} entries for programs of {entries}")
-        programs = tiles.shape[0] // entries
-        grid = (kv_heads, programs, 1) if cfg.get("HEADS_FAST") else (programs, 1, kv_heads)
+        grid = (kv_heads, tiles.shape[0], 1) if cfg.get("HEADS_FAST") else (tiles.shape[0], 1, kv_heads)
         if splits is not None and (window or splits.acc.shape[2] != block_m
                                    or prefill_splits.split_unit(q.device) % cfg["BLOCK_N"]):
             raise ValueError("splits: no window, the default tiles' rows, parts of whole key tiles")
     else:
         if splits is not None:
             raise ValueError("splits need a staged tile list")
-        if cfg.get("HEADS_FAST") or cfg.get("ENTRIES", 1) > 1:
-            raise ValueError("HEADS_FAST and ENTRIES need a staged tile list")
+        if cfg.get("HEADS_FAST"):
+            raise ValueError("HEADS_FAST needs a staged tile list")
         grid = (num_seqs, triton.cdiv(max_query_len, block_q), kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, tiles if tiles is not None else seq_lens,
