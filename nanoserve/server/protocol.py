@@ -55,8 +55,8 @@ Items = Annotated[list[T], FIRST_ERROR]
 # Unbounded, 10 MB of it came back three times in a Responses stream
 Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                      Field(max_length=16)]
-# OpenAI's bound on safety_identifier and prompt_cache_key (it states none on the older user: a
-# metadata value's). A Responses stream echoes them three times: 10 MB of user made a 30 MB stream
+# OpenAI's bound on safety_identifier; on prompt_cache_key and the older user it states none, so
+# they take a metadata value's. A Responses stream echoes them three times: 10 MB of user made a 30 MB stream
 Identifier = Annotated[str, Field(max_length=64)]
 User = Annotated[str, Field(max_length=512)]
 
@@ -177,7 +177,7 @@ class SamplingFields(Strict):
     metadata: Metadata | None = None
     store: bool | None = None
     service_tier: str | None = None
-    prompt_cache_key: Identifier | None = None
+    prompt_cache_key: User | None = None
     prompt_cache_retention: Literal["in-memory", "24h"] | None = None   # prefixes stay while blocks allow
     safety_identifier: Identifier | None = None
 

@@ -193,7 +193,7 @@ class ResponsesRequest(Strict):
     metadata: Metadata | None = None
     user: User | None = None
     service_tier: str | None = None
-    prompt_cache_key: Identifier | None = None
+    prompt_cache_key: User | None = None
     prompt_cache_retention: Literal["in-memory", "24h"] | None = None
     safety_identifier: Identifier | None = None
     stream_options: dict[str, Any] | None = None   # OpenAI's include_obfuscation: nothing to obfuscate here
