@@ -27,7 +27,9 @@ def _serve(model: str, path: Path, log: Path, *args: str) -> subprocess.Popen:
 
 
 def _client(path: Path) -> httpx.Client:
-    return httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://nanoserve", timeout=30)
+    # a request that never comes back still fails; one slowed by the other test process's load does
+    # not (once, in the full suite, a two-front-end server's first answer took more than 30 s)
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://nanoserve", timeout=120)
 
 
 def _wait_healthy(server: subprocess.Popen, path: Path, log: Path) -> None:
