@@ -58,9 +58,12 @@ def test_serves_the_openai_client_on_a_unix_socket_and_removes_it_on_stop(server
         _wait_healthy(server, path, log)
         with openai.OpenAI(base_url="http://nanoserve/v1", api_key="none", max_retries=0,
                            http_client=_client(path)) as client:
-            whole = client.completions.create(model="tiny", prompt="The weather", max_tokens=12, temperature=0)
-            streamed = "".join(c.choices[0].text for c in client.completions.create(
-                model="tiny", prompt="The weather", max_tokens=12, temperature=0, stream=True) if c.choices)
+            try:
+                whole = client.completions.create(model="tiny", prompt="The weather", max_tokens=12, temperature=0)
+                streamed = "".join(c.choices[0].text for c in client.completions.create(
+                    model="tiny", prompt="The weather", max_tokens=12, temperature=0, stream=True) if c.choices)
+            except openai.APIError as exc:   # what the server's processes said meanwhile
+                raise AssertionError(log.read_text()[-20000:]) from exc
             assert whole.choices[0].text == streamed and whole.usage.completion_tokens > 0
         # another server on the same path is refused at once, before its model loads
         second = subprocess.run([sys.executable, "-m", "nanoserve.cli", "serve", server_model, "--uds", str(path),
