@@ -53,12 +53,12 @@ T = TypeVar("T")
 Items = Annotated[list[T], FIRST_ERROR]
 # OpenAI's bounds on metadata: 16 pairs, keys of at most 64 characters, string values of at most 512.
 # Unbounded, 10 MB of it came back three times in a Responses stream
-Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
-                     Field(max_length=16)]
-# OpenAI's bound on safety_identifier; on prompt_cache_key and the older user it states none, so
-# they take a metadata value's. A Responses stream echoes them three times: 10 MB of user made a 30 MB stream
-Identifier = Annotated[str, Field(max_length=64)]
-User = Annotated[str, Field(max_length=512)]
+MetadataValue = Annotated[str, Field(max_length=512)]
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], MetadataValue], Field(max_length=16)]
+# OpenAI's bound on safety_identifier; on prompt_cache_key and the older user it states none, so they
+# take a metadata value's (MetadataValue). A Responses stream echoes them three times: 10 MB of user
+# made a 30 MB stream
+SafetyIdentifier = Annotated[str, Field(max_length=64)]
 
 
 class Strict(BaseModel):
@@ -173,13 +173,13 @@ class SamplingFields(Strict):
     guided_choice: Items[str] | None = None
     guided_grammar: str | None = None
     # OpenAI's bookkeeping: accepted and ignored, none of them changes the output
-    user: User | None = None
+    user: MetadataValue | None = None
     metadata: Metadata | None = None
     store: bool | None = None
     service_tier: str | None = None
-    prompt_cache_key: User | None = None
+    prompt_cache_key: MetadataValue | None = None
     prompt_cache_retention: Literal["in-memory", "24h"] | None = None   # prefixes stay while blocks allow
-    safety_identifier: Identifier | None = None
+    safety_identifier: SafetyIdentifier | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:

@@ -17,8 +17,8 @@ from pydantic import Discriminator, Field, Tag, ValidationError
 from nanoserve.sampling_params import MAX_INT
 from nanoserve.server.errors import APIError, from_validation_error
 from nanoserve.server.chat_protocol import ChatCompletionRequest, Parameters
-from nanoserve.server.protocol import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS, Identifier, Items, Metadata,
-                                       SamplingFields, Strict, StructuredOutputsRequest, User)
+from nanoserve.server.protocol import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS, Items, Metadata, MetadataValue,
+                                       SafetyIdentifier, SamplingFields, Strict, StructuredOutputsRequest)
 
 
 def _chat_field(name: str):
@@ -191,11 +191,11 @@ class ResponsesRequest(Strict):
     prompt: dict[str, Any] | None = None   # a stored prompt template on OpenAI's side
     # bookkeeping, as in chat
     metadata: Metadata | None = None
-    user: User | None = None
+    user: MetadataValue | None = None
     service_tier: str | None = None
-    prompt_cache_key: User | None = None
+    prompt_cache_key: MetadataValue | None = None
     prompt_cache_retention: Literal["in-memory", "24h"] | None = None
-    safety_identifier: Identifier | None = None
+    safety_identifier: SafetyIdentifier | None = None
     stream_options: dict[str, Any] | None = None   # OpenAI's include_obfuscation: nothing to obfuscate here
     # vLLM's sampling extras, with chat's bounds
     top_k: int | None = _chat_field("top_k")
