@@ -14,7 +14,7 @@ the kv head's query group, so each K/V tile is loaded once for the whole group (
 cache is read as in triton_decode.
 
 The grid covers every sequence times the longest query's tiles, or (`tiles`, for a captured graph
-of many sequences) a list of (sequence, tile) pairs staged by the host, `prefill_tiles`: a bucket
+of many sequences) a list of (sequence, tile) programs staged by the host, `prefill_tiles`: a bucket
 of T tokens over S sequences needs at most T / BLOCK_Q + S of them, where sequences x the longest
 query could need S x T / BLOCK_Q programs. The list runs longest first and a tile's kv heads
 launch side by side, so the waves after the first hold the short programs: the last wave ends
@@ -243,7 +243,7 @@ def prefill_tiles(query_lens: Sequence[int], block_q: int, out: np.ndarray, seq_
         count = int(per_seq.sum())
         seqs = np.repeat(np.arange(len(lens)), per_seq)
         tile = np.arange(count) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)   # 0, 1, ... within each sequence
-        entries = (seqs << TILE_BITS.value) | tile
+        entries = (seqs << prefill_splits.SEQ_SHIFT) | tile
         if seq_lens is not None:
             entries = entries[np.argsort(-prefill_splits.keys_read(seqs, tile, lens, seq_lens, block_q), kind="stable")]
     if count > out.shape[0]:
