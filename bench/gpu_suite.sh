@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [tests-par] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [prefill-turns] [decode] [served] [served-asc] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [prefill-order] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [tiles-ab] [prefill-fp8-ab] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab] [v-store-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [tests-par] [tests-alone] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [prefill-turns] [decode] [served] [served-asc] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [prefill-order] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [tiles-ab] [prefill-fp8-ab] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab] [v-store-ab]
 # carry .whl (scripts/device_wheels.sh) for the parts that import the engine or the server; served also needs .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,9 @@ if [ -d .whl ] && ! python3 -c "import msgspec, fastapi" 2>/dev/null; then
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 parts=${*:-tests throughput decode}
+# tests-par: files that size their KV cache by free memory or time compiles run alone, after the rest
+alone="test_warm_up_gpu.py test_close_gpu.py test_sliding_window_gpu.py test_tensor_parallel_gpu.py"
+first="test_attention_kernels.py test_fp8_kv_cache_gpu.py test_small_gemm_gpu.py"
 # the warm-up tests first: they are the slowest, and a call cut by its limit should not always miss them
 kernel_tests="tests/gpu/test_warm_up_gpu.py tests/gpu/test_attention_kernels.py tests/gpu/test_fp8_kv_cache_gpu.py"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
@@ -40,14 +43,14 @@ for part in $parts; do
                | tee "$out/tests-b.log" | tail -25 ;;
     tests-par) # the whole GPU suite in one call (not yet run on a GPU): two test processes at once over the files
          # whose engines hold a fixed KV cache, then, alone, those that size theirs by free memory or time compiles
-         alone="test_warm_up_gpu.py test_close_gpu.py test_sliding_window_gpu.py test_tensor_parallel_gpu.py"
-         first="test_attention_kernels.py test_fp8_kv_cache_gpu.py test_small_gemm_gpu.py"
-         python3 -m pytest -q -m gpu ${first//test_/tests/gpu/test_} -p no:cacheprovider > "$out/tests-par-a.log" 2>&1 &
+         python3 -m pytest -q -m gpu ${first//test_/tests/gpu/test_} -p no:cacheprovider --durations=12 > "$out/tests-par-a.log" 2>&1 &
          python3 -m pytest -q -m gpu tests/gpu $(for f in $alone $first; do echo --ignore=tests/gpu/$f; done) \
-           -p no:cacheprovider > "$out/tests-par-b.log" 2>&1
+           -p no:cacheprovider --durations=12 > "$out/tests-par-b.log" 2>&1
          wait
-         python3 -m pytest -q -m gpu ${alone//test_/tests/gpu/test_} -p no:cacheprovider > "$out/tests-par-c.log" 2>&1
-         for s in a b c; do tail -3 "$out/tests-par-$s.log"; done ;;
+         "$0" tests-alone
+         for s in a b c; do grep -E "passed|failed|error" "$out/tests-par-$s.log" | tail -2; done ;;
+    tests-alone) # tests-par's last part: the files that must have the GPU to themselves
+         python3 -m pytest -q -m gpu ${alone//test_/tests/gpu/test_} -p no:cacheprovider --durations=12 > "$out/tests-par-c.log" 2>&1 ;;
     throughput) "$0" t256 sync eager t1024 ;;
     topk) python3 bench/throughput.py --num-seqs 256 --top-k 20 --top-p 0.95 --runs 1 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
     t256) python3 bench/throughput.py --num-seqs 256 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
