@@ -173,7 +173,15 @@ def plan_splits(tiles: np.ndarray, count: int, query_lens: list[int], seq_lens: 
 
 
 _SEQ_SHIFT = tl.constexpr(SEQ_SHIFT)
+_SLOT_SHIFT = tl.constexpr(SLOT_SHIFT)
 _TILE_FIELD = tl.constexpr(TILE_FIELD)
+_SLOT_FIELD = tl.constexpr(SLOT_FIELD)
+
+
+@triton.jit
+def unpack_entry(packed):
+    """(sequence, slot, query tile) of a program or merge entry; a merge entry's slot is 0."""
+    return packed >> _SEQ_SHIFT, (packed >> _SLOT_SHIFT) & _SLOT_FIELD, packed & _TILE_FIELD
 
 
 @triton.jit
@@ -190,8 +198,7 @@ def _merge_kernel(merges_ptr, query_start_loc_ptr, acc_ptr, stats_ptr, out_ptr, 
         return
     first = tl.load(merges_ptr + merge * 3 + 1)
     parts = tl.load(merges_ptr + merge * 3 + 2)
-    seq = packed >> _SEQ_SHIFT
-    q_tile = packed & _TILE_FIELD
+    seq, _, q_tile = unpack_entry(packed)
     q_start = tl.load(query_start_loc_ptr + seq * stride_qsl)
     q_len = tl.load(query_start_loc_ptr + (seq + 1) * stride_qsl) - q_start
 

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.runner.attention import prefill_splits
+from nanoserve.runner.attention.prefill_splits import unpack_entry
 from nanoserve.runner.attention.fp8 import is_fp8
 from nanoserve.runner.attention.kv_layout import tokens_contiguous
 from nanoserve.runner.attention.triton_paged import (
@@ -92,9 +93,7 @@ def _prefill_kernel(
         packed = tl.load(tiles_ptr + entry)
         if packed < 0:
             return
-        seq = packed >> TILE_BITS
-        q_tile = packed & TILE_MASK
-        slot = (packed >> SLOT_SHIFT) & SLOT_MASK   # 0: the whole tile; else a part (prefill_splits.py)
+        seq, slot, q_tile = unpack_entry(packed)   # slot 0: the whole tile; else a part (prefill_splits.py)
     else:
         slot = 0
         seq = entry
@@ -190,13 +189,6 @@ def _prefill_kernel(
         o = o * v_scale
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
-
-
-# a tiles entry is sequence << TILE_BITS | slot << SLOT_SHIFT | tile (prefill_splits.py)
-TILE_BITS = tl.constexpr(prefill_splits.SEQ_SHIFT)
-SLOT_SHIFT = tl.constexpr(prefill_splits.SLOT_SHIFT)
-TILE_MASK = tl.constexpr(prefill_splits.TILE_FIELD)
-SLOT_MASK = tl.constexpr(prefill_splits.SLOT_FIELD)
 
 
 def _tile_rows(block_m: int, group: int) -> tuple[int, int]:
