@@ -13,12 +13,12 @@ if [ -d .whl ] && ! python3 -c "import msgspec, fastapi" 2>/dev/null; then
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 parts=${*:-tests throughput decode}
-# tests-par: the files whose engines size their KV cache by free memory run alone, after the rest; the
-# kernel files (199 s on an H100) and the warm-up's three engines share one process beside the others (445 s)
-alone="test_close_gpu.py test_sliding_window_gpu.py test_tensor_parallel_gpu.py"
-first="test_attention_kernels.py test_fp8_kv_cache_gpu.py test_small_gemm_gpu.py test_warm_up_gpu.py"
-# the warm-up tests first: they are the slowest, and a call cut by its limit should not always miss them
-kernel_tests="tests/gpu/test_warm_up_gpu.py tests/gpu/test_attention_kernels.py tests/gpu/test_fp8_kv_cache_gpu.py"
+# the GPU suite's two halves: the kernel files and the warm-up (199 s on an H100 without the warm-up), then the
+# rest (445 s without the alone files); the warm-up first, the slowest, so a call cut by its limit does not always
+# miss it. The alone files' engines size their KV cache by free memory: tests-par runs them after both halves.
+first="tests/gpu/test_warm_up_gpu.py tests/gpu/test_attention_kernels.py tests/gpu/test_fp8_kv_cache_gpu.py tests/gpu/test_small_gemm_gpu.py"
+alone="tests/gpu/test_close_gpu.py tests/gpu/test_sliding_window_gpu.py tests/gpu/test_tensor_parallel_gpu.py"
+ignore() { for f in "$@"; do echo "--ignore=$f"; done; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
 steps_with() {   # bench/decode_step.py with the arguments after $1, once the Python in $1 has run (a setting changed)
@@ -39,19 +39,18 @@ for part in $parts; do
   case $part in
     tests) python3 -m pytest -q -m gpu tests/gpu 2>&1 | tee "$out/tests.log" | tail -25 ;;
     # the whole GPU suite takes ~10 minutes on an H200: two halves of ~5 fit a call of at most 10
-    tests-a) python3 -m pytest -q -m gpu $kernel_tests 2>&1 | tee "$out/tests-a.log" | tail -25 ;;
-    tests-b) python3 -m pytest -q -m gpu tests/gpu ${kernel_tests//tests\/gpu\//--ignore=tests/gpu/} 2>&1 \
-               | tee "$out/tests-b.log" | tail -25 ;;
-    tests-par) # the whole GPU suite in one call: two test processes at once over the files whose engines hold
-         # a fixed KV cache, then, alone, those that size theirs by free memory
-         python3 -m pytest -q -m gpu ${first//test_/tests/gpu/test_} -p no:cacheprovider --durations=12 > "$out/tests-par-a.log" 2>&1 &
-         python3 -m pytest -q -m gpu tests/gpu $(for f in $alone $first; do echo --ignore=tests/gpu/$f; done) \
-           -p no:cacheprovider --durations=12 > "$out/tests-par-b.log" 2>&1
+    tests-a) python3 -m pytest -q -m gpu $first 2>&1 | tee "$out/tests-a.log" | tail -25 ;;
+    tests-b) python3 -m pytest -q -m gpu tests/gpu $(ignore $first) 2>&1 | tee "$out/tests-b.log" | tail -25 ;;
+    tests-par) # the whole GPU suite in one call: both halves at once (their engines hold fixed KV caches), then
+         # the alone files
+         python3 -m pytest -q -m gpu $first -p no:cacheprovider --durations=12 > "$out/tests-par-a.log" 2>&1 &
+         python3 -m pytest -q -m gpu tests/gpu $(ignore $first $alone) -p no:cacheprovider --durations=12 \
+           > "$out/tests-par-b.log" 2>&1
          wait
          "$0" tests-alone
          for s in a b c; do tail -1 "$out/tests-par-$s.log"; done ;;
     tests-alone) # tests-par's last part: the files that must have the GPU to themselves
-         python3 -m pytest -q -m gpu ${alone//test_/tests/gpu/test_} -p no:cacheprovider --durations=12 > "$out/tests-par-c.log" 2>&1 ;;
+         python3 -m pytest -q -m gpu $alone -p no:cacheprovider --durations=12 > "$out/tests-par-c.log" 2>&1 ;;
     throughput) "$0" t256 sync eager t1024 ;;
     topk) python3 bench/throughput.py --num-seqs 256 --top-k 20 --top-p 0.95 --runs 1 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
     t256) python3 bench/throughput.py --num-seqs 256 2>&1 | tee -a "$out/throughput.log" | grep -E "^throughput|^triton|Error" ;;
