@@ -222,18 +222,15 @@ def split_sweep(caches: Caches) -> None:
 
 def prefill_order_sweep(caches: Caches) -> None:
     """Prefill programs from a staged list (as a captured step runs them): the list in sequence and
-    tile order, longest first, or longest first with its second half reversed, launched head by head
-    or a tile's kv heads side by side, for a few tile configs. TFLOP/s; each output checked against
-    the untiled default's."""
+    tile order or longest first, launched head by head or a tile's kv heads side by side, for a few
+    tile configs. TFLOP/s; each output checked against the untiled default's."""
     rng = np.random.default_rng(0)
     cases = {"1x1k": [1024], "1x2k": [2048], "1x4k": [4096], "1x16k": [16384], "4x1k": [1024] * 4,
              "16x100-1k": rng.integers(100, 1025, 16).tolist(), "1x512": [512]}
     configs = [(128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2)]
     group = Q_HEADS // KV_HEADS
     print(f"\nprefill launch order, {Q_HEADS} q heads (TFLOP/s): BLOCK_M / BLOCK_N / warps / stages, "
-          "list order (t: sequence and tile, L: longest first, M: longest first, then the second half "
-          "shortest first, so that where two programs share an SM a long one meets a short one), "
-          "heads (o: outer, f: a tile's side by side)")
+          "list order (t: sequence and tile, L: longest first), heads (o: outer, f: a tile's side by side)")
     print("config            " + "".join(f"{name:>11}" for name in cases))
     inputs = []
     for lens in cases.values():
@@ -242,16 +239,13 @@ def prefill_order_sweep(caches: Caches) -> None:
         inputs.append((lens, q, cu, seq_lens, tables, expected, flops))
     for block_m, block_n, warps, stages in configs:
         block_q = max(block_m, group) // group
-        for order, heads in (("t", "o"), ("t", "f"), ("L", "o"), ("L", "f"), ("M", "f")):
+        for order, heads in (("t", "o"), ("t", "f"), ("L", "o"), ("L", "f")):
             cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
                        HEADS_FAST=heads == "f")
             cells = []
             for lens, q, cu, seq_lens, tables, expected, flops in inputs:
                 host = np.empty(sum(-(-n // block_q) for n in lens) + len(lens), dtype=np.int32)
-                count = prefill_tiles(lens, block_q, host, np.asarray(lens) if order != "t" else None)
-                if order == "M":
-                    half = -(-count // 2)
-                    host[half:count] = host[half:count][::-1].copy()
+                count = prefill_tiles(lens, block_q, host, np.asarray(lens) if order == "L" else None)
                 tiles = torch.from_numpy(host[:count]).cuda()
                 run = (lambda q=q, cu=cu, seq_lens=seq_lens, tables=tables, tiles=tiles, n=max(lens):
                        paged_prefill(q, caches.k, caches.v, cu, seq_lens, tables, HEAD_DIM ** -0.5, n,
