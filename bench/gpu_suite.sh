@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks. Logs go to $OUT (or /tmp/nanoserve-gpu).
-# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [prefill-turns] [decode] [served] [served-asc] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [prefill-order] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [tiles-ab] [prefill-fp8-ab] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab] [v-store-ab]
+# usage: bench/gpu_suite.sh [tests] [tests-a] [tests-b] [throughput] [t256] [topk] [t1024] [eager] [sync] [json] [spy-json] [8b] [tp2] [prefill] [prefill-turns] [decode] [served] [served-asc] [fp8] [trace] [trace-sync] [profile] [gemv] [fp8-sweep] [prefill-sweep] [fp8-warm] [prefill-order] [kernels] [silu] [prefill-graphs] [decode-report] [fp8-steps] [ragged] [launch-order] [ahead] [ahead-steps] [v-layout] [store-steps] [tiles-ab] [prefill-fp8-ab] [split-rule-ab] [pdl] [knobs] [t1024-ab] [prefill-ab] [splits-ab] [gemm-lt] [lt-ab] [waves-ab] [early-loads] [rope-ab] [sum-ab] [chain-ab] [v-store-ab]
 # carry .whl (scripts/device_wheels.sh) for the parts that import the engine or the server; served also needs .peers (see bench/served_vs_offline.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,6 +66,12 @@ for part in $parts; do
          for g in 2 4; do python3 bench/attention_kernels.py --fp8-sweep --group $g 2>&1 | tee "$out/fp8-sweep-g$g.log" | tail -20; done ;;
     prefill-sweep) # prefill tiles for lone prompts, GQA groups 2 and 4 (0.6B, 8B)
          for g in 2 4; do python3 bench/attention_kernels.py --prefill-sweep --group $g 2>&1 | tee "$out/prefill-sweep-g$g.log" | tail -52; done ;;
+    fp8-warm) # the fp8 workload's warm runs: at dddb71a (one H100) run 2 did not gain on run 1, where every earlier
+         # call gained ~6%; three runs an engine, the prefill launch order on then off, then bf16 beside them
+         for flag in 1 0; do echo "kv fp8 NANOSERVE_PREFILL_LONGEST_FIRST=$flag" | tee -a "$out/fp8-warm.log"
+           NANOSERVE_PREFILL_LONGEST_FIRST=$flag python3 bench/throughput.py --num-seqs 256 --kv-cache-dtype fp8 --runs 3 \
+             2>&1 | tee -a "$out/fp8-warm.log" | grep -E "^throughput|^triton|Error"; done
+         python3 bench/throughput.py --num-seqs 256 --runs 3 2>&1 | tee -a "$out/fp8-warm.log" | grep -E "^throughput|^triton|Error" ;;
     prefill-order) # prefill programs longest first and a tile's kv heads side by side, against the old order,
          # by tile config, GQA groups 2 and 4; then lone prompts' TTFT with the order off and on
          for g in 2 4; do python3 bench/attention_kernels.py --prefill-order --group $g 2>&1 | tee "$out/prefill-order-g$g.log" | grep -v Warn; done
