@@ -23,7 +23,7 @@ from nanoserve.server.chat_output import whole_arguments
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.chat_protocol import ChatCompletionRequest
-from nanoserve.server.responses_protocol import CHAT_TO_RESPONSES_FIELD, ResponsesRequest, as_chat_request
+from nanoserve.server.responses_protocol import ResponsesRequest, as_chat_request, in_responses_terms
 from nanoserve.server.state import ServerState, engine_error, off_the_loop_if_long, timed
 from nanoserve.server.wire import cancel_on_disconnect, json_response, parse_body, sse_response
 
@@ -307,7 +307,7 @@ def _named_as_responses() -> Iterator[None]:
     try:
         yield
     except APIError as exc:
-        exc.param = CHAT_TO_RESPONSES_FIELD.get(exc.param, exc.param)
+        in_responses_terms(exc)
         raise
 
 

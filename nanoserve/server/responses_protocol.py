@@ -10,6 +10,7 @@ are refused by name. Sampling fields keep chat's bounds: they are chat's own fie
 from __future__ import annotations
 
 import copy
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationError
@@ -303,6 +304,15 @@ def _tool_choice(choice: Literal["none", "auto", "required"] | NamedFunctionChoi
 CHAT_TO_RESPONSES_FIELD = {"messages": "input", "prompt": "input", "max_completion_tokens": "max_output_tokens",
                            "max_tokens": "max_output_tokens", "response_format": "text.format",
                            "reasoning_effort": "reasoning.effort"}
+# the chat fields a check's message may spell out: "drop response_format" named a field this request
+# has not got. Names that are also words ("messages", "prompt") stay as written in the text
+_CHAT_NAMES_IN_TEXT = re.compile(r"\b(?:%s)\b" % "|".join(name for name in CHAT_TO_RESPONSES_FIELD if "_" in name))
+
+
+def in_responses_terms(exc: APIError) -> None:
+    """Puts a chat check's error in this request's words: the field it names, in `param` and in its message."""
+    exc.param = CHAT_TO_RESPONSES_FIELD.get(exc.param, exc.param)
+    exc.message = _CHAT_NAMES_IN_TEXT.sub(lambda found: CHAT_TO_RESPONSES_FIELD[found.group()], exc.message)
 
 
 def as_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:

@@ -83,3 +83,18 @@ def test_input_longer_than_the_context_is_refused_naming_input(tool_server):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "input" and error["code"] == "context_length_exceeded", error
+
+
+@pytest.mark.parametrize("body, param, named", [
+    ({"tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+     "text.format", "drop text.format"),
+    ({"text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "[a-z]+"}},
+     "structured_outputs", "['text.format', 'structured_outputs']"),
+], ids=["tool_choice", "two constraints"])
+def test_a_refusal_from_chats_checks_names_the_responses_field_in_its_message_too(tool_server, body, param, named):
+    # the param was renamed but the message said "drop response_format", a field /v1/responses has not got
+    r = httpx.post(f"{tool_server.url}/v1/responses", json={"model": "tiny", "input": "Hi", **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and named in error["message"], error
+    assert "response_format" not in error["message"], error
