@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from nanoserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from nanoserve.server.chat import ChatCompletion, chat_prompt, start_chat
 from nanoserve.server.chat_output import whole_arguments
+from nanoserve.server import reasoning_state
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import RequestTimer
 from nanoserve.server.chat_protocol import ChatCompletionRequest
@@ -183,6 +184,8 @@ class ResponseWriter:
                                   logprobs=part["logprobs"])
             else:
                 done = self.event("response.reasoning_text.done", **where, content_index=0, text=part["text"])
+                if self.req.wants_reasoning_blobs:
+                    item["encrypted_content"] = reasoning_state.pack(part["text"])
             events = [done, self.event("response.content_part.done", **where, content_index=0, part=part)]
         return events + [self.event("response.output_item.done", output_index=index, item=item)]
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, ValidationError
 
 from nanoserve.sampling_params import MAX_INT
+from nanoserve.server import reasoning_state
 from nanoserve.server.errors import APIError, from_validation_error
 from nanoserve.server.chat_protocol import ChatCompletionRequest, Parameters
 from nanoserve.server.protocol import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS, Items, Metadata, MetadataValue,
@@ -79,7 +80,8 @@ class FunctionCallOutputItem(Strict):
 
 
 class ReasoningItem(Strict):
-    """An earlier answer's reasoning, replayed: its text goes back to the template with that answer."""
+    """An earlier answer's reasoning, replayed: its text (its content, else its summary, else a blob of
+    this server's in encrypted_content) goes back to the template with that answer."""
 
     type: Literal["reasoning"]
     id: str | None = None
@@ -221,13 +223,18 @@ class ResponsesRequest(Strict):
             if getattr(self, name) not in (None, False):
                 raise APIError(f"This server {why}", param=name, code="unsupported_parameter")
         for name in self.include or ():
-            if name != "message.output_text.logprobs":
-                raise APIError(f"'include' may name message.output_text.logprobs only, not {name[:80]!r}",
-                               param="include", code="unsupported_parameter")
+            if name not in ("message.output_text.logprobs", reasoning_state.INCLUDE):
+                raise APIError(f"'include' may name message.output_text.logprobs and {reasoning_state.INCLUDE} "
+                               f"only, not {name[:80]!r}", param="include", code="unsupported_parameter")
 
     @property
     def wants_logprobs(self) -> bool:
         return bool(self.include and "message.output_text.logprobs" in self.include) or bool(self.top_logprobs)
+
+    @property
+    def wants_reasoning_blobs(self) -> bool:
+        """Whether reasoning items carry their text as a blob to send back (reasoning_state.py)."""
+        return bool(self.include and reasoning_state.INCLUDE in self.include)
 
 
 def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict] | None:
@@ -259,9 +266,13 @@ def _chat_messages(req: ResponsesRequest) -> list[dict]:
         return messages + [{"role": "user", "content": req.input}]
     thoughts: list[str] = []   # reasoning since the last message, joined once: added up item by
     # item, 20,000 items took 77 s (a copy of the whole text per item)
-    for item in req.input:
+    blobs = reasoning_state.Unpacker()
+    for index, item in enumerate(req.input):
         if isinstance(item, ReasoningItem):
-            thoughts.append(item.text())
+            text = item.text()
+            if not text and item.encrypted_content:
+                text = blobs.text(item.encrypted_content, f"input.{index}.encrypted_content") or ""
+            thoughts.append(text)
             continue
         if isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
