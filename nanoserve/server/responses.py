@@ -300,8 +300,12 @@ class ResponseWriter:
 
 
 async def _as_chat(request: Request, req: ResponsesRequest) -> ChatCompletionRequest:
-    # as long as the input: 240,000 items took 4 s to become a chat request
-    return await off_the_loop_if_long(len(await request.body()), as_chat_request, req)
+    # as long as the input: 240,000 items took 4 s to become a chat request; and a replayed reasoning's
+    # blob may unpack to far more than its length (43 kB of body to 32 MiB of text took 0.17 s)
+    chars = len(await request.body())
+    if req.replays_reasoning_blobs:
+        chars += reasoning_state.MAX_UNPACKED_BYTES
+    return await off_the_loop_if_long(chars, as_chat_request, req)
 
 
 @contextlib.contextmanager

@@ -232,6 +232,13 @@ class ResponsesRequest(Strict):
         return bool(self.include and "message.output_text.logprobs" in self.include) or bool(self.top_logprobs)
 
     @property
+    def replays_reasoning_blobs(self) -> bool:
+        """Whether an input item sends back a blob of this server's, which may unpack to a thousand times its length."""
+        return isinstance(self.input, list) and any(
+            isinstance(item, ReasoningItem) and (item.encrypted_content or "").startswith(reasoning_state.PREFIX)
+            for item in self.input)
+
+    @property
     def wants_reasoning_blobs(self) -> bool:
         """Whether reasoning items carry their text as a blob to send back (reasoning_state.py)."""
         return bool(self.include and reasoning_state.INCLUDE in self.include)
