@@ -221,8 +221,9 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 async def start_chat(request: Request, state: ServerState, req: ChatCompletionRequest,
-                     timer: RequestTimer) -> tuple[ChatCompletion, RequestStream]:
-    """Check, render and start a chat request in the engine: the response's reader and its stream."""
+                     timer: RequestTimer, text_chars: int | None = None) -> tuple[ChatCompletion, RequestStream]:
+    """Check, render and start a chat request in the engine: the response's reader and its stream.
+    `text_chars`: how much text the render may read, where the body's length does not bound it."""
     model = state.model_name(req.model)
     state.settings.limits.check_request(1, req.n, req.stop, req.stop_token_ids)
     if req.top_logprobs is not None and not req.logprobs:
@@ -250,7 +251,9 @@ async def start_chat(request: Request, state: ServerState, req: ChatCompletionRe
     # the body bounds what a render reads (text, tools, documents, template variables, a header a
     # message), so it says where to render without a pass over the messages on the event loop:
     # that pass alone took 20-35 ms at 16,384 messages of parts, or as many tools
-    chat = await off_the_loop_if_long(len(await request.body()), ChatCompletion, state, req, model, tools, client_id)
+    if text_chars is None:
+        text_chars = len(await request.body())
+    chat = await off_the_loop_if_long(text_chars, ChatCompletion, state, req, model, tools, client_id)
     params = chat.after_reasoning(params)
     try:
         stream = await state.start(chat.engine_id, [chat.prompt], params, streamed=req.stream, priority=req.priority)

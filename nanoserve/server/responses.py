@@ -299,13 +299,16 @@ class ResponseWriter:
                 self.event("response.failed", response=body)]
 
 
-async def _as_chat(request: Request, req: ResponsesRequest) -> ChatCompletionRequest:
-    # as long as the input: 240,000 items took 4 s to become a chat request; and a replayed reasoning's
-    # blob may unpack to far more than its length (43 kB of body to 32 MiB of text took 0.17 s)
+async def _text_chars(request: Request, req: ResponsesRequest) -> int:
+    """How much text reading the request may take: its body's length, and what its blobs may unpack
+    to (a 43 kB blob unpacked to 32 MiB of reasoning in 0.17 s, to be rendered after)."""
     chars = len(await request.body())
-    if req.replays_reasoning_blobs:
-        chars += reasoning_state.MAX_UNPACKED_BYTES
-    return await off_the_loop_if_long(chars, as_chat_request, req)
+    return chars + reasoning_state.MAX_UNPACKED_BYTES if req.replays_reasoning_blobs else chars
+
+
+async def _as_chat(req: ResponsesRequest, text_chars: int) -> ChatCompletionRequest:
+    # as long as the input: 240,000 items took 4 s to become a chat request
+    return await off_the_loop_if_long(text_chars, as_chat_request, req)
 
 
 @contextlib.contextmanager
@@ -323,8 +326,9 @@ async def create_response(request: Request) -> Response:
     state: ServerState = request.app.state.server
     timer = state.metrics.timer()
     req = await parse_body(request, ResponsesRequest)
+    text_chars = await _text_chars(request, req)
     with _named_as_responses():
-        chat, stream = await start_chat(request, state, await _as_chat(request, req), timer)
+        chat, stream = await start_chat(request, state, await _as_chat(req, text_chars), timer, text_chars)
     writer = ResponseWriter(state, req, chat)
     timer.request_id = writer.id   # the log line names the id the client sees
     if req.stream:
@@ -339,7 +343,7 @@ async def count_input_tokens(request: Request) -> Response:
     state: ServerState = request.app.state.server
     req = await parse_body(request, ResponsesRequest)
     with _named_as_responses():
-        chat_request = await _as_chat(request, req)
+        chat_request = await _as_chat(req, await _text_chars(request, req))
         state.model_name(chat_request.model)
         prompt = await run_in_threadpool(chat_prompt, state, chat_request)
     return json_response({"object": "response.input_tokens", "input_tokens": len(prompt)})

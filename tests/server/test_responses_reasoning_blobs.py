@@ -94,19 +94,23 @@ def test_blobs_of_one_request_unpack_within_one_bound_between_them():
     assert refused.value.param == "input.1.encrypted_content"
 
 
-def test_a_request_that_replays_a_blob_becomes_a_chat_request_off_the_event_loop(server_model, monkeypatch):
-    # a blob of 43 kB unpacked to 32 MiB in 0.17 s of the event loop, every other stream waiting: the
-    # body's length, which decides where a request is read, says nothing of what its blobs unpack to
-    from nanoserve.server import responses
+def test_a_request_that_replays_a_blob_is_read_and_rendered_off_the_event_loop(server_model, monkeypatch):
+    # a blob of 43 kB unpacked to 32 MiB in 0.17 s of the event loop, every other stream waiting, and
+    # the render of that reasoning came after: the body's length, which decides where a request is
+    # read and rendered, says nothing of what its blobs unpack to
+    from nanoserve.server import chat, responses
     from tests.server.conftest import calling_threads, serving, tiny_engine
 
     read_on = calling_threads(monkeypatch, responses, "as_chat_request")
+    rendered_on = calling_threads(monkeypatch, chat, "ChatCompletion")
     with serving(tiny_engine(server_model)) as (url, loop_thread):
         for reasoning in ({"type": "reasoning", "summary": [{"type": "summary_text", "text": "plain"}]},
                           {"type": "reasoning", "summary": [], "encrypted_content": reasoning_state.pack("packed")}):
             items = [{"role": "user", "content": "hi"}, reasoning, {"role": "assistant", "content": "ok"},
                      {"role": "user", "content": "and?"}]
-            r = httpx.post(f"{url}/v1/responses/input_tokens", json={"model": "tiny", "input": items}, timeout=60)
-            assert r.status_code == 200, r.text
-    plain, packed = read_on
-    assert plain is loop_thread and packed is not loop_thread
+            for route in ("/v1/responses/input_tokens", "/v1/responses"):
+                r = httpx.post(f"{url}{route}", json={"model": "tiny", "input": items, "max_output_tokens": 2},
+                               timeout=60)
+                assert r.status_code == 200, r.text
+    assert [thread is loop_thread for thread in read_on] == [True, True, False, False]
+    assert [thread is loop_thread for thread in rendered_on] == [True, False]
