@@ -80,8 +80,8 @@ class FunctionCallOutputItem(Strict):
 
 
 class ReasoningItem(Strict):
-    """An earlier answer's reasoning, replayed: its text (its content, else its summary, else a blob of
-    this server's in encrypted_content) goes back to the template with that answer."""
+    """An earlier answer's reasoning, replayed: its text (its content, else a blob of this server's in
+    encrypted_content, else its summary) goes back to the template with that answer."""
 
     type: Literal["reasoning"]
     id: str | None = None
@@ -276,10 +276,10 @@ def _chat_messages(req: ResponsesRequest) -> list[dict]:
     blobs = reasoning_state.Unpacker()
     for index, item in enumerate(req.input):
         if isinstance(item, ReasoningItem):
-            text = item.text()
-            if not text and item.encrypted_content:
-                text = blobs.text(item.encrypted_content, f"input.{index}.encrypted_content") or ""
-            thoughts.append(text)
+            # the blob holds the whole reasoning, where a summary only sums it up
+            packed = (blobs.text(item.encrypted_content, f"input.{index}.encrypted_content")
+                      if item.encrypted_content and not item.content else None)
+            thoughts.append(item.text() if packed is None else packed)
             continue
         if isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})

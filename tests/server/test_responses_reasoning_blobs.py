@@ -62,9 +62,13 @@ def test_a_blob_sent_back_puts_its_reasoning_in_the_prompt_as_its_text_would(cli
     as_text = input_tokens(tool_server.url, {"type": "reasoning", "summary": [],
                                              "content": [{"type": "reasoning_text", "text": text}]})
     as_blob = input_tokens(tool_server.url, {"type": "reasoning", "summary": [], "encrypted_content": blob})
+    # the blob holds the whole reasoning: it goes back rather than a summary beside it
+    summary = [{"type": "summary_text", "text": "A summary of it, in more words than it had."}]
+    summed_up = input_tokens(tool_server.url, {"type": "reasoning", "encrypted_content": blob, "summary": summary})
     none = input_tokens(tool_server.url, None)
     assert as_text.status_code == as_blob.status_code == none.status_code == 200, (as_blob.text, none.text)
     assert as_blob.json()["input_tokens"] == as_text.json()["input_tokens"] > none.json()["input_tokens"]
+    assert summed_up.json()["input_tokens"] == as_text.json()["input_tokens"], summed_up.text
     # a blob written elsewhere (OpenAI's encrypted reasoning) cannot be read here: the item adds nothing
     foreign = input_tokens(tool_server.url, {"type": "reasoning", "summary": [], "encrypted_content": "gAAAAABp"})
     assert foreign.json()["input_tokens"] == none.json()["input_tokens"], foreign.text
