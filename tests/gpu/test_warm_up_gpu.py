@@ -27,7 +27,7 @@ from nanoserve.benchmarks.compile_watch import triton_compiles
 from nanoserve.runner.attention.decode_splits import num_decode_splits, num_sms
 from tests.conftest import random_prompts
 
-# a fixed cache, room for every sequence at once (no preemption): the suite runs this beside other GPU tests
+# a fixed cache, room for every sequence at once (no preemption): compiles do not depend on its size
 llm = LLM(sys.argv[1], device="cuda", max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=700,
           num_kvcache_blocks=256, kv_cache_dtype=sys.argv[2], prefill_cuda_graphs=False,
           enforce_eager=sys.argv[3] == "eager")
