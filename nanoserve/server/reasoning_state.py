@@ -28,6 +28,11 @@ def pack(text: str) -> str:
     return PREFIX + base64.urlsafe_b64encode(zlib.compress(text.encode(), 1)).decode("ascii")
 
 
+def written_here(blob: str | None) -> bool:
+    """Whether a reasoning item's encrypted_content is a blob of this server's."""
+    return blob is not None and blob.startswith(PREFIX)
+
+
 class Unpacker:
     """Reads the blobs of one request within MAX_UNPACKED_BYTES between them."""
 
@@ -36,7 +41,7 @@ class Unpacker:
 
     def text(self, blob: str, param: str) -> str | None:
         """The reasoning a blob of this server's holds; None for a blob written elsewhere."""
-        if not blob.startswith(PREFIX):
+        if not written_here(blob):
             return None
         try:
             inflate = zlib.decompressobj()

@@ -23,6 +23,9 @@ from nanoserve.server.protocol import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOL
                                        SafetyIdentifier, SamplingFields, Strict, StructuredOutputsRequest)
 
 
+_LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
 def _chat_field(name: str):
     """A chat request field's definition (type bounds included), for the field of the same meaning here."""
     return copy.deepcopy(SamplingFields.model_fields[name])
@@ -223,19 +226,19 @@ class ResponsesRequest(Strict):
             if getattr(self, name) not in (None, False):
                 raise APIError(f"This server {why}", param=name, code="unsupported_parameter")
         for name in self.include or ():
-            if name not in ("message.output_text.logprobs", reasoning_state.INCLUDE):
-                raise APIError(f"'include' may name message.output_text.logprobs and {reasoning_state.INCLUDE} "
-                               f"only, not {name[:80]!r}", param="include", code="unsupported_parameter")
+            if name not in (_LOGPROBS_INCLUDE, reasoning_state.INCLUDE):
+                raise APIError(f"'include' may name {_LOGPROBS_INCLUDE} and {reasoning_state.INCLUDE} only, not "
+                               f"{name[:80]!r}", param="include", code="unsupported_parameter")
 
     @property
     def wants_logprobs(self) -> bool:
-        return bool(self.include and "message.output_text.logprobs" in self.include) or bool(self.top_logprobs)
+        return bool(self.include and _LOGPROBS_INCLUDE in self.include) or bool(self.top_logprobs)
 
     @property
     def replays_reasoning_blobs(self) -> bool:
         """Whether an input item sends back a blob of this server's, which may unpack to a thousand times its length."""
         return isinstance(self.input, list) and any(
-            isinstance(item, ReasoningItem) and (item.encrypted_content or "").startswith(reasoning_state.PREFIX)
+            isinstance(item, ReasoningItem) and reasoning_state.written_here(item.encrypted_content)
             for item in self.input)
 
     @property
@@ -319,18 +322,18 @@ def _tool_choice(choice: Literal["none", "auto", "required"] | NamedFunctionChoi
 
 
 # the chat field that a chat check names -> the field of this request that set it
-CHAT_TO_RESPONSES_FIELD = {"messages": "input", "prompt": "input", "max_completion_tokens": "max_output_tokens",
-                           "max_tokens": "max_output_tokens", "response_format": "text.format",
-                           "reasoning_effort": "reasoning.effort"}
+_CHAT_TO_RESPONSES_FIELD = {"messages": "input", "prompt": "input", "max_completion_tokens": "max_output_tokens",
+                            "max_tokens": "max_output_tokens", "response_format": "text.format",
+                            "reasoning_effort": "reasoning.effort"}
 # the chat fields a check's message may spell out: "drop response_format" named a field this request
 # has not got. Names that are also words ("messages", "prompt") stay as written in the text
-_CHAT_NAMES_IN_TEXT = re.compile(r"\b(?:%s)\b" % "|".join(name for name in CHAT_TO_RESPONSES_FIELD if "_" in name))
+_CHAT_NAMES_IN_TEXT = re.compile(r"\b(?:%s)\b" % "|".join(name for name in _CHAT_TO_RESPONSES_FIELD if "_" in name))
 
 
 def in_responses_terms(exc: APIError) -> None:
     """Puts a chat check's error in this request's words: the field it names, in `param` and in its message."""
-    exc.param = CHAT_TO_RESPONSES_FIELD.get(exc.param, exc.param)
-    exc.message = _CHAT_NAMES_IN_TEXT.sub(lambda found: CHAT_TO_RESPONSES_FIELD[found.group()], exc.message)
+    exc.param = _CHAT_TO_RESPONSES_FIELD.get(exc.param, exc.param)
+    exc.message = _CHAT_NAMES_IN_TEXT.sub(lambda found: _CHAT_TO_RESPONSES_FIELD[found.group()], exc.message)
 
 
 def as_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
